@@ -1,0 +1,40 @@
+# jaxpod: `make demo` and `make test` set everything up on a fresh machine by themselves.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/demo.yaml
+LOGDIR ?= runs
+TB_HOST ?= 127.0.0.1
+TB_PORT ?= 6006
+
+.PHONY: demo test lint format tensorboard bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/jaxpod train $(CONFIG)
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+tensorboard: $(STAMP)
+	$(BIN)/jaxpod tensorboard $(LOGDIR) --host $(TB_HOST) --port $(TB_PORT)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_core.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,487 @@
+"""Typed, frozen run configuration: a YAML preset plus KEY=VALUE overrides, validated and resolved.
+
+The CLI loads the config *before* jax starts (``devices`` sets XLA_FLAGS), so this module imports
+only the standard library and PyYAML. Every mistake raises ``ConfigError`` with one line that names
+the field and says the fix.
+
+A *resolved* config (what ``load_config``/``config_from_dict``/``with_overrides`` return) has
+``mesh.replica`` filled in (never -1) and ``train.grad_accum``/``train.global_batch`` set to ints.
+"""
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from jaxpod.errors import ConfigError
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.name": ("gpt",),
+    "model.remat": ("none", "full", "minimal", "attention"),
+    "optim.name": ("sgd", "adamw"),
+    "optim.schedule": ("constant", "cosine"),
+    "data.name": ("stdlib-code", "synthetic", "text-files"),
+}
+MAX_DEVICES = 256
+BYTE_VOCAB = 256  # every dataset is byte-level: token ids are byte values 0..255
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh shape (replica, pipeline, tensor); replica=-1 fills from the device count."""
+
+    replica: int = -1
+    pipeline: int = 1
+    tensor: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(replica, pipeline, tensor)."""
+        return (self.replica, self.pipeline, self.tensor)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer hyperparameters."""
+
+    name: str = "gpt"
+    layers: int = 4
+    d_model: int = 64
+    heads: int = 4
+    d_ff: int = 256
+    seq_len: int = 64
+    vocab: int = 256
+    remat: str = "none"
+    tie_embeddings: bool = True
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop, batch and logging settings; global_batch = micro_batch * mesh.replica * grad_accum."""
+
+    steps: int = 100
+    micro_batch: int = 4
+    grad_accum: int | None = None
+    global_batch: int | None = None
+    seed: int = 0
+    logdir: str = "runs/default"
+    log_every: int = 10
+    eval_every: int = 50  # 0 disables periodic eval (a final eval always runs)
+    eval_batches: int = 4
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule; grad_clip is a global-norm clip (0 disables)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Dataset choice; path is required for text-files and must be None otherwise."""
+
+    name: str = "stdlib-code"
+    path: str | None = None
+    val_fraction: float = 0.05
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole run configuration."""
+
+    devices: int = 8
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step (resolved configs only)."""
+        if self.train.global_batch is None:
+            raise ValueError("config is not resolved; build it with load_config/config_from_dict")
+        return self.train.global_batch
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step: global_batch * model.seq_len."""
+        return self.global_batch * self.model.seq_len
+
+
+SECTIONS: dict[str, type] = {
+    f.name: f.type for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type)
+}  # section name -> dataclass: mesh, model, train, optim, data
+
+
+def _collect_field_types() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, tp in typing.get_type_hints(Config).items():
+        if name in SECTIONS:
+            for sub, sub_tp in typing.get_type_hints(SECTIONS[name]).items():
+                out[f"{name}.{sub}"] = sub_tp
+        else:
+            out[name] = tp
+    return out
+
+
+FIELD_TYPES: dict[str, Any] = _collect_field_types()  # dotted key -> annotated type
+TOP_LEVEL: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
+
+
+def _fail(msg: str) -> typing.NoReturn:
+    raise ConfigError(msg.replace("\r", " ").replace("\n", " "))
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _unknown(key: str) -> typing.NoReturn:
+    section, _, sub = key.partition(".")
+    if section in SECTIONS and sub:  # compare field names only: the shared prefix is not evidence
+        names = [k.split(".", 1)[1] for k in FIELD_TYPES if k.startswith(section + ".")]
+        close = [f"{section}.{c}" for c in difflib.get_close_matches(sub, names, n=1)]
+        valid = f"valid keys in {section}: " + ", ".join(names)
+    else:
+        candidates = [*TOP_LEVEL, *(k for k in FIELD_TYPES if "." in k)]
+        close = difflib.get_close_matches(key, candidates, n=1)
+        valid = "valid top-level keys: " + ", ".join(TOP_LEVEL)
+    hint = f"did you mean '{close[0]}'?" if close else valid
+    _fail(f"unknown config key '{key}'; {hint}")
+
+
+def _coerce(key: str, value: object, tp: Any) -> object:
+    """Check/convert one value against its annotated type."""
+    if isinstance(tp, types.UnionType):
+        if value is None:
+            return None
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        nullable = " or null"
+    else:
+        nullable = ""
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        _fail(f"{key}={value!r} must be true or false{nullable}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        _fail(f"{key}={value!r} must be an integer{nullable}")
+    if tp is float:
+        number: float | None = None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads '3e-4' (no dot) as a string
+            try:
+                number = float(value.strip())
+            except ValueError:
+                number = None
+        if number is None:
+            _fail(f"{key}={value!r} must be a number (e.g. 3e-4){nullable}")
+        if not math.isfinite(number):
+            _fail(f"{key}={value!r} must be a finite number")
+        return number
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        _fail(f"{key}={value!r} must be a string{nullable}; quote it in YAML")
+    raise TypeError(f"unsupported config field type {tp!r} for {key}")  # pragma: no cover
+
+
+def _normalize(raw: object) -> dict[str, Any]:
+    """Check the nested structure and keys; return {top-level scalar: value, section: {...}}."""
+    if not isinstance(raw, Mapping):
+        _fail(f"config top level must be a mapping of sections, not a {type(raw).__name__}")
+    out: dict[str, Any] = {name: {} for name in SECTIONS}
+    for key, value in raw.items():
+        key = str(key)
+        if key in SECTIONS:
+            if value is None:  # an empty section, e.g. every key commented out
+                continue
+            if not isinstance(value, Mapping):
+                _fail(
+                    f"config section '{key}' must be a mapping (e.g. {key}: {{...}}), got {value!r}"
+                )
+            for sub, sub_value in value.items():
+                dotted = f"{key}.{sub}"
+                if dotted not in FIELD_TYPES:
+                    _unknown(dotted)
+                out[key][str(sub)] = sub_value
+        elif key in FIELD_TYPES:
+            out[key] = value
+        else:
+            _unknown(key)
+    return out
+
+
+def _check_key(key: str, shown: str) -> None:
+    if key in SECTIONS:
+        _fail(
+            f"override '{shown}' sets section '{key}' to a value; set one of its fields instead, "
+            f"e.g. {next(k for k in FIELD_TYPES if k.startswith(key + '.'))}=..."
+        )
+    if key not in FIELD_TYPES:
+        _unknown(key)
+
+
+def _parse_override(text: str) -> tuple[str, object]:
+    """Parse 'dotted.key=VALUE'; VALUE is a YAML scalar."""
+    if not isinstance(text, str) or "=" not in text or not text.partition("=")[0].strip():
+        _fail(f"override {text!r} is not KEY=VALUE (e.g. mesh.tensor=2)")
+    key, _, raw = text.partition("=")
+    key = key.strip()
+    _check_key(key, text)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        _fail(f"override '{text}' value does not parse as YAML: {_one_line(exc)}")
+    is_str_field = str in (FIELD_TYPES[key], *typing.get_args(FIELD_TYPES[key]))
+    if is_str_field and value is not None and not isinstance(value, str | list | dict):
+        value = raw.strip()  # e.g. train.logdir=2024 or model.remat=off: keep the text
+    return key, value
+
+
+def _set(d: dict[str, Any], key: str, value: object) -> None:
+    if "." in key:
+        section, sub = key.split(".", 1)
+        d[section][sub] = value
+    else:
+        d[key] = value
+
+
+def _get(cfg: Config, key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+_AT_LEAST_1 = (
+    "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff model.seq_len "
+    "model.vocab train.steps train.micro_batch train.grad_accum train.global_batch "
+    "train.log_every train.eval_batches"
+).split()
+_AT_LEAST_0 = ("train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip")
+_UNIT_INTERVAL = ("optim.momentum", "optim.b1", "optim.b2")  # [0, 1)
+
+
+def _check_ranges(cfg: Config) -> None:
+    if not 1 <= cfg.devices <= MAX_DEVICES:
+        _fail(f"devices={cfg.devices} must be between 1 and {MAX_DEVICES}")
+    if cfg.mesh.replica < 1 and cfg.mesh.replica != -1:
+        _fail(f"mesh.replica={cfg.mesh.replica} must be >= 1, or -1 to fill from devices")
+    for key in _AT_LEAST_1:
+        value = _get(cfg, key)
+        if value is not None and value < 1:
+            _fail(f"{key}={value} must be >= 1")
+    for key in _AT_LEAST_0:
+        if _get(cfg, key) < 0:
+            _fail(f"{key}={_get(cfg, key)} must be >= 0")
+    for key in _UNIT_INTERVAL:
+        if not 0 <= _get(cfg, key) < 1:
+            _fail(f"{key}={_get(cfg, key)} must be in [0, 1)")
+    if cfg.optim.lr <= 0:
+        _fail(f"optim.lr={cfg.optim.lr} must be > 0")
+    if not 0 < cfg.data.val_fraction < 1:
+        _fail(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1 (exclusive)")
+    if not cfg.train.logdir.strip():
+        _fail("train.logdir='' must not be empty; e.g. train.logdir=runs/mine")
+
+
+def _resolve_mesh(cfg: Config) -> int:
+    m, devices = cfg.mesh, cfg.devices
+    if m.replica == -1:
+        if devices % (m.pipeline * m.tensor):
+            _fail(
+                f"mesh.pipeline*mesh.tensor={m.pipeline * m.tensor} does not divide "
+                f"devices={devices}; change mesh.pipeline/mesh.tensor or devices"
+            )
+        return devices // (m.pipeline * m.tensor)
+    product = m.replica * m.pipeline * m.tensor
+    if product != devices:
+        _fail(
+            f"mesh replica*pipeline*tensor = {m.replica}*{m.pipeline}*{m.tensor} = {product} does "
+            f"not match devices={devices}; set mesh.replica=-1 to fill, or change devices"
+        )
+    return m.replica
+
+
+def _check_model(cfg: Config) -> None:
+    md, mesh = cfg.model, cfg.mesh
+    if md.d_model % md.heads:
+        _fail(
+            f"model.d_model={md.d_model} is not divisible by model.heads={md.heads}; "
+            "choose model.heads that divides model.d_model"
+        )
+    if md.layers % mesh.pipeline:
+        _fail(
+            f"model.layers={md.layers} does not divide into mesh.pipeline={mesh.pipeline} stages; "
+            f"use a multiple of {mesh.pipeline}"
+        )
+    for name in ("heads", "d_ff", "vocab"):
+        value = getattr(md, name)
+        if value % mesh.tensor:
+            _fail(
+                f"mesh.tensor={mesh.tensor} does not divide model.{name}={value}; "
+                f"use a mesh.tensor that divides it or a multiple of {mesh.tensor}"
+            )
+
+
+def _resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
+    t = cfg.train
+    per_accum = t.micro_batch * replica
+    if t.global_batch is None:
+        grad_accum = 1 if t.grad_accum is None else t.grad_accum
+        return grad_accum, per_accum * grad_accum
+    if t.global_batch % per_accum:
+        _fail(
+            f"train.global_batch={t.global_batch} is not divisible by "
+            f"train.micro_batch*mesh.replica = {t.micro_batch}*{replica} = {per_accum}; "
+            f"use a multiple of {per_accum} or drop train.global_batch"
+        )
+    grad_accum = t.global_batch // per_accum
+    if t.grad_accum is not None and t.grad_accum != grad_accum:
+        _fail(
+            f"train.grad_accum={t.grad_accum} disagrees with train.global_batch={t.global_batch} "
+            f"(which needs grad_accum={grad_accum}); set only one, e.g. train.grad_accum=null"
+        )
+    return grad_accum, t.global_batch
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    if d.name == "text-files" and not d.path:
+        _fail("data.name=text-files needs data.path=DIR (a directory of text files)")
+    if d.name != "text-files" and d.path is not None:
+        _fail(f"data.path={d.path!r} is only used by data.name=text-files; set data.path=null")
+    if cfg.model.vocab < BYTE_VOCAB:
+        _fail(
+            f"model.vocab={cfg.model.vocab} is smaller than {BYTE_VOCAB} byte values of "
+            f"data.name={d.name}; use model.vocab>={BYTE_VOCAB}"
+        )
+
+
+def _validate_and_resolve(cfg: Config) -> Config:
+    for key, options in CHOICES.items():
+        if _get(cfg, key) not in options:
+            _fail(f"{key}={_get(cfg, key)!r} is not one of {', '.join(options)}")
+    _check_ranges(cfg)
+    replica = _resolve_mesh(cfg)
+    _check_model(cfg)
+    grad_accum, global_batch = _resolve_batch(cfg, replica)
+    tokens = cfg.train.micro_batch * grad_accum * cfg.model.seq_len
+    if tokens % cfg.mesh.pipeline:
+        _fail(
+            f"train.micro_batch*train.grad_accum*model.seq_len = {cfg.train.micro_batch}*"
+            f"{grad_accum}*{cfg.model.seq_len} = {tokens} output tokens per replica is not "
+            f"divisible by mesh.pipeline={cfg.mesh.pipeline}; change one of them"
+        )
+    _check_data(cfg)
+    return dataclasses.replace(
+        cfg,
+        mesh=dataclasses.replace(cfg.mesh, replica=replica),
+        train=dataclasses.replace(cfg.train, grad_accum=grad_accum, global_batch=global_batch),
+    )
+
+
+def _build(d: dict[str, Any]) -> Config:
+    """Coerce a normalized dict into dataclasses, then validate and resolve."""
+    sections = {
+        name: cls(
+            **{k: _coerce(f"{name}.{k}", v, FIELD_TYPES[f"{name}.{k}"]) for k, v in d[name].items()}
+        )
+        for name, cls in SECTIONS.items()
+    }
+    scalars = {k: _coerce(k, v, FIELD_TYPES[k]) for k, v in d.items() if k not in SECTIONS}
+    return _validate_and_resolve(Config(**scalars, **sections))
+
+
+def _read_yaml(path: str | os.PathLike) -> object:
+    shown = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        _fail(f"config file '{shown}' does not exist; pass a path like configs/tiny.yaml")
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(f"config file '{shown}' cannot be read ({type(exc).__name__}); pass a YAML file")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        _fail(f"config file '{shown}' does not parse: {_one_line(exc)}")
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        _fail(
+            f"config file '{shown}' top level must be a mapping of sections, "
+            f"not a {type(raw).__name__}"
+        )
+    return raw
+
+
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML preset (None = defaults), apply KEY=VALUE overrides, validate and resolve."""
+    d = _normalize({} if path is None else _read_yaml(path))
+    for text in [overrides] if isinstance(overrides, str) else overrides:
+        _set(d, *_parse_override(text))
+    return _build(d)
+
+
+def config_from_dict(d: Mapping[str, Any]) -> Config:
+    """Build a validated, resolved Config from a nested dict (as from ``config_to_dict``)."""
+    return _build(_normalize(d))
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Nested plain dict of every field; round-trips through ``config_from_dict``."""
+    return dataclasses.asdict(cfg)
+
+
+def with_overrides(cfg: Config, overrides: Sequence[str] | Mapping[str, object]) -> Config:
+    """Return a new validated config with dotted overrides applied.
+
+    Strings are parsed like CLI overrides (``"mesh.tensor=2"``); mapping values are used as is
+    (``{"mesh.tensor": 2}``). A resolved config no longer knows which batch/mesh sizes were
+    derived, so ``mesh.replica`` is re-filled from devices and ``train.global_batch`` re-derived
+    from ``grad_accum`` unless the overrides set them (setting only ``train.global_batch``
+    re-derives ``train.grad_accum`` instead).
+    """
+    if isinstance(overrides, Mapping):
+        pairs = [(str(k), v) for k, v in overrides.items()]
+        for key, _ in pairs:
+            _check_key(key, f"{key}=...")
+    else:
+        pairs = [
+            _parse_override(t) for t in ([overrides] if isinstance(overrides, str) else overrides)
+        ]
+    d = _normalize(config_to_dict(cfg))
+    keys = {k for k, _ in pairs}
+    if "mesh.replica" not in keys:
+        d["mesh"]["replica"] = -1
+    if "train.global_batch" not in keys:
+        d["train"]["global_batch"] = None
+    elif "train.grad_accum" not in keys:
+        d["train"]["grad_accum"] = None
+    for key, value in pairs:
+        _set(d, key, value)
+    return _build(d)
+
+
+def dump_yaml(cfg: Config) -> str:
+    """The config as YAML text (loads back to an equal config)."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)

@@ -1,0 +1,62 @@
+"""Decoder-only GPT in Flax NNX: pre-LayerNorm blocks, learned positions, tied or untied
+embeddings, no dropout (a step is a deterministic function of parameters and batch).
+
+The layer parameters are one stacked `Block` with a leading `[L]` axis, applied with
+`lax.scan`, so compile time does not grow with depth. The model exposes the three pieces a
+pipeline needs — `embed`, `layers` (applied to whatever slice of the stack it holds) and
+`token_loss` — and `__call__`, the plain single-device loss every sharded step is tested
+against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpod.config import ModelConfig
+from jaxpod.models.layers import INIT_STD, Block, LayerNorm
+from jaxpod.parallel.tensor import vocab_cross_entropy, vocab_embed
+from jaxpod.remat import remat
+
+
+class GPT(nnx.Module):
+    """GPT with params `wte[V, D]` (vocab-parallel), `wpe[T, D]`, `blocks[L, ...]`,
+    `ln_f`, and `unembed[V, D]` when embeddings are untied."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, v = cfg.d_model, cfg.vocab
+        normal = lambda shape: INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
+        self.wte = nnx.Param(normal((v, d)), axes=("vocab", "embed"))
+        self.wpe = nnx.Param(normal((cfg.seq_len, d)), axes=(None, "embed"))
+        self.blocks = Block(d, cfg.heads, cfg.d_ff, rngs=rngs, layers=cfg.layers)
+        self.ln_f = LayerNorm(d)
+        self.unembed = (
+            None if cfg.tie_embeddings else nnx.Param(normal((v, d)), axes=("vocab", "embed"))
+        )
+        self.remat_policy = cfg.remat
+
+    def embed(self, tokens: jax.Array, tp: str | None = None) -> jax.Array:
+        """`tokens[..., T] int32 -> x[..., T, D]` (token + position embedding)."""
+        t = tokens.shape[-1]
+        return vocab_embed(tokens, self.wte[...], tp) + self.wpe[...][:t]
+
+    def layers(self, x: jax.Array, tp: str | None = None) -> jax.Array:
+        """Apply every layer of the (local slice of the) stack: `x[B, T, D] -> [B, T, D]`."""
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def one_layer(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, tp), None
+
+        x, _ = jax.lax.scan(remat(one_layer, self.remat_policy), x, stacked)
+        return x
+
+    def token_loss(self, h: jax.Array, targets: jax.Array, tp: str | None = None) -> jax.Array:
+        """Final LayerNorm + vocab-parallel cross-entropy: `h[..., D], targets[...] -> loss[...]`."""
+        table = self.wte if self.unembed is None else self.unembed
+        return vocab_cross_entropy(self.ln_f(h), table[...], targets, tp)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Plain single-device mean next-token loss of `tokens[B, T+1]` (the reference)."""
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        return jnp.mean(self.token_loss(self.layers(self.embed(inputs)), targets))

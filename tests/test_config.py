@@ -1,0 +1,342 @@
+"""Tests for jaxpod.config: loading, overrides, resolution, validation messages. No jax here."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxpod.config import (
+    CHOICES,
+    Config,
+    ConfigError,
+    config_from_dict,
+    config_to_dict,
+    dump_yaml,
+    load_config,
+    with_overrides,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def test_defaults_resolve():
+    cfg = load_config(None)
+    assert cfg.devices == 8
+    assert cfg.mesh.shape == (8, 1, 1)
+    assert cfg.train.grad_accum == 1
+    assert cfg.train.global_batch == cfg.global_batch == 4 * 8
+    assert cfg.tokens_per_step == 32 * cfg.model.seq_len
+    assert config_from_dict({}) == cfg
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "tensor", "replica"), [(1, 1, 8), (2, 1, 4), (2, 2, 2), (1, 8, 1)]
+)
+def test_replica_fills_from_devices(pipeline, tensor, replica):
+    cfg = load_config(None, [f"mesh.pipeline={pipeline}", f"mesh.tensor={tensor}", "model.heads=8"])
+    assert cfg.mesh.replica == replica
+
+
+def test_unresolved_config_has_no_global_batch():
+    with pytest.raises(ValueError):
+        _ = Config().global_batch
+
+
+def test_choices_table_matches_defaults():
+    assert set(CHOICES) == {
+        "model.name",
+        "model.remat",
+        "optim.name",
+        "optim.schedule",
+        "data.name",
+    }
+    default = Config()
+    for key, options in CHOICES.items():
+        section, name = key.split(".")
+        assert getattr(getattr(default, section), name) in options
+
+
+def test_tiny_preset_values():
+    cfg = load_config(TINY)
+    assert cfg.mesh.shape == (2, 2, 2)
+    assert (cfg.train.micro_batch, cfg.train.grad_accum, cfg.global_batch) == (2, 4, 16)
+    assert cfg.optim.lr == pytest.approx(3e-3)
+    assert cfg.train.logdir == "runs/tiny"
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_presets_load_and_round_trip(path):
+    cfg = load_config(path)
+    assert cfg.mesh.replica * cfg.mesh.pipeline * cfg.mesh.tensor == cfg.devices
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    assert config_from_dict(yaml.safe_load(dump_yaml(cfg))) == cfg
+
+
+def test_presets_exist():
+    assert {p.name for p in PRESETS} >= {"tiny.yaml", "demo.yaml"}
+
+
+def test_yaml_scalar_overrides():
+    cfg = load_config(
+        TINY,
+        [
+            "optim.lr=3e-4",  # PyYAML reads this as a string; it must become a float
+            "optim.weight_decay=1",  # int -> float
+            "model.tie_embeddings=false",
+            "data.path=null",
+            "train.logdir=runs/x y",
+            "train.seed=7",
+        ],
+    )
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.weight_decay == 1.0 and isinstance(cfg.optim.weight_decay, float)
+    assert cfg.model.tie_embeddings is False
+    assert cfg.data.path is None
+    assert cfg.train.logdir == "runs/x y"
+    assert cfg.train.seed == 7
+
+
+def test_float_strings_in_yaml_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim: {lr: 3e-4, grad_clip: 0}\n")
+    cfg = load_config(path)
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.optim.grad_clip == 0.0
+
+
+def test_string_fields_keep_override_text():
+    cfg = load_config(None, ["train.logdir=2024", "data.name=text-files", "data.path=123"])
+    assert cfg.train.logdir == "2024"
+    assert cfg.data.path == "123"
+
+
+def test_text_files_path():
+    cfg = load_config(None, ["data.name=text-files", "data.path=/some/dir"])
+    assert cfg.data.path == "/some/dir"
+
+
+def test_overrides_any_order_and_last_wins():
+    a = load_config(TINY, ["mesh.tensor=1", "mesh.replica=4"])
+    b = load_config(TINY, ["mesh.replica=4", "mesh.tensor=1"])
+    assert a == b and a.mesh.shape == (4, 2, 1)
+    assert load_config(None, ["train.steps=5", "train.steps=9"]).train.steps == 9
+
+
+def test_global_batch_derives_grad_accum():
+    cfg = load_config(None, ["train.global_batch=64"])
+    assert (cfg.train.micro_batch, cfg.mesh.replica, cfg.train.grad_accum) == (4, 8, 2)
+    same = load_config(None, ["train.global_batch=64", "train.grad_accum=2"])
+    assert same == cfg
+
+
+def test_round_trip_non_default():
+    cfg = load_config(
+        TINY,
+        ["optim.name=sgd", "model.remat=full", "train.grad_accum=null", "train.global_batch=32"],
+    )
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    assert config_from_dict(yaml.safe_load(dump_yaml(cfg))) == cfg
+
+
+def test_frozen():
+    cfg = load_config(TINY)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.devices = 4  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.layers = 2  # type: ignore[misc]
+
+
+def test_with_overrides_refills_derived_sizes():
+    cfg = load_config(TINY)
+    assert with_overrides(cfg, {}) == cfg
+    narrower = with_overrides(cfg, {"mesh.tensor": 1})
+    assert narrower.mesh.shape == (4, 2, 1)
+    assert narrower.train.grad_accum == 4 and narrower.global_batch == 2 * 4 * 4
+    assert with_overrides(cfg, ["mesh.tensor=1"]) == narrower
+    fixed = with_overrides(cfg, {"train.global_batch": 32})
+    assert fixed.train.grad_accum == 8
+    assert with_overrides(cfg, {"optim.lr": "1e-2"}).optim.lr == pytest.approx(1e-2)
+    assert cfg.mesh.tensor == 2  # the original is untouched
+
+
+def test_with_overrides_validates():
+    with pytest.raises(ConfigError, match="model.layers"):
+        with_overrides(load_config(TINY), {"model.layers": 3})
+    with pytest.raises(ConfigError, match="unknown config key 'mesh.tensr'"):
+        with_overrides(load_config(TINY), {"mesh.tensr": 2})
+
+
+def _check_message(exc: pytest.ExceptionInfo, expected: tuple[str, ...]) -> None:
+    msg = str(exc.value)
+    assert "\n" not in msg, msg
+    for part in expected:
+        assert part in msg, (part, msg)
+
+
+BAD_OVERRIDES = [
+    # keys and syntax
+    (["model.layer=4"], ("unknown config key 'model.layer'; did you mean 'model.layers'?",)),
+    (["model.zzzzzz=1"], ("unknown config key 'model.zzzzzz'", "valid keys in model: name, ")),
+    (["modle.layers=4"], ("did you mean 'model.layers'?",)),
+    (["devics=4"], ("unknown config key 'devics'; did you mean 'devices'?",)),
+    (["qqqqqq=4"], ("unknown config key 'qqqqqq'", "valid top-level keys: devices, mesh")),
+    (["model.layers.x=1"], ("unknown config key 'model.layers.x'",)),
+    (["abc"], ("override 'abc' is not KEY=VALUE (e.g. mesh.tensor=2)",)),
+    (["=3"], ("is not KEY=VALUE",)),
+    (["model=3"], ("section 'model'",)),
+    (["model.name=[oops"], ("model.name", "does not parse")),
+    # types
+    (["model.layers=abc"], ("model.layers='abc' must be an integer",)),
+    (["model.layers=4.5"], ("model.layers=4.5 must be an integer",)),
+    (["model.layers=true"], ("model.layers=True must be an integer",)),
+    (["train.grad_accum=x"], ("train.grad_accum='x' must be an integer",)),
+    (["optim.lr=abc"], ("optim.lr='abc' must be a number",)),
+    (["optim.lr=true"], ("optim.lr=True must be a number",)),
+    (["optim.lr=.inf"], ("optim.lr=inf must be a finite number",)),
+    (["model.tie_embeddings=maybe"], ("model.tie_embeddings='maybe' must be true or false",)),
+    (["data.path=[1, 2]"], ("data.path=[1, 2] must be a string or null",)),
+    # choices
+    (["model.remat=fast"], ("model.remat='fast' is not one of none, full, minimal, attention",)),
+    (["model.remat=off"], ("model.remat='off' is not one of",)),
+    (["model.name=llama"], ("model.name='llama' is not one of gpt",)),
+    (["optim.name=adam"], ("optim.name='adam' is not one of sgd, adamw",)),
+    (["optim.schedule=linear"], ("optim.schedule='linear' is not one of constant, cosine",)),
+    (["data.name=mnist"], ("data.name='mnist' is not one of stdlib-code, synthetic, text-files",)),
+    # ranges
+    (["devices=0"], ("devices=0 must be between 1 and 256",)),
+    (["devices=512"], ("devices=512 must be between 1 and 256",)),
+    (["mesh.replica=0"], ("mesh.replica=0 must be >= 1, or -1",)),
+    (["mesh.replica=-2"], ("mesh.replica=-2",)),
+    *[
+        ([f"{key}=0"], (f"{key}=0 must be >= 1",))
+        for key in (
+            "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff "
+            "model.seq_len model.vocab train.steps train.micro_batch train.grad_accum "
+            "train.global_batch train.log_every train.eval_batches"
+        ).split()
+    ],
+    (["train.eval_every=-1"], ("train.eval_every=-1 must be >= 0",)),
+    (["optim.warmup_steps=-1"], ("optim.warmup_steps=-1 must be >= 0",)),
+    (["optim.weight_decay=-0.1"], ("optim.weight_decay=-0.1 must be >= 0",)),
+    (["optim.grad_clip=-1"], ("optim.grad_clip=-1.0 must be >= 0",)),
+    (["optim.b2=1"], ("optim.b2=1.0 must be in [0, 1)",)),
+    (["optim.lr=0"], ("optim.lr=0.0 must be > 0",)),
+    (["optim.lr=-1e-3"], ("optim.lr=-0.001 must be > 0",)),
+    (["data.val_fraction=0"], ("data.val_fraction=0.0 must be between 0 and 1",)),
+    (["data.val_fraction=1"], ("data.val_fraction=1.0 must be between 0 and 1",)),
+    (['train.logdir=""'], ("train.logdir", "must not be empty")),
+    # mesh vs devices
+    (
+        ["mesh.pipeline=2", "mesh.tensor=3", "model.heads=6", "model.d_model=60"],
+        ("mesh.pipeline*mesh.tensor=6 does not divide devices=8; change",),
+    ),
+    (
+        ["mesh.replica=2", "mesh.pipeline=2"],
+        ("mesh replica*pipeline*tensor = 2*2*1 = 4 does not match devices=8; set mesh.replica=-1",),
+    ),
+    # model shapes
+    (
+        ["model.d_model=100", "model.heads=8"],
+        ("model.d_model=100 is not divisible by model.heads=8",),
+    ),
+    (
+        ["model.layers=5", "mesh.pipeline=2"],
+        ("model.layers=5 does not divide into mesh.pipeline=2 stages; use a multiple of 2",),
+    ),
+    (["mesh.tensor=8"], ("mesh.tensor=8 does not divide model.heads=4",)),
+    (
+        ["mesh.tensor=8", "model.heads=8", "model.d_ff=260"],
+        ("mesh.tensor=8 does not divide model.d_ff=260",),
+    ),
+    (
+        ["mesh.tensor=8", "model.heads=8", "model.vocab=260"],
+        ("mesh.tensor=8 does not divide model.vocab=260",),
+    ),
+    # batch
+    (
+        ["mesh.pipeline=2", "mesh.tensor=2", "train.global_batch=10"],
+        ("train.global_batch=10 is not divisible by train.micro_batch*mesh.replica = 4*2 = 8",),
+    ),
+    (
+        ["train.global_batch=64", "train.grad_accum=3"],
+        ("train.grad_accum=3", "train.global_batch=64", "grad_accum=2"),
+    ),
+    (
+        ["devices=3", "mesh.pipeline=3", "model.layers=3", "train.micro_batch=1"],
+        ("train.micro_batch*train.grad_accum*model.seq_len", "mesh.pipeline=3"),
+    ),
+    # data
+    (["data.name=text-files"], ("data.name=text-files needs data.path=DIR",)),
+    (["data.name=text-files", "data.path="], ("data.name=text-files needs data.path=DIR",)),
+    (["data.path=/tmp"], ("data.path='/tmp' is only used by data.name=text-files",)),
+    (
+        ["model.vocab=128"],
+        ("model.vocab=128 is smaller than 256 byte values of data.name=stdlib-code; use",),
+    ),
+    (
+        ["model.vocab=128", "data.name=synthetic"],
+        ("model.vocab=128 is smaller than 256 byte values of data.name=synthetic",),
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), BAD_OVERRIDES, ids=lambda x: str(x)[:60])
+def test_bad_overrides(overrides, expected):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, overrides)
+    _check_message(exc, expected)
+
+
+BAD_FILES = [
+    ("model: [1, 2\n", ("config file", "does not parse:")),
+    ("- a\n- b\n", ("top level must be a mapping",)),
+    ("model: 3\n", ("config section 'model' must be a mapping",)),
+    ("model:\n  layer: 4\n", ("unknown config key 'model.layer'; did you mean 'model.layers'?",)),
+    ("modle:\n  layers: 4\n", ("unknown config key 'modle'; did you mean 'model'?",)),
+    ("train:\n  steps: many\n", ("train.steps='many' must be an integer",)),
+    ("train:\n  logdir: 5\n", ("train.logdir=5 must be a string",)),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), BAD_FILES, ids=lambda x: str(x)[:30])
+def test_bad_files(tmp_path, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    _check_message(exc, expected)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        load_config(tmp_path / "nope.yaml")
+    _check_message(exc, ("nope.yaml", "does not exist"))
+
+
+def test_empty_file_and_empty_section_are_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing here\n")
+    assert load_config(path) == load_config(None)
+    path.write_text("model:\n")
+    assert load_config(path) == load_config(None)
+
+
+def test_config_from_dict_rejects_bad_input():
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        config_from_dict([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
+        config_from_dict({"train": {"step": 3}})
+
+
+def test_import_does_not_load_jax():
+    code = (
+        "import sys, jaxpod.config\n"
+        "bad = [m for m in ('jax', 'jaxlib', 'flax', 'optax', 'numpy') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
