@@ -1,4 +1,7 @@
-"""User-facing errors: one line naming the field and the fix; the CLI prints them without a traceback."""
+"""User-facing errors: one line naming the field and the fix.
+
+The CLI prints them without a traceback and exits 2.
+"""
 
 
 class UserError(Exception):

@@ -7,8 +7,6 @@ dimension. Everything not named there is replicated.
 
 from __future__ import annotations
 
-import os
-
 import jax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -27,11 +25,21 @@ LOGICAL_TO_MESH: dict[str, str] = {
 }
 
 
-def use_virtual_cpu_devices(count: int) -> None:
-    """Ask XLA for `count` virtual CPU devices. Must run before jax initialises its backend."""
-    flag = f"--xla_force_host_platform_device_count={count}"
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, flag])
+def select_devices(count: int) -> list[jax.Device]:
+    """The devices a run with config `devices=count` uses.
+
+    On CPU, `count` virtual devices (the process may have more, e.g. under pytest). On a
+    real TPU/GPU backend every device takes part and `count` is not consulted.
+    """
+    devices = jax.devices()
+    if devices[0].platform != "cpu":
+        return devices
+    if len(devices) < count:
+        raise ConfigError(
+            f"devices={count} but jax started with {len(devices)} CPU devices; set devices "
+            "before jax starts (the jaxpod CLI does) or lower devices"
+        )
+    return devices[:count]
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:

@@ -9,7 +9,7 @@ from jaxpod.config import OptimConfig
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warm-up over `warmup_steps`, then `constant` or `cosine` decay to 0 at `total_steps`."""
+    """Linear warm-up over `warmup_steps`, then `constant`, or `cosine` decay to 0 at the end."""
     warmup = min(cfg.warmup_steps, total_steps)
     decay_steps = max(total_steps - warmup, 1)
     after = {

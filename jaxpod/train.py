@@ -66,7 +66,9 @@ def init_params(cfg: ModelConfig, seed: int, mesh: Mesh) -> tuple[nnx.GraphDef, 
     return graphdef, params, specs
 
 
-def _local_functions(graphdef: nnx.GraphDef, specs: dict, cfg: Config, mesh: Mesh, bubble_fill):
+def _local_functions(
+    graphdef: nnx.GraphDef, specs: dict, cfg: Config, mesh: Mesh, bubble_fill: float, unroll: bool
+):
     """Per-device `(loss, loss_and_grads)` for the inside of `shard_map`."""
     tp = "tensor"  # a size-1 axis costs nothing: XLA drops single-device collectives
     stages, micro, micro_batch = mesh.shape["pipeline"], cfg.train.grad_accum, cfg.train.micro_batch
@@ -74,7 +76,7 @@ def _local_functions(graphdef: nnx.GraphDef, specs: dict, cfg: Config, mesh: Mes
 
     def micro_loss(params, tokens):  # tokens[mb, T+1] -> summed loss / all tokens of the step
         model = nnx.merge(graphdef, params)
-        h = model.layers(model.embed(tokens[:, :-1], tp), tp)
+        h = model.layers(model.embed(tokens[:, :-1], tp), tp, unroll)
         return jnp.sum(model.token_loss(h, tokens[:, 1:], tp)) / total_tokens
 
     def accumulate(params, tokens):  # pipeline == 1: an accumulation loop over micro-batches
@@ -83,19 +85,20 @@ def _local_functions(graphdef: nnx.GraphDef, specs: dict, cfg: Config, mesh: Mes
             return jax.tree.map(jnp.add, acc, grads), loss
 
         zeros = jax.tree.map(lambda p: vary_like(jnp.zeros_like(p), p), params)
-        grads, losses = jax.lax.scan(body, zeros, tokens)
+        grads, losses = jax.lax.scan(body, zeros, tokens, unroll=unroll)
         return jnp.sum(losses), grads
 
     def pipeline_loss(params, tokens):  # pipeline > 1: GPipe over the micro-batches
         model = nnx.merge(graphdef, params)
         x = model.embed(tokens[..., :-1], tp)  # [M, mb, T, D]
-        ys = gpipe(lambda a: model.layers(a, tp), x, bubble_fill=bubble_fill)
+        ys = gpipe(lambda a: model.layers(a, tp, unroll), x, bubble_fill=bubble_fill, unroll=unroll)
         h = spread_over_stages(ys.reshape(-1, x.shape[-1]))  # [M*mb*T / S, D]
         targets = tokens[..., 1:].reshape(stages, -1)[jax.lax.axis_index("pipeline")]
         return jnp.sum(model.token_loss(h, targets, tp)) / total_tokens
 
     def loss(params, tokens):
         tokens = tokens.reshape(micro, micro_batch, -1)
+        params = vary_params(params, specs)
         if stages == 1:
             losses = jax.lax.map(lambda t: micro_loss(params, t), tokens)
             return jax.lax.psum(jnp.sum(losses), DATA_AXES)
@@ -114,14 +117,21 @@ def _local_functions(graphdef: nnx.GraphDef, specs: dict, cfg: Config, mesh: Mes
 
 
 def make_loss_and_grads(
-    graphdef: nnx.GraphDef, specs: dict, cfg: Config, mesh: Mesh, *, bubble_fill: float = 0.0
+    graphdef: nnx.GraphDef,
+    specs: dict,
+    cfg: Config,
+    mesh: Mesh,
+    *,
+    bubble_fill: float = 0.0,
+    unroll: bool = False,
 ) -> Callable[[dict, jax.Array], tuple[jax.Array, dict]]:
     """`(params, tokens[G, T+1] P("replica")) -> (mean loss, grads)`, one `shard_map`.
 
     `grads` have exactly the params' shardings. `bubble_fill` is for tests: the value the
-    pipeline carry holds in bubble ticks (it must not matter).
+    pipeline carry holds in bubble ticks (it must not matter). `unroll` unrolls every loop
+    so that `cost_analysis()` counts the FLOPs of every iteration (benchmarks).
     """
-    _, local = _local_functions(graphdef, specs, cfg, mesh, bubble_fill)
+    _, local = _local_functions(graphdef, specs, cfg, mesh, bubble_fill, unroll)
     return jax.shard_map(local, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), specs))
 
 
@@ -129,8 +139,21 @@ def make_eval_loss(
     graphdef: nnx.GraphDef, specs: dict, cfg: Config, mesh: Mesh
 ) -> Callable[[dict, jax.Array], jax.Array]:
     """`(params, tokens[G, T+1] P("replica")) -> mean loss`: forward only, same sharding."""
-    local, _ = _local_functions(graphdef, specs, cfg, mesh, 0.0)
+    local, _ = _local_functions(graphdef, specs, cfg, mesh, 0.0, False)
     return jax.shard_map(local, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=P())
+
+
+def optimizer_shardings(optimizer: optax.GradientTransformation, params: dict, other):
+    """Shardings of `optimizer.init(params)`: per-parameter leaves (moments) take their
+    parameter's sharding; everything else (step counts) gets `other`."""
+    abstract = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, p: p.sharding,
+        abstract,
+        params,
+        transform_non_params=lambda _: other,
+    )
 
 
 class Engine(NamedTuple):
@@ -150,12 +173,10 @@ def build_engine(cfg: Config, mesh: Mesh) -> tuple[Engine, TrainState]:
     """Initialise sharded params + optimizer state and compile-ready step functions."""
     graphdef, params, specs = init_params(cfg.model, cfg.train.seed, mesh)
     optimizer, lr = make_optimizer(cfg.optim, cfg.train.steps)
-    # Moments mirror the params' shardings; scalars (step counts) are replicated on the mesh.
     replicated = NamedSharding(mesh, P())
-    on_mesh = lambda x: (
-        x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated)
-    )
-    opt_state = jax.tree.map(on_mesh, jax.jit(optimizer.init)(params))
+    opt_state = jax.jit(
+        optimizer.init, out_shardings=optimizer_shardings(optimizer, params, replicated)
+    )(params)
     state = TrainState(jax.device_put(jnp.zeros((), jnp.int32), replicated), params, opt_state)
     state_sharding = jax.tree.map(lambda a: a.sharding, state)
     loss_and_grads = make_loss_and_grads(graphdef, specs, cfg, mesh)
@@ -166,9 +187,9 @@ def build_engine(cfg: Config, mesh: Mesh) -> tuple[Engine, TrainState]:
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
-            "update_norm": optax.global_norm(updates),
-            "param_norm": optax.global_norm(params),
+            "grad_norm": optax.tree.norm(grads),
+            "update_norm": optax.tree.norm(updates),
+            "param_norm": optax.tree.norm(params),
             "lr": lr(state.step),
         }
         return TrainState(state.step + 1, params, opt_state), metrics

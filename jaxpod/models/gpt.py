@@ -41,18 +41,21 @@ class GPT(nnx.Module):
         t = tokens.shape[-1]
         return vocab_embed(tokens, self.wte[...], tp) + self.wpe[...][:t]
 
-    def layers(self, x: jax.Array, tp: str | None = None) -> jax.Array:
-        """Apply every layer of the (local slice of the) stack: `x[B, T, D] -> [B, T, D]`."""
+    def layers(self, x: jax.Array, tp: str | None = None, unroll: bool = False) -> jax.Array:
+        """Apply every layer of the (local slice of the) stack: `x[B, T, D] -> [B, T, D]`.
+
+        `unroll=True` unrolls the layer scan (for FLOP accounting only: XLA's cost analysis
+        counts a loop body once, whatever its trip count)."""
         graphdef, stacked = nnx.split(self.blocks)
 
         def one_layer(x, layer_state):
             return nnx.merge(graphdef, layer_state)(x, tp), None
 
-        x, _ = jax.lax.scan(remat(one_layer, self.remat_policy), x, stacked)
+        x, _ = jax.lax.scan(remat(one_layer, self.remat_policy), x, stacked, unroll=unroll)
         return x
 
     def token_loss(self, h: jax.Array, targets: jax.Array, tp: str | None = None) -> jax.Array:
-        """Final LayerNorm + vocab-parallel cross-entropy: `h[..., D], targets[...] -> loss[...]`."""
+        """Final norm + vocab-parallel cross-entropy: `h[..., D], targets[...] -> loss[...]`."""
         table = self.wte if self.unembed is None else self.unembed
         return vocab_cross_entropy(self.ln_f(h), table[...], targets, tp)
 

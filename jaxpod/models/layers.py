@@ -23,7 +23,7 @@ INIT_STD = 0.02
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, layers: int | None, fill: float | None = None):
-    """A `nnx.Param` of `shape` (with a leading `[layers]` axis if stacked), normal(0.02) or `fill`."""
+    """A `nnx.Param` of `shape` (leading `[layers]` axis if stacked): normal(0.02) or `fill`."""
     if layers is not None:
         shape, axes = (layers, *shape), ("layers", *axes)
     if fill is None:

@@ -42,13 +42,15 @@ def gpipe(
     *,
     axis: str = "pipeline",
     bubble_fill: float = 0.0,
+    unroll: bool = False,
 ) -> jax.Array:
     """Run `stage_fn` (this device's stage) over the micro-batches `xs[M, *act]`.
 
     `xs` is read on stage 0 only. Returns `ys[M, *act]`: the last stage's outputs, in
     micro-batch order, on the last stage; zeros on every other stage.
     `bubble_fill` is what the carry holds before the first activation arrives; any value
-    (tests use NaN) leaves the result and its gradients unchanged.
+    (tests use NaN) leaves the result and its gradients unchanged. `unroll` unrolls the
+    tick loop (for FLOP accounting).
     """
     num_stages = jax.lax.axis_size(axis)
     num_micro = xs.shape[0]
@@ -66,7 +68,7 @@ def gpipe(
     probe = jax.eval_shape(stage_fn, xs[0])
     carry = jnp.full(xs.shape[1:], bubble_fill, xs.dtype)
     carry = vary_like(vary_like(carry, xs), probe)
-    _, outs = jax.lax.scan(tick, carry, jnp.arange(num_micro + num_stages - 1))
+    _, outs = jax.lax.scan(tick, carry, jnp.arange(num_micro + num_stages - 1), unroll=unroll)
     return outs[num_stages - 1 :]
 
 

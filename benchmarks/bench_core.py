@@ -1,0 +1,217 @@
+"""Core-engine benchmarks: prints tables and writes JSON. Never asserts a time.
+
+    python benchmarks/bench_core.py [--only a,b,c,d] [--repeats N] [--out FILE]
+
+(a) step time of each 8-device mesh over the single-device step (same global batch)
+(b) executed / useful FLOPs of the pipelined step (XLA cost analysis) vs (M + S - 1) / M
+(c) compile time at 12 vs 48 layers (scan over layers: should barely grow)
+(d) model FLOP/s of a mid-size GPT on 8 devices over this machine's f32 matmul rate
+
+Every measurement runs in a fresh subprocess, since the virtual device count is fixed when
+jax starts; ratios are only ever taken between numbers measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.layers=4", "model.d_model=64", "model.heads=4", "model.d_ff=256", "model.seq_len=64"]
+MID = ["model.layers=8", "model.d_model=512", "model.heads=8", "model.d_ff=2048"]
+MID += ["model.seq_len=256", "train.global_batch=16", "train.grad_accum=null"]
+MESHES_8 = [(8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (2, 1, 4), (1, 2, 4), (1, 4, 2), (2, 4, 1)]
+
+
+# ----------------------------------------------------------------------------- worker side
+def _worker(job: dict) -> dict:
+    """Runs inside a subprocess whose XLA_FLAGS already hold the device count."""
+    import jax
+    import numpy as np
+
+    from jaxpod.config import load_config
+    from jaxpod.mesh import make_mesh, select_devices
+    from jaxpod.train import build_engine, make_loss_and_grads
+
+    if job["kind"] == "matmul":
+        n = job["n"]
+        a = jax.device_put(np.random.default_rng(0).standard_normal((n, n), np.float32))
+        f = jax.jit(lambda x: x @ x).lower(a).compile()
+        f(a).block_until_ready()
+        times = []
+        for _ in range(job["repeats"]):
+            t0 = time.perf_counter()
+            f(a).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return {"flops_per_s": 2 * n**3 / float(np.median(times))}
+
+    r, p, t = job["mesh"]
+    overrides = [f"devices={r * p * t}", f"mesh.replica={r}", f"mesh.pipeline={p}"]
+    overrides += [f"mesh.tensor={t}", "optim.warmup_steps=0", *job["overrides"]]
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
+    mesh = make_mesh(cfg.mesh, select_devices(cfg.devices))
+    t0 = time.perf_counter()
+    engine, state = build_engine(cfg, mesh)
+    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
+    out = {"global_batch": cfg.train.global_batch, "grad_accum": cfg.train.grad_accum}
+
+    if job["kind"] == "flops":
+        tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=engine.batch_sharding)
+        fn = jax.jit(make_loss_and_grads(engine.graphdef, engine.specs, cfg, mesh, unroll=True))
+        cost = fn.lower(state.params, tokens).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        out["flops_per_device"] = cost["flops"]
+        out["flops_total"] = cost["flops"] * mesh.size
+        return out
+
+    tokens = jax.device_put(
+        np.random.default_rng(0).integers(0, 256, shape).astype(np.int32), engine.batch_sharding
+    )
+    step = engine.train_step.lower(state, tokens).compile()
+    out["compile_s"] = time.perf_counter() - t0
+    if job["kind"] == "compile":
+        return out
+    for _ in range(3):  # warm-up
+        state, metrics = step(state, tokens)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(job["repeats"]):
+        t0 = time.perf_counter()
+        state, metrics = step(state, tokens)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    out["step_s"] = float(np.median(times))
+    out["step_s_min"] = float(np.min(times))
+    out["tokens_per_step"] = cfg.tokens_per_step
+    out["params"] = sum(x.size for x in jax.tree.leaves(state.params))
+    return out
+
+
+def run(job: dict) -> dict:
+    devices = job.get("devices") or job["mesh"][0] * job["mesh"][1] * job["mesh"][2]
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark job {job} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- the four parts
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    line = lambda row: (
+        "| " + " | ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)) + " |"
+    )
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([f"\n### {title}\n", line(header), sep, *map(line, rows)])
+
+
+def bench_a(repeats: int) -> tuple[dict, str]:
+    """Step time of each 8-device mesh over the 1-device step, tiny config, global batch 32."""
+    batch = ["train.global_batch=32", "train.grad_accum=null"]
+    results = {}
+    for mesh in [(1, 1, 1), *MESHES_8]:
+        micro = 32 // (mesh[0] * 4)  # grad_accum 4 everywhere: the same 4 micro-batch steps
+        job = {"kind": "step", "mesh": mesh, "repeats": repeats}
+        job["overrides"] = [*TINY, *batch, f"train.micro_batch={micro}"]
+        results["x".join(map(str, mesh))] = run(job)
+    base = results["1x1x1"]["step_s"]
+    rows = [
+        [m, f"{r['step_s'] * 1e3:.1f}", f"{r['step_s'] / base:.2f}x", f"{r['compile_s']:.1f}"]
+        for m, r in results.items()
+    ]
+    header = ["mesh (r x p x t)", "step ms (median)", "vs 1 device", "compile+init s"]
+    return results, table("(a) tiny GPT (4 layers, d 64), global batch 32", header, rows)
+
+
+def bench_b() -> tuple[dict, str]:
+    """Executed/useful FLOPs of a 4-stage pipeline for several micro-batch counts M."""
+    model = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
+    results, rows = {}, []
+    for m in (1, 2, 4, 8, 16):
+        common = [*model, "train.micro_batch=2", f"train.grad_accum={m}"]
+        useful = run({"kind": "flops", "mesh": (1, 1, 1), "overrides": common})["flops_total"]
+        executed = run({"kind": "flops", "mesh": (1, 4, 1), "overrides": common})["flops_total"]
+        theory = (m + 4 - 1) / m
+        ratio = executed / useful
+        results[m] = {"useful": useful, "executed": executed, "ratio": ratio, "theory": theory}
+        rows.append([m, f"{useful:.3e}", f"{executed:.3e}", f"{ratio:.3f}", f"{theory:.3f}"])
+        rows[-1].append(f"{100 * (ratio / theory - 1):+.1f}%")
+    header = ["M", "useful FLOPs (1 dev)", "executed (4 stages)", "ratio", "(M+S-1)/M", "diff"]
+    return results, table("(b) GPipe S=4: executed / useful FLOPs", header, rows)
+
+
+def bench_c() -> tuple[dict, str]:
+    results = {}
+    for layers in (12, 48):
+        job = {"kind": "compile", "mesh": (2, 2, 2), "overrides": [*TINY, f"model.layers={layers}"]}
+        results[layers] = run(job)["compile_s"]
+    rows = [[k, f"{v:.1f}"] for k, v in results.items()]
+    rows.append(["48 / 12", f"{results[48] / results[12]:.2f}x"])
+    return results, table("(c) compile (+init) time on 2x2x2", ["layers", "seconds"], rows)
+
+
+def bench_d(repeats: int) -> tuple[dict, str]:
+    matmul = run({"kind": "matmul", "devices": 8, "n": 2048, "repeats": repeats})["flops_per_s"]
+    results, rows = {"matmul_flops_per_s": matmul}, []
+    for mesh in [(8, 1, 1), (4, 1, 2), (2, 2, 2), (1, 1, 1)]:
+        micro = 16 // mesh[0]
+        job = {"kind": "step", "mesh": mesh, "repeats": repeats}
+        job["overrides"] = [*MID, f"train.micro_batch={micro}", "model.remat=none"]
+        r = run(job)
+        d, L, T = 512, 8, 256
+        # 6 N per token for the weight matmuls + attention (QK^T and PV, fwd + bwd): 12 L T d.
+        matmul_params = L * (4 * d * d + 2 * d * 2048) + 256 * d  # + output projection
+        per_token = 6 * matmul_params + 12 * L * T * d
+        model_flops = per_token * r["tokens_per_step"] / r["step_s"]
+        r.update(model_flops_per_s=model_flops, fraction_of_matmul=model_flops / matmul)
+        results["x".join(map(str, mesh))] = r
+        rows.append(
+            ["x".join(map(str, mesh)), f"{r['step_s'] * 1e3:.0f}", f"{model_flops / 1e9:.1f}"]
+        )
+        rows[-1].append(f"{100 * model_flops / matmul:.0f}%")
+    title = f"(d) GPT 8 x d512, seq 256, batch 16; f32 matmul rate {matmul / 1e9:.1f} GFLOP/s"
+    return results, table(title, ["mesh", "step ms", "model GFLOP/s", "of matmul"], rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--only", default="a,b,c,d")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "core.json"))
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(json.loads(args.worker))))
+        return
+    parts = {
+        "a": lambda: bench_a(args.repeats),
+        "b": bench_b,
+        "c": bench_c,
+        "d": lambda: bench_d(max(3, args.repeats // 4)),
+    }
+    report = {"machine": {"cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}}
+    for name in args.only.split(","):
+        t0 = time.perf_counter()
+        print(f"running ({name}) ...", file=sys.stderr, flush=True)
+        report[name], text = parts[name]()
+        print(text, flush=True)
+        print(f"({name}) took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"\nJSON: {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

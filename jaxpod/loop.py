@@ -1,0 +1,154 @@
+"""The training loop: data -> jitted step -> metrics, with evaluation and a progress bar.
+
+The loop dispatches step N+1 before it reads step N's metrics to the host, so the device
+queue never runs dry while Python formats numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jaxpod.config import Config, dump_yaml
+from jaxpod.data import TokenDataset, load_dataset
+from jaxpod.mapping import describe, format_mapping
+from jaxpod.mesh import make_mesh, select_devices
+from jaxpod.metrics import METRICS_FILE, MetricsWriter
+from jaxpod.train import Engine, TrainState, build_engine
+
+
+@dataclass
+class RunResult:
+    """What a finished run returns (the full record is in `logdir`)."""
+
+    logdir: Path
+    state: TrainState
+    losses: list[float]  # training loss of every step, in order
+    val_losses: dict[int, float]  # step -> validation loss
+    mapping: dict
+
+
+def global_tokens(ds: TokenDataset, engine: Engine, cfg: Config, step: int, val: bool = False):
+    """The global batch `tokens[G, T+1]` of `step`, assembled from per-device row slices.
+
+    Each device's callback reads only the rows of its replica, so a process only ever reads
+    the data of the devices it owns.
+    """
+    g = cfg.train.global_batch
+    read = ds.val_rows if val else ds.train_rows
+    return jax.make_array_from_callback(
+        (g, cfg.model.seq_len + 1),
+        engine.batch_sharding,
+        lambda idx: read(step, idx[0].start or 0, idx[0].stop or g, g),
+    )
+
+
+def evaluate(ds: TokenDataset, engine: Engine, cfg: Config, params) -> float:
+    """Mean validation loss over `train.eval_batches` fixed validation batches."""
+    losses = [
+        engine.eval_loss(params, global_tokens(ds, engine, cfg, b, val=True))
+        for b in range(cfg.train.eval_batches)
+    ]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def _prepare_logdir(logdir: Path) -> None:
+    """Start a fresh record in `logdir` (replacing an earlier run's metrics and events)."""
+    logdir.mkdir(parents=True, exist_ok=True)
+    for old in [logdir / METRICS_FILE, *logdir.glob("events.out.tfevents.*")]:
+        old.unlink(missing_ok=True)
+
+
+def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
+    """Train `cfg` end to end and leave the run record in `cfg.train.logdir`."""
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    ds = load_dataset(
+        cfg.data.name,
+        seq_len=cfg.model.seq_len,
+        seed=cfg.train.seed,
+        path=cfg.data.path,
+        val_fraction=cfg.data.val_fraction,
+    )
+    mesh = make_mesh(cfg.mesh, select_devices(cfg.devices))
+    engine, state = build_engine(cfg, mesh)
+    mapping = describe(cfg, mesh, state.params, state.opt_state)
+    say(format_mapping(mapping))
+    say(f"data           {ds.describe()}")
+
+    logdir = Path(cfg.train.logdir)
+    _prepare_logdir(logdir)
+    (logdir / "config.yaml").write_text(dump_yaml(cfg))
+    (logdir / "mapping.json").write_text(json.dumps(mapping, indent=2))
+
+    t0 = time.perf_counter()
+    first = global_tokens(ds, engine, cfg, 0)
+    engine.train_step.lower(state, first).compile()
+    say(f"compiled       train step in {time.perf_counter() - t0:.1f} s")
+
+    losses, val_losses = [], {}
+    with MetricsWriter(logdir) as writer:
+        writer.text("config", "```\n" + dump_yaml(cfg) + "\n```")
+        writer.text("mapping", "```\n" + format_mapping(mapping) + "\n```")
+        val_losses[0] = evaluate(ds, engine, cfg, state.params)
+        writer.write({"step": 0, "val_loss": val_losses[0]}, prefix="val")
+        state, losses = _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet)
+    say(f"logs           {logdir}/ ({METRICS_FILE}, TensorBoard events, config.yaml)")
+    say(
+        f"tensorboard    make tensorboard LOGDIR={logdir.parent}   "
+        f"(or: .venv/bin/jaxpod tensorboard {logdir.parent})"
+    )
+    return RunResult(logdir, state, losses, val_losses, mapping)
+
+
+def _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet):
+    """The step loop proper. Returns the final state and every step's training loss."""
+    steps, log_every, eval_every = cfg.train.steps, cfg.train.log_every, cfg.train.eval_every
+    bar = tqdm(total=steps, unit="step", disable=quiet or not sys.stderr.isatty(), file=sys.stderr)
+    # With a live progress bar, lines go above it; otherwise (CI, pipes) plain log lines.
+    log = say if bar.disable else bar.write
+    step_losses = []
+    pending = []  # (step, metrics on device) not yet read to the host
+    last_time, last_step = time.perf_counter(), 0
+
+    def flush(upto_done: bool) -> None:
+        nonlocal last_time, last_step
+        while pending and (upto_done or len(pending) > 1):
+            step, metrics = pending.pop(0)
+            host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            step_losses.append(host["loss"])
+            if step % log_every and step != steps:
+                continue
+            now = time.perf_counter()
+            step_time = (now - last_time) / (step - last_step)
+            last_time, last_step = now, step
+            record = {"step": step, **host, "step_time_s": step_time}
+            record["tokens_per_s"] = cfg.tokens_per_step / step_time
+            writer.write(record)
+            bar.set_postfix(loss=f"{host['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            if bar.disable:
+                log(
+                    f"step {step:>6}/{steps}  loss {host['loss']:.4f}  "
+                    f"lr {host['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
+                )
+
+    for step in range(1, steps + 1):
+        state, metrics = engine.train_step(state, global_tokens(ds, engine, cfg, step - 1))
+        pending.append((step, metrics))
+        flush(upto_done=False)  # reads step N-1 while step N runs
+        bar.update(1)
+        if (eval_every and step % eval_every == 0) or step == steps:
+            flush(upto_done=True)
+            val_losses[step] = evaluate(ds, engine, cfg, state.params)
+            writer.write({"step": step, "val_loss": val_losses[step]}, prefix="val")
+            log(f"step {step:>6}  val_loss {val_losses[step]:.4f}")
+            last_time = time.perf_counter()  # do not charge evaluation to the next step time
+    flush(upto_done=True)
+    bar.close()
+    return state, step_losses

@@ -1,0 +1,118 @@
+"""The run record: `metrics.jsonl` (one JSON object per logged step) and TensorBoard events.
+
+Writes happen on a background thread so the training loop never waits for the disk. The
+TensorBoard events are written with TensorBoard's own event writer and protos (no
+TensorFlow needed): scalars under `train/...` and `val/...`, and the resolved config as a
+text summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+import time
+from pathlib import Path
+
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
+from tensorboard.plugins.text import metadata as text_metadata
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _scalar_event(step: int, values: dict[str, float], prefix: str) -> event_pb2.Event:
+    summary = summary_pb2.Summary(
+        value=[
+            summary_pb2.Summary.Value(tag=f"{prefix}/{k}", simple_value=float(v))
+            for k, v in values.items()
+            if isinstance(v, int | float) and k != "step"
+        ]
+    )
+    return event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
+
+
+def _text_event(tag: str, text: str) -> event_pb2.Event:
+    tensor = tensor_pb2.TensorProto(
+        dtype="DT_STRING",
+        string_val=[text.encode()],
+        tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[]),
+    )
+    meta = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(
+            plugin_name=text_metadata.PLUGIN_NAME,
+            content=text_metadata.create_summary_metadata("", "").plugin_data.content,
+        )
+    )
+    value = summary_pb2.Summary.Value(tag=tag, metadata=meta, tensor=tensor)
+    return event_pb2.Event(
+        wall_time=time.time(), step=0, summary=summary_pb2.Summary(value=[value])
+    )
+
+
+def _clean(value):
+    """JSON-safe: floats stay floats, NaN/inf become strings (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsWriter:
+    """Append-only writer of `<logdir>/metrics.jsonl` and TensorBoard event files.
+
+    `write(record, prefix)`: `record` must hold `step`; numeric values become scalars
+    `<prefix>/<key>` in TensorBoard. Call `close()` (or use as a context manager) to flush.
+    """
+
+    def __init__(self, logdir: str | Path, enabled: bool = True):
+        self.logdir = Path(logdir)
+        self.enabled = enabled
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        if enabled:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(self.logdir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+            self._events = EventFileWriter(str(self.logdir))
+            self._thread = threading.Thread(target=self._drain, daemon=True)
+            self._thread.start()
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            kind, payload = item
+            if kind == "record":
+                record, prefix = payload
+                self._jsonl.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+                self._jsonl.flush()
+                self._events.add_event(_scalar_event(int(record["step"]), record, prefix))
+            else:
+                self._events.add_event(_text_event(*payload))
+            self._events.flush()
+
+    def write(self, record: dict, prefix: str = "train") -> None:
+        if self.enabled:
+            self._queue.put(("record", (record, prefix)))
+
+    def text(self, tag: str, text: str) -> None:
+        if self.enabled:
+            self._queue.put(("text", (tag, text)))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._events.close()
+            self._jsonl.close()
+            self._thread = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(logdir: str | Path) -> list[dict]:
+    """All records of `<logdir>/metrics.jsonl`, in order."""
+    path = Path(logdir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
