@@ -117,27 +117,32 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
     return "\n".join([f"\n### {title}\n", line(header), sep, *map(line, rows)])
 
 
-def bench_a(repeats: int) -> tuple[dict, str]:
-    """Step time of each 8-device mesh over the 1-device step, tiny config, global batch 32."""
-    batch = ["train.global_batch=32", "train.grad_accum=null"]
-    results = {}
-    for mesh in [(1, 1, 1), *MESHES_8]:
-        micro = 32 // (mesh[0] * 4)  # grad_accum 4 everywhere: the same 4 micro-batch steps
-        job = {"kind": "step", "mesh": mesh, "repeats": repeats}
-        job["overrides"] = [*TINY, *batch, f"train.micro_batch={micro}"]
-        results["x".join(map(str, mesh))] = run(job)
-    base = results["1x1x1"]["step_s"]
-    rows = [
-        [m, f"{r['step_s'] * 1e3:.1f}", f"{r['step_s'] / base:.2f}x", f"{r['compile_s']:.1f}"]
-        for m, r in results.items()
-    ]
-    header = ["mesh (r x p x t)", "step ms (median)", "vs 1 device", "compile+init s"]
-    return results, table("(a) tiny GPT (4 layers, d 64), global batch 32", header, rows)
+def bench_a(repeats: int, batches=(32, 128)) -> tuple[dict, str]:
+    """Step time of each 8-device mesh over the 1-device step, tiny config (remat `comms`),
+    grad_accum 4 on every mesh (the same micro-batch structure), for two global batches."""
+    results = {g: {} for g in batches}
+    for g in batches:
+        for mesh in [(1, 1, 1), *MESHES_8]:
+            job = {"kind": "step", "mesh": mesh, "repeats": repeats}
+            job["overrides"] = [*TINY, "model.remat=comms", f"train.global_batch={g}"]
+            job["overrides"] += ["train.grad_accum=4", f"train.micro_batch={g // (mesh[0] * 4)}"]
+            results[g]["x".join(map(str, mesh))] = run(job)
+    rows = []
+    for m in results[batches[0]]:
+        row = [m]
+        for g in batches:
+            r, base = results[g][m], results[g]["1x1x1"]["step_s"]
+            row += [f"{r['step_s'] * 1e3:.1f}", f"{r['step_s'] / base:.2f}x"]
+        rows.append(row)
+    header = ["mesh (r x p x t)"]
+    for g in batches:
+        header += [f"ms @ batch {g}", f"vs 1 dev @ {g}"]
+    return results, table("(a) tiny GPT (4 layers, d 64, seq 64), step time", header, rows)
 
 
 def bench_b() -> tuple[dict, str]:
     """Executed/useful FLOPs of a 4-stage pipeline for several micro-batch counts M."""
-    model = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
+    model = ["model.layers=8", "model.d_model=512", "model.heads=8", "model.d_ff=2048"]
     results, rows = {}, []
     for m in (1, 2, 4, 8, 16):
         common = [*model, "train.micro_batch=2", f"train.grad_accum={m}"]
@@ -165,10 +170,10 @@ def bench_c() -> tuple[dict, str]:
 def bench_d(repeats: int) -> tuple[dict, str]:
     matmul = run({"kind": "matmul", "devices": 8, "n": 2048, "repeats": repeats})["flops_per_s"]
     results, rows = {"matmul_flops_per_s": matmul}, []
-    for mesh in [(8, 1, 1), (4, 1, 2), (2, 2, 2), (1, 1, 1)]:
-        micro = 16 // mesh[0]
+    for mesh, remat in [((8, 1, 1), "comms"), ((4, 1, 2), "comms"), ((2, 2, 2), "comms")]:
+        micro = 16 // (mesh[0] * (4 if mesh[1] > 1 else 1))  # a pipeline gets 4 micro-batches
         job = {"kind": "step", "mesh": mesh, "repeats": repeats}
-        job["overrides"] = [*MID, f"train.micro_batch={micro}", "model.remat=none"]
+        job["overrides"] = [*MID, f"train.micro_batch={micro}", f"model.remat={remat}"]
         r = run(job)
         d, L, T = 512, 8, 256
         # 6 N per token for the weight matmuls + attention (QK^T and PV, fwd + bwd): 12 L T d.

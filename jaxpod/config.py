@@ -25,7 +25,7 @@ from jaxpod.errors import ConfigError
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.name": ("gpt",),
-    "model.remat": ("none", "full", "minimal", "attention"),
+    "model.remat": ("none", "full", "minimal", "attention", "comms"),
     "optim.name": ("sgd", "adamw"),
     "optim.schedule": ("constant", "cosine"),
     "data.name": ("stdlib-code", "synthetic", "text-files"),

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import jax
 
+from jaxpod.parallel.tensor import COLLECTIVE_OUT
+
 cp = jax.checkpoint_policies
 
 # name -> policy; None means "no remat at all" (save everything the autodiff wants).
@@ -19,6 +21,7 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "full": cp.nothing_saveable,  # keep only the layer input
     "minimal": cp.dots_with_no_batch_dims_saveable,  # keep weight matmul outputs
     "attention": cp.save_only_these_names("qkv", "attn_out"),  # keep the attention projections
+    "comms": cp.save_only_these_names(COLLECTIVE_OUT),  # recompute local math, never a psum
 }
 
 

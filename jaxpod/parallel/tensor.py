@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# Remat policies may save values tagged with this name so the backward pass never
+# recomputes (and re-synchronises) a collective.
+COLLECTIVE_OUT = "tensor_collective_out"
 
 
 def column_dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
@@ -34,7 +39,7 @@ def row_dense(x: jax.Array, w: jax.Array, b: jax.Array | None, axis: str | None)
     """
     y = jnp.tensordot(x, w, axes=1)
     if axis is not None:
-        y = jax.lax.psum(y, axis)
+        y = checkpoint_name(jax.lax.psum(y, axis), COLLECTIVE_OUT)
     return y if b is None else y + b
 
 
