@@ -4,6 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/demo.yaml
+# Each demo run gets its own record (an existing logdir would resume instead).
+DEMO_LOGDIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 LOGDIR ?= runs
 TB_HOST ?= 127.0.0.1
 TB_PORT ?= 6006
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/jaxpod train $(CONFIG)
+	$(BIN)/jaxpod train $(CONFIG) train.logdir=$(DEMO_LOGDIR)
 
 test: $(STAMP)
 	$(BIN)/pytest -q

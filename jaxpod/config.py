@@ -76,6 +76,8 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50  # 0 disables periodic eval (a final eval always runs)
     eval_batches: int = 4
+    checkpoint_every: int = 0  # 0 saves only the final step (which is always saved)
+    keep_checkpoints: int = 3  # newest checkpoints kept under <logdir>/checkpoints/
 
 
 @dataclass(frozen=True)
@@ -274,9 +276,15 @@ def _get(cfg: Config, key: str) -> Any:
 _AT_LEAST_1 = (
     "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff model.seq_len "
     "model.vocab train.steps train.micro_batch train.grad_accum train.global_batch "
-    "train.log_every train.eval_batches"
+    "train.log_every train.eval_batches train.keep_checkpoints"
 ).split()
-_AT_LEAST_0 = ("train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip")
+_AT_LEAST_0 = (
+    "train.eval_every",
+    "train.checkpoint_every",
+    "optim.warmup_steps",
+    "optim.weight_decay",
+    "optim.grad_clip",
+)
 _UNIT_INTERVAL = ("optim.momentum", "optim.b1", "optim.b2")  # [0, 1)
 
 

@@ -16,8 +16,10 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxpod.checkpoint import Checkpointer
 from jaxpod.config import Config, dump_yaml
 from jaxpod.data import TokenDataset, load_dataset
+from jaxpod.errors import UserError
 from jaxpod.mapping import describe, format_mapping
 from jaxpod.mesh import make_mesh, select_devices
 from jaxpod.metrics import METRICS_FILE, MetricsWriter
@@ -30,7 +32,7 @@ class RunResult:
 
     logdir: Path
     state: TrainState
-    losses: list[float]  # training loss of every step, in order
+    losses: list[float]  # training loss of every step this run took (after a resume: the rest)
     val_losses: dict[int, float]  # step -> validation loss
     mapping: dict
 
@@ -66,8 +68,30 @@ def _prepare_logdir(logdir: Path) -> None:
         old.unlink(missing_ok=True)
 
 
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):  # e.g. a line cut short by a killed run
+        return float("inf")
+
+
+def _keep_metrics_upto(logdir: Path, step: int) -> None:
+    """Drop the `metrics.jsonl` records after `step` (a resumed run redoes those steps)."""
+    path = logdir / METRICS_FILE
+    if path.exists():
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [ln if ln.endswith("\n") else ln + "\n" for ln in lines if _step_of(ln) <= step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
+
 def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
-    """Train `cfg` end to end and leave the run record in `cfg.train.logdir`."""
+    """Train `cfg` and leave the run record in `cfg.train.logdir`.
+
+    If `<logdir>/checkpoints/` holds a complete checkpoint, resume from the newest one (same
+    losses as an uninterrupted run); otherwise start fresh, replacing an earlier record.
+    """
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     ds = load_dataset(
         cfg.data.name,
@@ -83,7 +107,23 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
     say(f"data           {ds.describe()}")
 
     logdir = Path(cfg.train.logdir)
-    _prepare_logdir(logdir)
+    ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints)
+    start = ckpt.latest_step() or 0
+    if start:  # refuses (UserError) a mismatched or damaged checkpoint before touching logdir
+        try:
+            state = ckpt.restore(start, engine, state, cfg.train.seed)
+        except UserError:
+            ckpt.close()
+            raise
+        if start >= cfg.train.steps:
+            ckpt.close()
+            say(f"complete       {ckpt.shown / str(start)} is at step {start}; nothing to do")
+            _say_where(say, logdir)
+            return RunResult(logdir, state, [], {}, mapping)
+        say(f"resumed        from step {start} ({ckpt.shown / str(start)})")
+        _keep_metrics_upto(logdir, start)
+    else:
+        _prepare_logdir(logdir)
     (logdir / "config.yaml").write_text(dump_yaml(cfg))
     (logdir / "mapping.json").write_text(json.dumps(mapping, indent=2))
 
@@ -93,29 +133,38 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
     say(f"compiled       train step in {time.perf_counter() - t0:.1f} s")
 
     losses, val_losses = [], {}
-    with MetricsWriter(logdir) as writer:
+    with MetricsWriter(logdir) as writer, ckpt:  # waits for the last checkpoint to commit
         writer.text("config", "```\n" + dump_yaml(cfg) + "\n```")
         writer.text("mapping", "```\n" + format_mapping(mapping) + "\n```")
-        val_losses[0] = evaluate(ds, engine, cfg, state.params)
-        writer.write({"step": 0, "val_loss": val_losses[0]}, prefix="val")
-        state, losses = _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet)
+        if not start:
+            val_losses[0] = evaluate(ds, engine, cfg, state.params)
+            writer.write({"step": 0, "val_loss": val_losses[0]}, prefix="val")
+            say(f"step {0:>6}  val_loss {val_losses[0]:.4f}")
+        state, losses = _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet, ckpt)
+    _say_where(say, logdir)
+    return RunResult(logdir, state, losses, val_losses, mapping)
+
+
+def _say_where(say, logdir: Path) -> None:
     say(f"logs           {logdir}/ ({METRICS_FILE}, TensorBoard events, config.yaml)")
     say(
         f"tensorboard    make tensorboard LOGDIR={logdir.parent}   "
         f"(or: .venv/bin/jaxpod tensorboard {logdir.parent})"
     )
-    return RunResult(logdir, state, losses, val_losses, mapping)
 
 
-def _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet):
-    """The step loop proper. Returns the final state and every step's training loss."""
+def _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet, ckpt):
+    """The step loop proper, from `state.step` + 1. Returns the final state and the losses."""
     steps, log_every, eval_every = cfg.train.steps, cfg.train.log_every, cfg.train.eval_every
-    bar = tqdm(total=steps, unit="step", disable=quiet or not sys.stderr.isatty(), file=sys.stderr)
+    every = cfg.train.checkpoint_every
+    start = int(state.step)
+    hide = quiet or not sys.stderr.isatty()
+    bar = tqdm(total=steps, initial=start, unit="step", disable=hide, file=sys.stderr)
     # With a live progress bar, lines go above it; otherwise (CI, pipes) plain log lines.
     log = say if bar.disable else bar.write
     step_losses = []
     pending = []  # (step, metrics on device) not yet read to the host
-    last_time, last_step = time.perf_counter(), 0
+    last_time, last_step = time.perf_counter(), start
 
     def flush(upto_done: bool) -> None:
         nonlocal last_time, last_step
@@ -138,7 +187,7 @@ def _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet):
                     f"lr {host['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
                 )
 
-    for step in range(1, steps + 1):
+    for step in range(start + 1, steps + 1):
         state, metrics = engine.train_step(state, global_tokens(ds, engine, cfg, step - 1))
         pending.append((step, metrics))
         flush(upto_done=False)  # reads step N-1 while step N runs
@@ -149,6 +198,8 @@ def _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet):
             writer.write({"step": step, "val_loss": val_losses[step]}, prefix="val")
             log(f"step {step:>6}  val_loss {val_losses[step]:.4f}")
             last_time = time.perf_counter()  # do not charge evaluation to the next step time
+        if (every and step % every == 0) or step == steps:
+            ckpt.save(step, state, cfg.train.seed)  # async: returns once off-device
     flush(upto_done=True)
     bar.close()
     return state, step_losses

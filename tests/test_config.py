@@ -217,10 +217,11 @@ BAD_OVERRIDES = [
         for key in (
             "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff "
             "model.seq_len model.vocab train.steps train.micro_batch train.grad_accum "
-            "train.global_batch train.log_every train.eval_batches"
+            "train.global_batch train.log_every train.eval_batches train.keep_checkpoints"
         ).split()
     ],
     (["train.eval_every=-1"], ("train.eval_every=-1 must be >= 0",)),
+    (["train.checkpoint_every=-1"], ("train.checkpoint_every=-1 must be >= 0",)),
     (["optim.warmup_steps=-1"], ("optim.warmup_steps=-1 must be >= 0",)),
     (["optim.weight_decay=-0.1"], ("optim.weight_decay=-0.1 must be >= 0",)),
     (["optim.grad_clip=-1"], ("optim.grad_clip=-1.0 must be >= 0",)),
