@@ -21,21 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from jaxpod.platform import use_virtual_cpu_devices  # jax-free: safe before jax starts
+
 DEVICE_COUNT = 8
 
-
-def _use_virtual_cpu_devices(count: int) -> None:
-    flag = f"--xla_force_host_platform_device_count={count}"
-    kept = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    os.environ["XLA_FLAGS"] = " ".join([*kept, flag])
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-_use_virtual_cpu_devices(DEVICE_COUNT)
+use_virtual_cpu_devices(DEVICE_COUNT)
+os.environ["JAX_PLATFORMS"] = "cpu"
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "tiny.yaml"
