@@ -197,7 +197,9 @@ def _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet, ckpt):
             val_losses[step] = evaluate(ds, engine, cfg, state.params)
             writer.write({"step": step, "val_loss": val_losses[step]}, prefix="val")
             log(f"step {step:>6}  val_loss {val_losses[step]:.4f}")
-            last_time = time.perf_counter()  # do not charge evaluation to the next step time
+            # Steps up to `step` are all read (flushed above): time the next ones from here,
+            # so evaluation is not charged to them.
+            last_time, last_step = time.perf_counter(), step
         if (every and step % every == 0) or step == steps:
             ckpt.save(step, state, cfg.train.seed)  # async: returns once off-device
     flush(upto_done=True)
