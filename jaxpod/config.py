@@ -10,7 +10,6 @@ A *resolved* config (what ``load_config``/``config_from_dict``/``with_overrides`
 
 import dataclasses
 import difflib
-import functools
 import math
 import os
 import types
@@ -21,17 +20,35 @@ from typing import Any
 
 import yaml
 
+from jaxpod.config_rules import (
+    BYTE_VOCAB,
+    CHOICES,
+    DTYPES,
+    IMAGE_DATA,
+    MAX_DEVICES,
+    TEXT_DATA,
+    parse_bytes,
+    validate_and_resolve,
+)
+from jaxpod.config_rules import fail as _fail
 from jaxpod.errors import ConfigError
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.name": ("gpt",),
-    "model.remat": ("none", "full", "minimal", "attention", "comms"),
-    "optim.name": ("sgd", "adamw"),
-    "optim.schedule": ("constant", "cosine"),
-    "data.name": ("stdlib-code", "synthetic", "text-files"),
-}
-MAX_DEVICES = 256
-BYTE_VOCAB = 256  # every dataset is byte-level: token ids are byte values 0..255
+__all__ = [  # the constants and parse_bytes live in config_rules; re-exported here
+    "BYTE_VOCAB",
+    "CHOICES",
+    "DTYPES",
+    "IMAGE_DATA",
+    "MAX_DEVICES",
+    "TEXT_DATA",
+    "Config",
+    "ConfigError",
+    "config_from_dict",
+    "config_to_dict",
+    "dump_yaml",
+    "load_config",
+    "parse_bytes",
+    "with_overrides",
+]
 
 
 @dataclass(frozen=True)
@@ -50,7 +67,8 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only transformer hyperparameters."""
+    """Model hyperparameters: transformers (gpt, bert) use layers..tie_embeddings and norm;
+    efficientnet uses variant..pipeline_splits (and remat)."""
 
     name: str = "gpt"
     layers: int = 4
@@ -61,6 +79,15 @@ class ModelConfig:
     vocab: int = 256
     remat: str = "none"
     tie_embeddings: bool = True
+    norm: str = "pre"  # bert: pre- or post-LayerNorm blocks
+    variant: str = "b0"  # efficientnet compound-scaling preset
+    g16: bool = False  # grouped (16 channels/group) instead of depthwise convs, expansion 4
+    norm_groups: int = 4  # GroupNorm groups
+    width_mult: float | None = None  # override the variant's width coefficient
+    depth_mult: float | None = None  # override the variant's depth coefficient
+    image_size: int = 32
+    num_classes: int = 10
+    pipeline_splits: tuple[str, ...] = ()  # block names where stages 1.. start, e.g. [4a]
 
 
 @dataclass(frozen=True)
@@ -78,6 +105,7 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_every: int = 0  # 0 saves only the final step (which is always saved)
     keep_checkpoints: int = 3  # newest checkpoints kept under <logdir>/checkpoints/
+    profile_steps: tuple[int, ...] | None = None  # [start, stop): trace these steps
 
 
 @dataclass(frozen=True)
@@ -93,6 +121,9 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     grad_clip: float = 1.0
+    power: float = 1.0  # polynomial schedule: lr * (1 - progress) ** power after warm-up
+    end_lr: float = 0.0  # polynomial schedule's final learning rate
+    trust_coefficient: float = 0.001  # lars
 
 
 @dataclass(frozen=True)
@@ -102,6 +133,35 @@ class DataConfig:
     name: str = "stdlib-code"
     path: str | None = None
     val_fraction: float = 0.05
+    prefetch: int = 3  # batches prepared ahead by a background thread (0: synchronous)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Mixed precision: weight, compute and master dtypes; loss scaling.
+
+    `master=same-as-params` with 16-bit params keeps no float32 copy: updates are applied
+    with stochastic rounding. A dynamic loss scale grows x2 after `loss_scale_period` finite
+    steps and halves on overflow (the step is skipped)."""
+
+    params: str = "float32"
+    compute: str = "float32"
+    master: str = "float32"
+    loss_scale: str = "none"
+    loss_scale_init: float = 32768.0
+    loss_scale_period: int = 2000
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Where bytes live: device profile, replicated tensor sharding, host offload, phases."""
+
+    device: str = "cpu"
+    rts: int = 1  # weights of each stage sharded over this many replicas
+    rts_optimizer: int | None = None  # optimizer state sharded over this many (None: = rts)
+    offload: tuple[str, ...] = ()  # of optimizer, params, activations
+    phases: int = 1  # the layers of a stage run in this many phases, streamed from host
+    device_budget: str | None = None  # e.g. 900MB, 16GiB: refuse mappings that exceed it
 
 
 @dataclass(frozen=True)
@@ -114,6 +174,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     @property
     def global_batch(self) -> int:
@@ -127,10 +189,25 @@ class Config:
         """Tokens per optimizer step: global_batch * model.seq_len."""
         return self.global_batch * self.model.seq_len
 
+    @property
+    def is_vision(self) -> bool:
+        """True for image classifiers (efficientnet), False for token models."""
+        return self.model.name == "efficientnet"
+
+    def warnings(self) -> list[str]:
+        """Legal but risky settings, one line each (the CLI prints them)."""
+        out = []
+        if self.precision.params == "float16" and self.precision.loss_scale == "none":
+            out.append(
+                "precision.params=float16 with precision.loss_scale=none: small gradients "
+                "underflow to zero in float16; set precision.loss_scale=dynamic"
+            )
+        return out
+
 
 SECTIONS: dict[str, type] = {
     f.name: f.type for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type)
-}  # section name -> dataclass: mesh, model, train, optim, data
+}  # section name -> dataclass: mesh, model, train, optim, data, precision, memory
 
 
 def _collect_field_types() -> dict[str, Any]:
@@ -146,10 +223,6 @@ def _collect_field_types() -> dict[str, Any]:
 
 FIELD_TYPES: dict[str, Any] = _collect_field_types()  # dotted key -> annotated type
 TOP_LEVEL: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
-
-
-def _fail(msg: str) -> typing.NoReturn:
-    raise ConfigError(msg.replace("\r", " ").replace("\n", " "))
 
 
 def _one_line(text: object) -> str:
@@ -179,6 +252,13 @@ def _coerce(key: str, value: object, tp: Any) -> object:
         nullable = " or null"
     else:
         nullable = ""
+    if typing.get_origin(tp) is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if isinstance(value, str | int) and not isinstance(value, bool):
+            value = [value]  # a single item, e.g. memory.offload=optimizer
+        if not isinstance(value, list | tuple):
+            _fail(f"{key}={value!r} must be a list, e.g. {key}=[a,b]{nullable}")
+        return tuple(_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -204,8 +284,17 @@ def _coerce(key: str, value: object, tp: Any) -> object:
     if tp is str:
         if isinstance(value, str):
             return value
+        if (
+            key in _NUMBER_AS_TEXT
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+        ):
+            return str(value)
         _fail(f"{key}={value!r} must be a string{nullable}; quote it in YAML")
     raise TypeError(f"unsupported config field type {tp!r} for {key}")  # pragma: no cover
+
+
+_NUMBER_AS_TEXT = ("memory.device_budget",)  # text fields that may be given as a plain number
 
 
 def _normalize(raw: object) -> dict[str, Any]:
@@ -269,144 +358,6 @@ def _set(d: dict[str, Any], key: str, value: object) -> None:
         d[key] = value
 
 
-def _get(cfg: Config, key: str) -> Any:
-    return functools.reduce(getattr, key.split("."), cfg)
-
-
-_AT_LEAST_1 = (
-    "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff model.seq_len "
-    "model.vocab train.steps train.micro_batch train.grad_accum train.global_batch "
-    "train.log_every train.eval_batches train.keep_checkpoints"
-).split()
-_AT_LEAST_0 = (
-    "train.eval_every",
-    "train.checkpoint_every",
-    "optim.warmup_steps",
-    "optim.weight_decay",
-    "optim.grad_clip",
-)
-_UNIT_INTERVAL = ("optim.momentum", "optim.b1", "optim.b2")  # [0, 1)
-
-
-def _check_ranges(cfg: Config) -> None:
-    if not 1 <= cfg.devices <= MAX_DEVICES:
-        _fail(f"devices={cfg.devices} must be between 1 and {MAX_DEVICES}")
-    if cfg.mesh.replica < 1 and cfg.mesh.replica != -1:
-        _fail(f"mesh.replica={cfg.mesh.replica} must be >= 1, or -1 to fill from devices")
-    for key in _AT_LEAST_1:
-        value = _get(cfg, key)
-        if value is not None and value < 1:
-            _fail(f"{key}={value} must be >= 1")
-    for key in _AT_LEAST_0:
-        if _get(cfg, key) < 0:
-            _fail(f"{key}={_get(cfg, key)} must be >= 0")
-    for key in _UNIT_INTERVAL:
-        if not 0 <= _get(cfg, key) < 1:
-            _fail(f"{key}={_get(cfg, key)} must be in [0, 1)")
-    if cfg.optim.lr <= 0:
-        _fail(f"optim.lr={cfg.optim.lr} must be > 0")
-    if not 0 < cfg.data.val_fraction < 1:
-        _fail(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1 (exclusive)")
-    if not cfg.train.logdir.strip():
-        _fail("train.logdir='' must not be empty; e.g. train.logdir=runs/mine")
-
-
-def _resolve_mesh(cfg: Config) -> int:
-    m, devices = cfg.mesh, cfg.devices
-    if m.replica == -1:
-        if devices % (m.pipeline * m.tensor):
-            _fail(
-                f"mesh.pipeline*mesh.tensor={m.pipeline * m.tensor} does not divide "
-                f"devices={devices}; change mesh.pipeline/mesh.tensor or devices"
-            )
-        return devices // (m.pipeline * m.tensor)
-    product = m.replica * m.pipeline * m.tensor
-    if product != devices:
-        _fail(
-            f"mesh replica*pipeline*tensor = {m.replica}*{m.pipeline}*{m.tensor} = {product} does "
-            f"not match devices={devices}; set mesh.replica=-1 to fill, or change devices"
-        )
-    return m.replica
-
-
-def _check_model(cfg: Config) -> None:
-    md, mesh = cfg.model, cfg.mesh
-    if md.d_model % md.heads:
-        _fail(
-            f"model.d_model={md.d_model} is not divisible by model.heads={md.heads}; "
-            "choose model.heads that divides model.d_model"
-        )
-    if md.layers % mesh.pipeline:
-        _fail(
-            f"model.layers={md.layers} does not divide into mesh.pipeline={mesh.pipeline} stages; "
-            f"use a multiple of {mesh.pipeline}"
-        )
-    for name in ("heads", "d_ff", "vocab"):
-        value = getattr(md, name)
-        if value % mesh.tensor:
-            _fail(
-                f"mesh.tensor={mesh.tensor} does not divide model.{name}={value}; "
-                f"use a mesh.tensor that divides it or a multiple of {mesh.tensor}"
-            )
-
-
-def _resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
-    t = cfg.train
-    per_accum = t.micro_batch * replica
-    if t.global_batch is None:
-        grad_accum = 1 if t.grad_accum is None else t.grad_accum
-        return grad_accum, per_accum * grad_accum
-    if t.global_batch % per_accum:
-        _fail(
-            f"train.global_batch={t.global_batch} is not divisible by "
-            f"train.micro_batch*mesh.replica = {t.micro_batch}*{replica} = {per_accum}; "
-            f"use a multiple of {per_accum} or drop train.global_batch"
-        )
-    grad_accum = t.global_batch // per_accum
-    if t.grad_accum is not None and t.grad_accum != grad_accum:
-        _fail(
-            f"train.grad_accum={t.grad_accum} disagrees with train.global_batch={t.global_batch} "
-            f"(which needs grad_accum={grad_accum}); set only one, e.g. train.grad_accum=null"
-        )
-    return grad_accum, t.global_batch
-
-
-def _check_data(cfg: Config) -> None:
-    d = cfg.data
-    if d.name == "text-files" and not d.path:
-        _fail("data.name=text-files needs data.path=DIR (a directory of text files)")
-    if d.name != "text-files" and d.path is not None:
-        _fail(f"data.path={d.path!r} is only used by data.name=text-files; set data.path=null")
-    if cfg.model.vocab < BYTE_VOCAB:
-        _fail(
-            f"model.vocab={cfg.model.vocab} is smaller than {BYTE_VOCAB} byte values of "
-            f"data.name={d.name}; use model.vocab>={BYTE_VOCAB}"
-        )
-
-
-def _validate_and_resolve(cfg: Config) -> Config:
-    for key, options in CHOICES.items():
-        if _get(cfg, key) not in options:
-            _fail(f"{key}={_get(cfg, key)!r} is not one of {', '.join(options)}")
-    _check_ranges(cfg)
-    replica = _resolve_mesh(cfg)
-    _check_model(cfg)
-    grad_accum, global_batch = _resolve_batch(cfg, replica)
-    tokens = cfg.train.micro_batch * grad_accum * cfg.model.seq_len
-    if tokens % cfg.mesh.pipeline:
-        _fail(
-            f"train.micro_batch*train.grad_accum*model.seq_len = {cfg.train.micro_batch}*"
-            f"{grad_accum}*{cfg.model.seq_len} = {tokens} output tokens per replica is not "
-            f"divisible by mesh.pipeline={cfg.mesh.pipeline}; change one of them"
-        )
-    _check_data(cfg)
-    return dataclasses.replace(
-        cfg,
-        mesh=dataclasses.replace(cfg.mesh, replica=replica),
-        train=dataclasses.replace(cfg.train, grad_accum=grad_accum, global_batch=global_batch),
-    )
-
-
 def _build(d: dict[str, Any]) -> Config:
     """Coerce a normalized dict into dataclasses, then validate and resolve."""
     sections = {
@@ -416,7 +367,7 @@ def _build(d: dict[str, Any]) -> Config:
         for name, cls in SECTIONS.items()
     }
     scalars = {k: _coerce(k, v, FIELD_TYPES[k]) for k, v in d.items() if k not in SECTIONS}
-    return _validate_and_resolve(Config(**scalars, **sections))
+    return validate_and_resolve(Config(**scalars, **sections))
 
 
 def _read_yaml(path: str | os.PathLike) -> object:
@@ -456,8 +407,13 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
-    """Nested plain dict of every field; round-trips through ``config_from_dict``."""
-    return dataclasses.asdict(cfg)
+    """Nested plain dict of every field (lists for tuples); round-trips through
+    ``config_from_dict`` and ``yaml.safe_dump``."""
+    return dataclasses.asdict(cfg, dict_factory=lambda kv: {k: _plain(v) for k, v in kv})
+
+
+def _plain(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def with_overrides(cfg: Config, overrides: Sequence[str] | Mapping[str, object]) -> Config:

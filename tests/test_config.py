@@ -16,6 +16,7 @@ from jaxpod.config import (
     config_to_dict,
     dump_yaml,
     load_config,
+    parse_bytes,
     with_overrides,
 )
 
@@ -51,9 +52,16 @@ def test_choices_table_matches_defaults():
     assert set(CHOICES) == {
         "model.name",
         "model.remat",
+        "model.variant",
+        "model.norm",
         "optim.name",
         "optim.schedule",
         "data.name",
+        "precision.params",
+        "precision.compute",
+        "precision.master",
+        "precision.loss_scale",
+        "memory.device",
     }
     default = Config()
     for key, options in CHOICES.items():
@@ -203,10 +211,42 @@ BAD_OVERRIDES = [
     # choices
     (["model.remat=fast"], ("model.remat='fast' is not one of none, full, minimal, attention",)),
     (["model.remat=off"], ("model.remat='off' is not one of",)),
-    (["model.name=llama"], ("model.name='llama' is not one of gpt",)),
-    (["optim.name=adam"], ("optim.name='adam' is not one of sgd, adamw",)),
-    (["optim.schedule=linear"], ("optim.schedule='linear' is not one of constant, cosine",)),
+    (["model.name=llama"], ("model.name='llama' is not one of gpt, bert, efficientnet",)),
+    (["optim.name=adam"], ("optim.name='adam' is not one of sgd, adamw, lamb, lars",)),
+    (["optim.schedule=linear"], ("optim.schedule='linear' is not one of constant, cosine, poly",)),
     (["data.name=mnist"], ("data.name='mnist' is not one of stdlib-code, synthetic, text-files",)),
+    (["precision.params=fp16"], ("precision.params='fp16' is not one of float32, float16, bf",)),
+    (["precision.compute=int8"], ("precision.compute='int8' is not one of float32",)),
+    (["precision.master=float16"], ("precision.master='float16' is not one of float32, same-",)),
+    (["precision.loss_scale=auto"], ("precision.loss_scale='auto' is not one of none, static",)),
+    (["memory.device=ipu"], ("memory.device='ipu' is not one of cpu, ipu-gc200, h100-80gb",)),
+    (["memory.offload=[gradients]"], ("memory.offload item 'gradients' is not one of optim",)),
+    (["memory.offload=[7]"], ("memory.offload[0]=7 must be a string",)),
+    (["memory.offload={a: 1}"], ("memory.offload={'a': 1} must be a list",)),
+    (["memory.device_budget=lots"], ("memory.device_budget='lots' is not a size; use e.g.",)),
+    (["memory.device_budget=0MB"], ("memory.device_budget='0MB' must be > 0",)),
+    (["memory.rts=3"], ("memory.rts=3 does not divide mesh.replica=8; use a divisor of 8",)),
+    (["memory.rts_optimizer=16"], ("memory.rts_optimizer=16 does not divide mesh.replica=8",)),
+    (["memory.phases=5"], ("memory.phases=5 is more than model.layers=4; use fewer",)),
+    (["memory.phases=3"], ("memory.phases=3 does not divide the 4 layers of each pipeline",)),
+    (["train.profile_steps=[5]"], ("train.profile_steps=[5] must be [start, stop] with",)),
+    (["train.profile_steps=[5,2]"], ("train.profile_steps=[5, 2] must be [start, stop]",)),
+    (["train.profile_steps=[a,b]"], ("train.profile_steps[0]='a' must be an integer",)),
+    (["model.pipeline_splits=[4a]"], ("model.pipeline_splits=['4a'] is for model.name=eff",)),
+    (["data.name=digits"], ("data.name=digits is images but model.name=gpt reads tokens",)),
+    (["data.name=image-folder"], ("data.name=image-folder needs data.path=DIR",)),
+    *[
+        (["model.name=efficientnet", "data.name=digits", *extra], expected)
+        for extra, expected in [
+            (["mesh.tensor=2"], ("mesh.tensor=2: model.name=efficientnet is pipelined",)),
+            (["mesh.pipeline=2"], ("model.pipeline_splits=[] names 0 stage boundaries but",)),
+            (["model.pipeline_splits=[4a]"], ("names 1 stage boundaries but mesh.pipeline=1",)),
+            (["data.name=stdlib-code"], ("data.name=stdlib-code is text but model.name=eff",)),
+            (["model.image_size=16"], ("model.image_size=16 must be >= 32",)),
+            (["model.width_mult=0"], ("model.width_mult=0.0 must be > 0",)),
+            (["memory.phases=2"], ("memory.phases/memory.rts/memory.offload are for trans",)),
+        ]
+    ],
     # ranges
     (["devices=0"], ("devices=0 must be between 1 and 256",)),
     (["devices=512"], ("devices=512 must be between 1 and 256",)),
@@ -332,6 +372,38 @@ def test_config_from_dict_rejects_bad_input():
         config_from_dict([1, 2])  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
         config_from_dict({"train": {"step": 3}})
+
+
+def test_list_fields_and_sizes():
+    cfg = load_config(
+        None,
+        [
+            "train.profile_steps=[3, 5]",
+            "memory.device_budget=900MB",
+            "model.name=efficientnet",
+            "data.name=digits",
+            "mesh.pipeline=2",
+            "model.pipeline_splits=[4a]",
+        ],
+    )
+    assert cfg.train.profile_steps == (3, 5)
+    assert load_config(None, ["memory.offload=optimizer"]).memory.offload == ("optimizer",)
+    assert cfg.model.pipeline_splits == ("4a",)
+    assert config_from_dict(yaml.safe_load(dump_yaml(cfg))) == cfg
+    assert [parse_bytes(t) for t in ("900MB", "16GiB", "1234", "1.5 GB")] == [
+        900_000_000,
+        16 * 2**30,
+        1234,
+        1_500_000_000,
+    ]
+    assert load_config(None, ["memory.device_budget=1000"]).memory.device_budget == "1000"
+
+
+def test_float16_without_loss_scale_warns():
+    cfg = load_config(None, ["precision.params=float16"])
+    assert any("precision.loss_scale=dynamic" in w for w in cfg.warnings())
+    cfg = load_config(None, ["precision.params=float16", "precision.loss_scale=dynamic"])
+    assert cfg.warnings() == []
 
 
 def test_import_does_not_load_jax():

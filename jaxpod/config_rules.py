@@ -1,0 +1,299 @@
+"""Validation and resolution of a `Config`: the rules every run configuration must satisfy.
+
+Each rule raises ``ConfigError`` with one line naming the field and the fix. `jaxpod.config`
+builds the dataclasses and calls `validate_and_resolve`; this module is jax-free too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from typing import TYPE_CHECKING, Any
+
+from jaxpod.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jaxpod.config import Config
+
+DTYPES = ("float32", "float16", "bfloat16")
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.name": ("gpt", "bert", "efficientnet"),
+    "model.remat": ("none", "full", "minimal", "attention", "comms"),
+    "model.variant": ("b0", "b1", "b2", "b3", "b4"),
+    "model.norm": ("pre", "post"),
+    "optim.name": ("sgd", "adamw", "lamb", "lars"),
+    "optim.schedule": ("constant", "cosine", "polynomial"),
+    "data.name": (
+        "stdlib-code",
+        "synthetic",
+        "text-files",
+        "digits",
+        "synthetic-imagenet",
+        "image-folder",
+    ),
+    "precision.params": DTYPES,
+    "precision.compute": DTYPES,
+    "precision.master": ("float32", "same-as-params"),
+    "precision.loss_scale": ("none", "static", "dynamic"),
+    "memory.device": ("cpu", "ipu-gc200", "h100-80gb", "tpu-v5e"),
+}
+LIST_CHOICES: dict[str, tuple[str, ...]] = {  # list fields: every element must be one of these
+    "memory.offload": ("optimizer", "params", "activations"),
+}
+TEXT_DATA = ("stdlib-code", "synthetic", "text-files")
+IMAGE_DATA = ("digits", "synthetic-imagenet", "image-folder")
+PATH_DATA = ("text-files", "image-folder")  # the data.name values that read data.path
+MAX_DEVICES = 256
+BYTE_VOCAB = 256  # every dataset is byte-level: token ids are byte values 0..255
+
+
+def fail(msg: str) -> typing.NoReturn:
+    """Raise a one-line ConfigError."""
+    raise ConfigError(msg.replace("\r", " ").replace("\n", " "))
+
+
+def get(cfg: Config, key: str) -> Any:
+    """The value of a dotted key, e.g. get(cfg, "mesh.tensor")."""
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+_AT_LEAST_1 = (
+    "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff model.seq_len "
+    "model.vocab train.steps train.micro_batch train.grad_accum train.global_batch "
+    "train.log_every train.eval_batches train.keep_checkpoints model.norm_groups "
+    "model.image_size model.num_classes precision.loss_scale_period memory.rts "
+    "memory.rts_optimizer memory.phases"
+).split()
+_AT_LEAST_0 = (
+    "data.prefetch",
+    "optim.power",
+    "optim.end_lr",
+    "optim.trust_coefficient",
+    "train.eval_every",
+    "train.checkpoint_every",
+    "optim.warmup_steps",
+    "optim.weight_decay",
+    "optim.grad_clip",
+)
+_UNIT_INTERVAL = ("optim.momentum", "optim.b1", "optim.b2")  # [0, 1)
+
+
+def _check_ranges(cfg: Config) -> None:
+    if not 1 <= cfg.devices <= MAX_DEVICES:
+        fail(f"devices={cfg.devices} must be between 1 and {MAX_DEVICES}")
+    if cfg.mesh.replica < 1 and cfg.mesh.replica != -1:
+        fail(f"mesh.replica={cfg.mesh.replica} must be >= 1, or -1 to fill from devices")
+    for key in _AT_LEAST_1:
+        value = get(cfg, key)
+        if value is not None and value < 1:
+            fail(f"{key}={value} must be >= 1")
+    for key in _AT_LEAST_0:
+        if get(cfg, key) < 0:
+            fail(f"{key}={get(cfg, key)} must be >= 0")
+    for key in _UNIT_INTERVAL:
+        if not 0 <= get(cfg, key) < 1:
+            fail(f"{key}={get(cfg, key)} must be in [0, 1)")
+    if cfg.optim.lr <= 0:
+        fail(f"optim.lr={cfg.optim.lr} must be > 0")
+    if not 0 < cfg.data.val_fraction < 1:
+        fail(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1 (exclusive)")
+    if not cfg.train.logdir.strip():
+        fail("train.logdir='' must not be empty; e.g. train.logdir=runs/mine")
+    for key in ("model.width_mult", "model.depth_mult"):
+        if get(cfg, key) is not None and get(cfg, key) <= 0:
+            fail(f"{key}={get(cfg, key)} must be > 0 (or null for the variant's value)")
+    if cfg.precision.loss_scale_init <= 0:
+        fail(f"precision.loss_scale_init={cfg.precision.loss_scale_init} must be > 0")
+    profile = cfg.train.profile_steps
+    if profile is not None and (len(profile) != 2 or not 0 <= profile[0] < profile[1]):
+        fail(
+            f"train.profile_steps={list(profile)} must be [start, stop] with 0 <= start < stop, "
+            "e.g. train.profile_steps=[5,8]"
+        )
+    for key, options in LIST_CHOICES.items():
+        for item in get(cfg, key):
+            if item not in options:
+                fail(f"{key} item {item!r} is not one of {', '.join(options)}")
+    parse_bytes(cfg.memory.device_budget)
+
+
+def _resolve_mesh(cfg: Config) -> int:
+    m, devices = cfg.mesh, cfg.devices
+    if m.replica == -1:
+        if devices % (m.pipeline * m.tensor):
+            fail(
+                f"mesh.pipeline*mesh.tensor={m.pipeline * m.tensor} does not divide "
+                f"devices={devices}; change mesh.pipeline/mesh.tensor or devices"
+            )
+        return devices // (m.pipeline * m.tensor)
+    product = m.replica * m.pipeline * m.tensor
+    if product != devices:
+        fail(
+            f"mesh replica*pipeline*tensor = {m.replica}*{m.pipeline}*{m.tensor} = {product} does "
+            f"not match devices={devices}; set mesh.replica=-1 to fill, or change devices"
+        )
+    return m.replica
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str | None, key: str = "memory.device_budget") -> int | None:
+    """'900MB' -> 900_000_000, '16GiB' -> 17179869184, '1234' -> 1234; None stays None."""
+    if text is None:
+        return None
+    raw = text.strip().upper()
+    digits = raw.rstrip("KMGTIB ")
+    unit = raw[len(digits) :].strip()
+    try:
+        value = float(digits) * _UNITS[unit]
+    except (ValueError, KeyError):
+        fail(f"{key}={text!r} is not a size; use e.g. 900MB, 16GiB or a byte count")
+    if value <= 0:
+        fail(f"{key}={text!r} must be > 0")
+    return int(value)
+
+
+def _check_vision(cfg: Config) -> None:
+    md, mesh = cfg.model, cfg.mesh
+    if mesh.tensor != 1:
+        fail(
+            f"mesh.tensor={mesh.tensor}: model.name=efficientnet is pipelined and replicated, "
+            "not tensor-sharded; set mesh.tensor=1"
+        )
+    if len(md.pipeline_splits) != mesh.pipeline - 1:
+        fail(
+            f"model.pipeline_splits={list(md.pipeline_splits)} names {len(md.pipeline_splits)} "
+            f"stage boundaries but mesh.pipeline={mesh.pipeline} needs {mesh.pipeline - 1}; "
+            "e.g. model.pipeline_splits=[4a] for 2 stages"
+        )
+    if cfg.data.name not in IMAGE_DATA:
+        fail(
+            f"data.name={cfg.data.name} is text but model.name=efficientnet classifies images; "
+            f"use data.name one of {', '.join(IMAGE_DATA)}"
+        )
+    if md.image_size < 32:
+        fail(f"model.image_size={md.image_size} must be >= 32 (five stride-2 stages)")
+    if cfg.memory.phases != 1 or cfg.memory.rts != 1 or cfg.memory.offload:
+        fail(
+            "memory.phases/memory.rts/memory.offload are for transformer models; "
+            "leave them at 1/1/[] for model.name=efficientnet"
+        )
+
+
+def _check_memory(cfg: Config, replica: int) -> None:
+    mem, md = cfg.memory, cfg.model
+    for key in ("memory.rts", "memory.rts_optimizer"):
+        value = get(cfg, key)
+        if value is not None and replica % value:
+            fail(
+                f"{key}={value} does not divide mesh.replica={replica}; use a divisor of {replica}"
+            )
+    if mem.phases > md.layers:
+        fail(f"memory.phases={mem.phases} is more than model.layers={md.layers}; use fewer")
+    per_stage = md.layers // cfg.mesh.pipeline
+    if per_stage % mem.phases:
+        fail(
+            f"memory.phases={mem.phases} does not divide the {per_stage} layers of each pipeline "
+            f"stage (model.layers/mesh.pipeline); use a divisor of {per_stage}"
+        )
+
+
+def _check_model(cfg: Config) -> None:
+    md, mesh = cfg.model, cfg.mesh
+    if md.name == "efficientnet":
+        _check_vision(cfg)
+        return
+    if md.pipeline_splits:
+        fail(
+            f"model.pipeline_splits={list(md.pipeline_splits)} is for model.name=efficientnet; "
+            "transformer layers split evenly, set model.pipeline_splits=[]"
+        )
+    if md.d_model % md.heads:
+        fail(
+            f"model.d_model={md.d_model} is not divisible by model.heads={md.heads}; "
+            "choose model.heads that divides model.d_model"
+        )
+    if md.layers % mesh.pipeline:
+        fail(
+            f"model.layers={md.layers} does not divide into mesh.pipeline={mesh.pipeline} stages; "
+            f"use a multiple of {mesh.pipeline}"
+        )
+    for name in ("heads", "d_ff", "vocab"):
+        value = getattr(md, name)
+        if value % mesh.tensor:
+            fail(
+                f"mesh.tensor={mesh.tensor} does not divide model.{name}={value}; "
+                f"use a mesh.tensor that divides it or a multiple of {mesh.tensor}"
+            )
+
+
+def _resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
+    t = cfg.train
+    per_accum = t.micro_batch * replica
+    if t.global_batch is None:
+        grad_accum = 1 if t.grad_accum is None else t.grad_accum
+        return grad_accum, per_accum * grad_accum
+    if t.global_batch % per_accum:
+        fail(
+            f"train.global_batch={t.global_batch} is not divisible by "
+            f"train.micro_batch*mesh.replica = {t.micro_batch}*{replica} = {per_accum}; "
+            f"use a multiple of {per_accum} or drop train.global_batch"
+        )
+    grad_accum = t.global_batch // per_accum
+    if t.grad_accum is not None and t.grad_accum != grad_accum:
+        fail(
+            f"train.grad_accum={t.grad_accum} disagrees with train.global_batch={t.global_batch} "
+            f"(which needs grad_accum={grad_accum}); set only one, e.g. train.grad_accum=null"
+        )
+    return grad_accum, t.global_batch
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    if d.name in PATH_DATA and not d.path:
+        kind = "text files" if d.name == "text-files" else "one subdirectory of images per class"
+        fail(f"data.name={d.name} needs data.path=DIR (a directory of {kind})")
+    if d.name not in PATH_DATA and d.path is not None:
+        fail(
+            f"data.path={d.path!r} is only used by data.name=text-files or image-folder; "
+            "set data.path=null"
+        )
+    if cfg.is_vision:
+        return
+    if d.name not in TEXT_DATA:
+        fail(
+            f"data.name={d.name} is images but model.name={cfg.model.name} reads tokens; "
+            f"use data.name one of {', '.join(TEXT_DATA)}"
+        )
+    if cfg.model.vocab < BYTE_VOCAB:
+        fail(
+            f"model.vocab={cfg.model.vocab} is smaller than {BYTE_VOCAB} byte values of "
+            f"data.name={d.name}; use model.vocab>={BYTE_VOCAB}"
+        )
+
+
+def validate_and_resolve(cfg: Config) -> Config:
+    for key, options in CHOICES.items():
+        if get(cfg, key) not in options:
+            fail(f"{key}={get(cfg, key)!r} is not one of {', '.join(options)}")
+    _check_ranges(cfg)
+    replica = _resolve_mesh(cfg)
+    _check_model(cfg)
+    _check_memory(cfg, replica)
+    grad_accum, global_batch = _resolve_batch(cfg, replica)
+    tokens = cfg.train.micro_batch * grad_accum * cfg.model.seq_len
+    if not cfg.is_vision and tokens % cfg.mesh.pipeline:
+        fail(
+            f"train.micro_batch*train.grad_accum*model.seq_len = {cfg.train.micro_batch}*"
+            f"{grad_accum}*{cfg.model.seq_len} = {tokens} output tokens per replica is not "
+            f"divisible by mesh.pipeline={cfg.mesh.pipeline}; change one of them"
+        )
+    _check_data(cfg)
+    return dataclasses.replace(
+        cfg,
+        mesh=dataclasses.replace(cfg.mesh, replica=replica),
+        train=dataclasses.replace(cfg.train, grad_accum=grad_accum, global_batch=global_batch),
+    )
