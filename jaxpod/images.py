@@ -1,0 +1,503 @@
+"""Image-classification datasets, deterministic per step and independent of the mesh.
+
+Images stay ``uint8`` on the host, shaped ``[N, H, W, 3]`` (RGB, channels last); `normalize`
+turns them into floats on the device. Row ``i`` of training step ``k`` is global example
+``g = k * global_batch + i``; training images are visited in a seeded permutation per epoch
+(a global batch may straddle two epochs), so the rows of a step depend only on (dataset,
+image_size, seed, global_batch), never on the mesh or the number of processes: every process
+reads exactly its own slice and a resumed run sees exactly the rows it would have seen.
+
+Datasets: ``digits`` (scikit-learn's bundled 8x8 handwritten digits, upscaled, no download),
+``synthetic-imagenet`` (random images for throughput tests) and ``image-folder`` (a directory
+with one subdirectory per class). Host-side only: numpy + standard library at import (Pillow
+and scikit-learn are imported by the loaders that need them), no jax except in `normalize`.
+`Prefetcher` computes the next few batches in a background thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
+
+from jaxpod.errors import DataError
+
+if TYPE_CHECKING:
+    import jax
+
+NAMES = ("digits", "synthetic-imagenet", "image-folder")
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif"})
+# ImageNet per-channel statistics (RGB), on the 0..255 scale of the uint8 pixels.
+MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+STD_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+SYNTHETIC_POOL = 64  # distinct synthetic images; examples pick one by a hash of their index
+SYNTHETIC_CLASSES = 1000
+SYNTHETIC_TRAIN_SIZE = 1_281_167  # nominal sizes, those of ImageNet-1k
+SYNTHETIC_VAL_SIZE = 50_000
+_SPLIT_IDS = {"train": 0, "val": 1}
+_M64 = (1 << 64) - 1
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ImageDataset:
+    """Labelled uint8 RGB images split into train/val (or synthetic, generated per index).
+
+    `_images` holds every image once (uint8[N, H, W, C], C = 1 for grey images, replicated to
+    3 channels per batch); `_train_idx`/`_val_idx` are the rows of each split (int64).
+    """
+
+    name: str
+    image_size: int
+    num_classes: int
+    seed: int
+    train_size: int
+    val_size: int
+    _images: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _labels: np.ndarray | None = field(default=None, repr=False, compare=False)  # int32[N]
+    _train_idx: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _val_idx: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _source: str = field(default="", repr=False)
+
+    def train_batch(
+        self, step: int, start: int, stop: int, global_batch: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [start, stop) of training step `step` (0-based).
+
+        Returns (uint8[stop-start, H, W, 3], int32[stop-start]); each epoch of
+        `train_size` consecutive global examples is a seeded permutation of the training set.
+        """
+        g = _global_indices(step, start, stop, global_batch)
+        if self._images is None:
+            return self._synthetic(g, "train")
+        assert self._train_idx is not None
+        n = self.train_size
+        epochs = g // n
+        pos = np.empty_like(g)
+        for epoch in np.unique(epochs):
+            sel = epochs == epoch
+            pos[sel] = _permutation(self.seed, int(epoch), n)[g[sel] % n]
+        return self._gather(self._train_idx[pos])
+
+    def val_batch(
+        self, index: int, start: int, stop: int, global_batch: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [start, stop) of validation batch `index`, cycling through the val set in order.
+
+        Returns (uint8[stop-start, H, W, 3], int32[stop-start]).
+        """
+        g = _global_indices(index, start, stop, global_batch) % self.val_size
+        if self._images is None:
+            return self._synthetic(g, "val")
+        assert self._val_idx is not None
+        return self._gather(self._val_idx[g])
+
+    def val_batches(self, global_batch: int) -> int:
+        """Full batches of `global_batch` covering every val image once (>= 1).
+
+        The last batch wraps around to the start of the val set when `global_batch` does not
+        divide `val_size`, so a few images are counted twice in the average.
+        """
+        if global_batch < 1:
+            raise ValueError(f"global_batch={global_batch} must be >= 1")
+        return max(1, -(-self.val_size // global_batch))
+
+    def describe(self) -> str:
+        """One line: source, classes, split sizes and image shape."""
+        s = self.image_size
+        return (
+            f"{self.name}: {self._source}, {self.num_classes} classes, {self.train_size:,} train / "
+            f"{self.val_size:,} val images of {s}x{s}x3 uint8"
+        )
+
+    def _gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Images and labels at `rows` (int64[B]): (uint8[B, H, W, 3], int32[B])."""
+        assert self._images is not None and self._labels is not None
+        images = self._images[rows]
+        if images.shape[-1] == 1:
+            images = np.repeat(images, 3, axis=-1)
+        return images, self._labels[rows]
+
+    def _synthetic(self, g: np.ndarray, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """Examples g (int64[B]) of `split`: pool image and label from a hash of (seed, split, g).
+
+        The labels carry no information about the images: this data is for throughput only.
+        """
+        h = _mix(g.astype(np.uint64) ^ np.uint64(_split_key(self.seed, _SPLIT_IDS[split])))
+        pool = _synthetic_pool(self.seed, self.image_size)
+        images = pool[(h % np.uint64(SYNTHETIC_POOL)).astype(np.int64)]
+        labels = ((h >> np.uint64(32)) % np.uint64(self.num_classes)).astype(np.int32)
+        return images, labels
+
+
+def _global_indices(step: int, start: int, stop: int, global_batch: int) -> np.ndarray:
+    """Global example indices step * global_batch + [start, stop): int64[stop-start]."""
+    if step < 0 or global_batch < 1 or not 0 <= start <= stop <= global_batch:
+        raise ValueError(
+            f"bad row request: step={step}, rows [{start}, {stop}) of global_batch={global_batch}"
+        )
+    return np.arange(start, stop, dtype=np.int64) + np.int64(step) * global_batch
+
+
+@functools.lru_cache(maxsize=8)
+def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The visiting order of the n training images in `epoch`: int64[n]."""
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    perm.setflags(write=False)
+    return perm
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser, elementwise on uint64 (wrapping arithmetic): uint64[...]."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@functools.lru_cache(maxsize=16)
+def _split_key(seed: int, split: int) -> int:
+    """A 64-bit key for (seed, split), mixed into every synthetic example's hash."""
+    return int(
+        np.random.default_rng([seed % 2**63, split, 0x1A6E]).integers(0, _M64, dtype=np.uint64)
+    )
+
+
+@functools.lru_cache(maxsize=2)
+def _synthetic_pool(seed: int, image_size: int) -> np.ndarray:
+    """SYNTHETIC_POOL uniformly random images: read-only uint8[64, S, S, 3] (27 MiB at S=380)."""
+    rng = np.random.default_rng([seed % 2**63, 2, 0x1A6E])
+    pool = rng.integers(0, 256, size=(SYNTHETIC_POOL, image_size, image_size, 3), dtype=np.uint8)
+    pool.setflags(write=False)
+    return pool
+
+
+def _stratified_split(
+    labels: np.ndarray, val_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded split of rows 0..N-1 keeping class proportions: (train int64[n], val int64[m]).
+
+    m = round(N * val_fraction) clipped to [1, N-1] (N >= 2); both outputs are sorted.
+    Each class's rows, in a seeded random order, get keys (rank + 0.5) / class_size; the m
+    smallest keys are validation, so every class gives about val_fraction of its images.
+    """
+    n = labels.shape[0]
+    n_val = min(n - 1, max(1, round(n * val_fraction)))
+    order = np.random.default_rng([seed % 2**63, 0x5E11]).permutation(n)
+    shuffled = labels[order]
+    keys = np.empty(n, dtype=np.float64)
+    for c in np.unique(shuffled):
+        sel = np.flatnonzero(shuffled == c)
+        keys[sel] = (np.arange(sel.shape[0]) + 0.5) / sel.shape[0]
+    ranked = order[np.argsort(keys, kind="stable")]
+    return np.sort(ranked[n_val:]), np.sort(ranked[:n_val])
+
+
+@functools.lru_cache(maxsize=2)
+def _digits(image_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 1797 digits, 0..16 -> 0..255, bilinearly resized to image_size.
+
+    Returns read-only (uint8[1797, S, S, 1], int32[1797]); grey, so 1/3 of the RGB memory.
+    """
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    small = np.rint(bunch.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)  # [N, 8, 8]
+    out = np.empty((small.shape[0], image_size, image_size, 1), dtype=np.uint8)
+    size = (image_size, image_size)
+    for i, img in enumerate(small):
+        out[i, :, :, 0] = np.asarray(Image.fromarray(img).resize(size, Image.Resampling.BILINEAR))
+    labels = bunch.target.astype(np.int32)
+    out.setflags(write=False)
+    labels.setflags(write=False)
+    return out, labels
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception's message collapsed onto one line."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _image_files(root: Path, path: str) -> tuple[list[str], list[list[Path]]]:
+    """Class names (sorted subdirectories, hidden skipped) and each class's image files."""
+    layout = "data.path/<class>/<image>.png"
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        raise DataError(
+            f"data.path={path!r} has no class subdirectories; put each class's images in its "
+            f"own subdirectory ({layout})"
+        )
+    files: list[list[Path]] = []
+    for c in classes:
+        found: list[Path] = []
+        for dirpath, dirnames, filenames in os.walk(root / c):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            found += [
+                Path(dirpath, f)
+                for f in filenames
+                if not f.startswith(".") and Path(f).suffix.lower() in IMAGE_SUFFIXES
+            ]
+        files.append(sorted(found, key=lambda f: f.relative_to(root).parts))
+    exts = "/".join(sorted(s[1:] for s in IMAGE_SUFFIXES))
+    if not any(files):
+        raise DataError(
+            f"data.path={path!r} holds no images ({exts}) in its {len(classes)} class "
+            f"subdirectories; add images as {layout}"
+        )
+    for c, f in zip(classes, files, strict=True):
+        if not f:
+            raise DataError(
+                f"data.path={path!r}: class directory {c!r} holds no images ({exts}); add "
+                "images to it or remove it"
+            )
+    return classes, files
+
+
+def _image_folder(path: str, image_size: int) -> tuple[np.ndarray, np.ndarray, list[str], str]:
+    """Decode every image under `path`: (uint8[N, S, S, 3], int32[N], classes, original WxH).
+
+    All images must have the same size (checked, never silently mixed); each is converted to
+    RGB (GIFs: first frame) and resized, bilinearly, to image_size x image_size.
+    """
+    from PIL import Image
+
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise DataError(
+            f"data.path={path!r} {what}; point data.path at a directory with one subdirectory "
+            "of images per class"
+        )
+    classes, files = _image_files(root, path)
+    n = sum(len(f) for f in files)
+    images = np.empty((n, image_size, image_size, 3), dtype=np.uint8)
+    labels = np.empty(n, dtype=np.int32)
+    first: tuple[str, tuple[int, int]] | None = None
+    i = 0
+    for label, class_files in enumerate(files):
+        for f in class_files:
+            rel = f.relative_to(root).as_posix()
+            try:
+                with Image.open(f) as img:
+                    img.load()
+                    size = img.size
+                    rgb = img.convert("RGB")
+            except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, ...
+                raise DataError(
+                    f"data.path={path!r}: cannot decode image {rel!r} ({_one_line(e)}); fix or "
+                    "remove the file"
+                ) from e
+            if first is None:
+                first = (rel, size)
+            elif size != first[1]:
+                (w0, h0), (w1, h1) = first[1], size
+                raise DataError(
+                    f"data.path={path!r}: images have different sizes ({first[0]!r} is {w0}x{h0}, "
+                    f"{rel!r} is {w1}x{h1}); all images must have the same size: resize them "
+                    "to one size first"
+                )
+            if rgb.size != (image_size, image_size):
+                rgb = rgb.resize((image_size, image_size), Image.Resampling.BILINEAR)
+            images[i] = np.asarray(rgb)
+            labels[i] = label
+            i += 1
+    assert first is not None
+    return images, labels, classes, f"{first[1][0]}x{first[1][1]}"
+
+
+def load_images(
+    name: str,
+    *,
+    image_size: int,
+    seed: int,
+    path: str | None = None,
+    val_fraction: float = 0.1,
+    num_classes: int | None = None,
+) -> ImageDataset:
+    """Load image dataset `name` ('digits', 'synthetic-imagenet' or 'image-folder').
+
+    Images come out as uint8[image_size, image_size, 3]. `num_classes`: for synthetic-imagenet
+    the number of label values (default 1000); for the others, if set, it must equal the
+    number of classes found. The train/val split is stratified and seeded by `seed`.
+    """
+    if name not in NAMES:
+        raise DataError(f"data.name={name!r} is unknown; use one of: {', '.join(NAMES)}")
+    if image_size < 1:
+        raise DataError(f"model.image_size={image_size} must be >= 1; e.g. 224")
+    if num_classes is not None and num_classes < 1:
+        raise DataError(f"model.num_classes={num_classes} must be >= 1 (or unset)")
+    if name == "synthetic-imagenet":
+        classes = SYNTHETIC_CLASSES if num_classes is None else num_classes
+        source = (
+            f"random pixels from a pool of {SYNTHETIC_POOL} images, random labels (seed {seed})"
+        )
+        return ImageDataset(
+            name,
+            image_size,
+            classes,
+            seed,
+            SYNTHETIC_TRAIN_SIZE,
+            SYNTHETIC_VAL_SIZE,
+            _source=source,
+        )
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"data.val_fraction={val_fraction} must be in (0, 1); e.g. 0.1")
+    if name == "digits":
+        images, labels = _digits(image_size)
+        found = 10
+        source = f"scikit-learn handwritten digits, 8x8 grey upscaled to {image_size}x{image_size}"
+    else:
+        if path is None:
+            raise DataError(
+                "data.path is not set; data.name='image-folder' needs data.path pointing at a "
+                "directory with one subdirectory of images per class"
+            )
+        images, labels, class_names, original = _image_folder(path, image_size)
+        found = len(class_names)
+        source = f"{images.shape[0]:,} {original} images from {path}"
+        if images.shape[0] < 2:
+            raise DataError(
+                f"data.path={path!r} holds 1 image; need at least 2 (1 train + 1 val): add images"
+            )
+    if num_classes is not None and num_classes != found:
+        where = "digits" if name == "digits" else f"data.path={path!r}"
+        raise DataError(
+            f"model.num_classes={num_classes} but {where} has {found} classes; set "
+            f"model.num_classes={found} or leave it unset"
+        )
+    train_idx, val_idx = _stratified_split(labels, val_fraction, seed)
+    return ImageDataset(
+        name,
+        image_size,
+        found,
+        seed,
+        int(train_idx.shape[0]),
+        int(val_idx.shape[0]),
+        _images=images,
+        _labels=labels,
+        _train_idx=train_idx,
+        _val_idx=val_idx,
+        _source=source,
+    )
+
+
+def normalize(images: jax.Array, dtype: Any) -> jax.Array:
+    """uint8 RGB images [..., 3] -> (x - ImageNet mean) / ImageNet std per channel, in `dtype`.
+
+    Call it on the device, inside the jitted step: the host sends uint8 pixels, 1/4 of the bytes
+    of float32 (1/2 of bfloat16). The arithmetic is done in float32, then cast to `dtype`.
+    """
+    import jax.numpy as jnp
+
+    mean = jnp.asarray(MEAN_RGB, dtype=jnp.float32)
+    inv_std = 1.0 / jnp.asarray(STD_RGB, dtype=jnp.float32)
+    return ((images.astype(jnp.float32) - mean) * inv_std).astype(dtype)
+
+
+_ITEM, _ERROR, _DONE = 0, 1, 2
+
+
+def _produce(
+    make_item: Callable[[int], Any],
+    items: range,
+    out: queue.SimpleQueue,
+    slots: threading.Semaphore,
+    stop: threading.Event,
+) -> None:
+    """Prefetcher thread: make items in order, one free slot each, until done/error/stopped."""
+    try:
+        for i in items:
+            slots.acquire()
+            if stop.is_set():
+                return
+            out.put((_ITEM, make_item(i)))
+    except BaseException as e:  # re-raised in the consumer
+        out.put((_ERROR, e))
+    finally:
+        out.put((_DONE, None))
+
+
+class Prefetcher(Generic[T]):
+    """Iterate make_item(i) for i in range(start, stop), computed ahead in a background thread.
+
+    At most `depth` items are ever in flight: the thread starts make_item(i) only when fewer
+    than `depth` items it made are still waiting to be taken, so while the consumer works on
+    item i, items i+1..i+depth can be ready. `depth=0` runs make_item synchronously in
+    `__next__`. An exception in make_item is re-raised (same object, same type) by the
+    `__next__` that would have returned that item. `close()` (or leaving the `with` block)
+    stops the thread: it waits at most for the make_item call in progress. Single use.
+    """
+
+    def __init__(self, make_item: Callable[[int], T], start: int, stop: int, depth: int = 3):
+        if depth < 0:
+            raise ValueError(f"depth={depth} must be >= 0 (data.prefetch)")
+        self._make_item = make_item
+        self._items = range(start, stop)
+        self._next = 0  # position in _items of the next item to return
+        self._depth = depth
+        self._closed = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._slots = threading.Semaphore(depth)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if depth > 0 and len(self._items) > 0:
+            self._thread = threading.Thread(
+                target=_produce,
+                args=(make_item, self._items, self._queue, self._slots, self._stop),
+                name="jaxpod-prefetch",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def __iter__(self) -> Iterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._closed or self._next >= len(self._items):
+            raise StopIteration
+        if self._thread is None:
+            item = self._make_item(self._items[self._next])
+            self._next += 1
+            return item
+        kind, value = self._queue.get()
+        if kind == _ITEM:
+            self._next += 1
+            self._slots.release()
+            return value
+        self.close()
+        if kind == _ERROR:
+            raise value
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop the thread and drop prefetched items; idempotent. Iteration then ends."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._stop.set()
+            self._slots.release()  # wake the thread if it waits for a slot
+            self._thread.join()
+
+    def __enter__(self) -> Prefetcher[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed and self._thread is not None:
+                self._stop.set()
+                self._slots.release()
+        except AttributeError:  # __init__ failed early
+            pass

@@ -1,0 +1,459 @@
+"""Tests for jaxpod.images: image datasets, determinism, slicing, errors, normalize, Prefetcher."""
+
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from jaxpod.errors import DataError
+from jaxpod.images import MEAN_RGB, STD_RGB, ImageDataset, Prefetcher, load_images, normalize
+
+PIL = pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+
+def _digits(image_size=16, seed=0) -> ImageDataset:
+    return load_images("digits", image_size=image_size, seed=seed)
+
+
+def _partitions(g):
+    return [[(0, g)], [(0, 3), (3, g)], [(i, i + 1) for i in range(g)], [(0, 0), (0, 5), (5, g)]]
+
+
+def _check_slicing(read, g):
+    """Every partition of rows [0, g) concatenates to the same images and labels."""
+    full_x, full_y = read(0, g)
+    for parts in _partitions(g):
+        xs, ys = zip(*(read(a, b) for a, b in parts), strict=True)
+        np.testing.assert_array_equal(np.concatenate(xs), full_x)
+        np.testing.assert_array_equal(np.concatenate(ys), full_y)
+
+
+def _keys(images: np.ndarray) -> list[bytes]:
+    return [im.tobytes() for im in images]
+
+
+def _write(path, value, size=(4, 4), mode="RGB", fmt=None):
+    """A solid image of `value` (a grey level) at `path`, creating parent directories."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, size, value if mode == "L" else (value,) * 3).save(path, format=fmt)
+    return path
+
+
+def _folder(tmp_path, per_class=(5, 4, 6), size=(4, 4)):
+    """Classes c0, c1, ... of solid grey images whose level is a unique id (10 * class + k)."""
+    root = tmp_path / "imgs"
+    for c, n in enumerate(per_class):
+        for k in range(n):
+            _write(root / f"c{c}" / f"img{k}.png", 10 * c + k, size)
+    return root
+
+
+def _id(image: np.ndarray) -> int:
+    return int(image[0, 0, 0])
+
+
+def _data_error(match_path, **kw) -> str:
+    with pytest.raises(DataError) as err:
+        load_images("image-folder", image_size=8, seed=0, path=str(match_path), **kw)
+    msg = str(err.value)
+    assert "\n" not in msg and f"data.path={str(match_path)!r}" in msg
+    return msg
+
+
+# ---------------------------------------------------------------- digits
+
+
+def test_digits_loads_real_images():
+    from sklearn.datasets import load_digits
+
+    ds = _digits(image_size=16)
+    assert isinstance(ds, ImageDataset)
+    assert ds.num_classes == 10 and ds.image_size == 16
+    assert ds.train_size + ds.val_size == 1797 and ds.val_size == 180
+    x, y = ds.train_batch(0, 0, 32, 32)
+    assert x.shape == (32, 16, 16, 3) and x.dtype == np.uint8
+    assert y.shape == (32,) and y.dtype == np.int32 and 0 <= y.min() and y.max() <= 9
+    assert x.max() > 200 and x.min() == 0  # scaled to 0..255
+    np.testing.assert_array_equal(x[..., 0], x[..., 1])  # grey replicated to RGB
+    np.testing.assert_array_equal(x[..., 0], x[..., 2])
+    # every image once across the splits: label counts match scikit-learn's
+    train_y = ds.train_batch(0, 0, ds.train_size, ds.train_size)[1]
+    val_y = ds.val_batch(0, 0, ds.val_size, ds.val_size)[1]
+    expect = np.bincount(load_digits().target, minlength=10)
+    np.testing.assert_array_equal(np.bincount(train_y, minlength=10) + np.bincount(val_y), expect)
+    assert np.bincount(val_y, minlength=10).min() >= 15  # stratified: ~18 per class
+    line = ds.describe()
+    assert "\n" not in line and line.startswith("digits:") and "1,617 train / 180 val" in line
+
+
+def test_digits_upscaled_from_8x8():
+    from sklearn.datasets import load_digits
+
+    ds = _digits(image_size=8)  # no resize: exactly the scaled scikit-learn pixels
+    x, _ = ds.val_batch(0, 0, ds.val_size, ds.val_size)
+    raw = np.rint(load_digits().images * 255 / 16).astype(np.uint8)
+    raw_keys = set(_keys(raw))
+    assert all(k in raw_keys for k in _keys(np.ascontiguousarray(x[..., 0])))
+
+
+def test_digits_split_depends_on_seed():
+    a, b = _digits(seed=0), _digits(seed=1)
+    xa = a.val_batch(0, 0, a.val_size, a.val_size)[0]
+    xb = b.val_batch(0, 0, b.val_size, b.val_size)[0]
+    assert _keys(xa) != _keys(xb)
+    again = _digits(seed=0).val_batch(0, 0, a.val_size, a.val_size)[0]
+    np.testing.assert_array_equal(again, xa)
+
+
+def test_train_batch_deterministic_and_sliceable():
+    ds = _digits()
+    g = 24
+    for step in (0, 1, 67, 1000):  # 67 * 24 straddles the end of epoch 0 (1617 images)
+        x1, y1 = ds.train_batch(step, 0, g, g)
+        x2, y2 = _digits().train_batch(step, 0, g, g)
+        np.testing.assert_array_equal(x1, x2)
+        np.testing.assert_array_equal(y1, y2)
+        _check_slicing(lambda a, b, s=step: ds.train_batch(s, a, b, g), g)
+    assert _keys(ds.train_batch(0, 0, g, g)[0]) != _keys(ds.train_batch(1, 0, g, g)[0])
+
+
+def test_train_epochs_are_permutations():
+    ds = _digits()
+    n = ds.train_size
+    e0 = ds.train_batch(0, 0, n, n)[0]
+    e1 = ds.train_batch(1, 0, n, n)[0]
+    assert Counter(_keys(e0)) == Counter(_keys(e1))
+    assert _keys(e0) != _keys(e1)
+    # the order depends on the global example index only, not on the batch size
+    g = 100
+    steps = [ds.train_batch(s, 0, g, g)[0] for s in range(-(-2 * n // g))]
+    stream = np.concatenate(steps)[: 2 * n]
+    np.testing.assert_array_equal(stream, np.concatenate([e0, e1]))
+
+
+def test_every_train_image_once_per_epoch_with_straddling_batches(tmp_path):
+    root = str(_folder(tmp_path))
+    ds = load_images("image-folder", image_size=4, seed=3, path=root, val_fraction=0.2)
+    n, g = ds.train_size, 4  # 15 images: 12 train, 3 val
+    assert (n, ds.val_size) == (12, 3)
+    val_ids = {_id(x) for x in ds.val_batch(0, 0, 3, 3)[0]}
+    stream = np.concatenate([ds.train_batch(s, 0, g, g)[0] for s in range(3 * n // g + 1)])
+    ids = [_id(x) for x in stream]
+    epochs = [ids[e * n : (e + 1) * n] for e in range(3)]
+    all_ids = {10 * c + k for c, m in enumerate((5, 4, 6)) for k in range(m)}
+    for epoch in epochs:
+        assert sorted(epoch) == sorted(all_ids - val_ids)
+    assert epochs[0] != epochs[1]
+    g = 5  # 12 is not a multiple of 5: batch 2 straddles epochs 0 and 1
+    straddle = [_id(x) for x in ds.train_batch(2, 0, g, g)[0]]
+    assert straddle == ids[10:15]
+
+
+def test_val_covers_all_val_images_in_order():
+    ds = _digits()
+    m = ds.val_size  # 180
+    everything = ds.val_batch(0, 0, m, m)
+    assert len(set(_keys(everything[0]))) > m - 5  # (a few digits may be duplicates)
+    g = 64
+    assert ds.val_batches(g) == 3 and ds.val_batches(m) == 1 and ds.val_batches(10_000) == 1
+    batches = [ds.val_batch(i, 0, g, g) for i in range(ds.val_batches(g))]
+    x = np.concatenate([b[0] for b in batches])
+    y = np.concatenate([b[1] for b in batches])
+    np.testing.assert_array_equal(x[:m], everything[0])
+    np.testing.assert_array_equal(y[:m], everything[1])
+    np.testing.assert_array_equal(x[m:], everything[0][: 3 * g - m])  # wraps around
+    _check_slicing(lambda a, b: ds.val_batch(1, a, b, g), g)
+
+
+def test_bad_row_requests():
+    ds = _digits()
+    for args in [(-1, 0, 4, 4), (0, 0, 5, 4), (0, 3, 2, 4), (0, 0, 0, 0)]:
+        with pytest.raises(ValueError, match="bad row request"):
+            ds.train_batch(*args)
+    with pytest.raises(ValueError, match="bad row request"):
+        ds.val_batch(-1, 0, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(name="nope"), "data.name='nope' is unknown"),
+        (dict(name="digits", image_size=0), "image_size=0"),
+        (dict(name="digits", val_fraction=1.0), "data.val_fraction=1.0"),
+        (dict(name="digits", num_classes=5), "model.num_classes=5 but digits has 10"),
+        (dict(name="image-folder"), "data.path is not set"),
+    ],
+)
+def test_load_errors(kw, match):
+    kw = dict(image_size=8, seed=0) | kw
+    with pytest.raises(DataError, match=match) as err:
+        load_images(kw.pop("name"), **kw)
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- synthetic-imagenet
+
+
+def test_synthetic_imagenet_shapes_and_determinism():
+    ds = load_images("synthetic-imagenet", image_size=32, seed=0)
+    assert ds.num_classes == 1000 and ds.image_size == 32
+    assert ds.train_size > 1_000_000 and ds.val_size == 50_000
+    x, y = ds.train_batch(5, 0, 16, 16)
+    assert x.shape == (16, 32, 32, 3) and x.dtype == np.uint8
+    assert y.shape == (16,) and y.dtype == np.int32 and 0 <= y.min() and y.max() < 1000
+    x2, y2 = load_images("synthetic-imagenet", image_size=32, seed=0).train_batch(5, 0, 16, 16)
+    np.testing.assert_array_equal(x, x2)
+    np.testing.assert_array_equal(y, y2)
+    _check_slicing(lambda a, b: ds.train_batch(5, a, b, 16), 16)
+    _check_slicing(lambda a, b: ds.val_batch(2, a, b, 16), 16)
+    other = load_images("synthetic-imagenet", image_size=32, seed=1).train_batch(5, 0, 16, 16)
+    assert not np.array_equal(other[1], y)
+    assert not np.array_equal(ds.val_batch(5, 0, 16, 16)[1], y)
+    assert "\n" not in ds.describe() and ds.describe().startswith("synthetic-imagenet:")
+
+
+def test_synthetic_imagenet_num_classes_and_cheap_at_380():
+    ds = load_images("synthetic-imagenet", image_size=380, seed=0, num_classes=7)
+    assert ds.num_classes == 7
+    ds.train_batch(0, 0, 1, 1)  # builds the 64-image pool once
+    t = time.perf_counter()
+    x, y = ds.train_batch(10, 0, 32, 32)
+    assert time.perf_counter() - t < 2.0
+    assert x.shape == (32, 380, 380, 3) and set(y.tolist()) <= set(range(7))
+
+
+# ---------------------------------------------------------------- image-folder
+
+
+def test_image_folder_happy_path(tmp_path):
+    root = tmp_path / "imgs"
+    _write(root / "b_cat" / "one.PNG", 10, (6, 6))
+    _write(root / "b_cat" / "sub" / "two.jpg", 20, (6, 6))
+    _write(root / "a_dog" / "x.bmp", 30, (6, 6))
+    _write(root / "a_dog" / "y.gif", 40, (6, 6), mode="L")
+    _write(root / "a_dog" / "z.JPEG", 50, (6, 6), fmt="JPEG")
+    (root / "a_dog" / "notes.txt").write_text("not an image")
+    (root / ".hidden").mkdir()
+    ds = load_images("image-folder", image_size=12, seed=0, path=str(root), val_fraction=0.2)
+    assert ds.num_classes == 2 and ds.train_size == 4 and ds.val_size == 1
+    x, y = ds.train_batch(0, 0, 4, 4)
+    v, vy = ds.val_batch(0, 0, 1, 1)
+    assert x.shape == (4, 12, 12, 3) and x.dtype == np.uint8 and y.dtype == np.int32
+    got = {(round(float(im.mean()) / 10) * 10, int(label)) for im, label in zip(x, y, strict=True)}
+    got.add((round(float(v[0].mean()) / 10) * 10, int(vy[0])))
+    assert got == {(30, 0), (40, 0), (50, 0), (10, 1), (20, 1)}  # classes sorted by name
+    assert "5 6x6 images" in ds.describe()
+
+
+def test_image_folder_non_square_resized(tmp_path):
+    root = tmp_path / "imgs"
+    rng = np.random.default_rng(0)
+    arrays = rng.integers(0, 256, size=(4, 5, 7, 3), dtype=np.uint8)  # 7 wide, 5 high
+    for i, a in enumerate(arrays):
+        (root / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(a).save(root / f"c{i % 2}" / f"{i}.png")
+    ds = load_images("image-folder", image_size=9, seed=0, path=str(root), val_fraction=0.25)
+    x = ds.train_batch(0, 0, 3, 3)[0]
+    assert x.shape == (3, 9, 9, 3)
+
+
+def test_image_folder_missing_or_not_a_directory(tmp_path):
+    msg = _data_error(tmp_path / "nope")
+    assert "does not exist" in msg
+    f = tmp_path / "file.png"
+    f.write_bytes(b"")
+    assert "is not a directory" in _data_error(f)
+
+
+def test_image_folder_no_class_subdirectories(tmp_path):
+    _write(tmp_path / "loose.png", 1)
+    assert "no class subdirectories" in _data_error(tmp_path)
+
+
+def test_image_folder_no_images(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "readme.txt").write_text("hi")
+    assert "holds no images" in _data_error(tmp_path)
+
+
+def test_image_folder_empty_class(tmp_path):
+    _write(tmp_path / "a" / "1.png", 1)
+    (tmp_path / "b").mkdir()
+    assert "class directory 'b' holds no images" in _data_error(tmp_path)
+
+
+def test_image_folder_undecodable_image(tmp_path):
+    _write(tmp_path / "a" / "1.png", 1)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "broken.jpg").write_bytes(b"this is not a jpeg")
+    msg = _data_error(tmp_path)
+    assert "cannot decode image 'b/broken.jpg'" in msg
+
+
+def test_image_folder_mixed_sizes(tmp_path):
+    _write(tmp_path / "a" / "1.png", 1, (4, 4))
+    _write(tmp_path / "a" / "2.png", 2, (4, 4))
+    _write(tmp_path / "b" / "3.png", 3, (5, 4))
+    msg = _data_error(tmp_path)
+    assert "'a/1.png' is 4x4" in msg and "'b/3.png' is 5x4" in msg
+    assert "all images must have the same size" in msg
+
+
+def test_image_folder_wrong_num_classes_and_too_few(tmp_path):
+    root = _folder(tmp_path)
+    assert "has 3 classes" in _data_error(root, num_classes=4)
+    one = tmp_path / "one"
+    _write(one / "a" / "1.png", 1)
+    assert "holds 1 image" in _data_error(one)
+
+
+# ---------------------------------------------------------------- normalize
+
+
+def test_normalize_matches_numpy():
+    import jax.numpy as jnp
+
+    x = np.random.default_rng(0).integers(0, 256, size=(2, 5, 5, 3), dtype=np.uint8)
+    expect = (x.astype(np.float64) - np.array(MEAN_RGB)) / np.array(STD_RGB)
+    np.testing.assert_allclose(np.asarray(MEAN_RGB) / 255, (0.485, 0.456, 0.406))
+    np.testing.assert_allclose(np.asarray(STD_RGB) / 255, (0.229, 0.224, 0.225))
+    out = normalize(jnp.asarray(x), jnp.float32)
+    assert out.dtype == jnp.float32 and out.shape == x.shape
+    np.testing.assert_allclose(np.asarray(out), expect, rtol=1e-5, atol=1e-5)
+    half = normalize(jnp.asarray(x), jnp.bfloat16)
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(half, dtype=np.float32), expect, rtol=1e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------- Prefetcher
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_prefetcher_order(depth):
+    with Prefetcher(lambda i: i * i, 2, 9, depth) as p:
+        assert list(p) == [i * i for i in range(2, 9)]
+    assert list(Prefetcher(str, 5, 5, depth)) == []
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_prefetcher_reraises_producer_exception(depth):
+    def make(i):
+        if i == 3:
+            raise Boom(f"item {i}")
+        return i
+
+    got = []
+    with pytest.raises(Boom, match="item 3"):
+        with Prefetcher(make, 0, 10, depth) as p:
+            for item in p:
+                got.append(item)
+    assert got == [0, 1, 2]
+
+
+def _run_with_timeout(fn, seconds=10.0):
+    """Run fn in a thread; fail (instead of hanging the suite) if it does not finish in time."""
+    done = threading.Event()
+    errors = []
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=target, daemon=True).start()
+    assert done.wait(seconds), f"did not finish within {seconds}s (deadlock?)"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_prefetcher_early_close_does_not_hang(depth):
+    calls = []
+
+    def make(i):
+        calls.append(i)
+        time.sleep(0.01)
+        return i
+
+    def consume():
+        p = Prefetcher(make, 0, 1000, depth)
+        for item in p:
+            if item == 2:
+                break
+        p.close()
+        assert p._thread is not None and not p._thread.is_alive()
+        assert len(calls) <= 3 + depth + 1
+        assert list(p) == []  # closed: iteration ends
+        p.close()  # idempotent
+        with Prefetcher(make, 0, 1000, depth) as q:  # context manager, never iterated
+            time.sleep(0.05)
+        assert not q._thread.is_alive()
+
+    _run_with_timeout(consume)
+
+
+def test_prefetcher_close_while_producer_blocked():
+    started = threading.Event()
+
+    def make(i):
+        started.set()
+        return i
+
+    def consume():
+        p = Prefetcher(make, 0, 100, 2)
+        started.wait(5)
+        time.sleep(0.05)  # the thread has filled its 2 slots and waits for a free one
+        p.close()
+        assert not p._thread.is_alive()
+
+    _run_with_timeout(consume)
+
+
+def _wait_for(cond, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_prefetcher_depth_bound(depth):
+    lock = threading.Lock()
+    started = [0]
+
+    def make(i):
+        with lock:
+            started[0] += 1
+        return i
+
+    def consume():
+        with Prefetcher(make, 0, 20, depth) as p:
+            _wait_for(lambda: started[0] >= depth)
+            time.sleep(0.02)
+            assert started[0] == depth  # filled up to depth before anything is consumed
+            for consumed, item in enumerate(p, start=1):
+                assert item == consumed - 1
+                full = min(consumed + depth, 20)
+                _wait_for(lambda f=full: started[0] >= f)  # it does keep depth items ready
+                time.sleep(0.01)  # give the producer time to run further ahead if it could
+                with lock:
+                    ahead = started[0] - consumed
+                assert ahead <= depth, f"producer {ahead} items ahead with depth={depth}"
+
+    _run_with_timeout(consume)
+
+
+def test_prefetcher_rejects_negative_depth():
+    with pytest.raises(ValueError, match="depth=-1"):
+        Prefetcher(str, 0, 1, -1)
