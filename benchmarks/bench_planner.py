@@ -1,0 +1,111 @@
+"""Planner vs compiler: the planner's per-device bytes next to XLA's `memory_analysis()`.
+
+    python benchmarks/bench_planner.py [--out FILE]
+
+One process with 8 virtual CPU devices; for each config the real train step is compiled and
+its argument + temp bytes (per device) are compared with `plan(cfg)`'s device total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jaxpod.platform import use_virtual_cpu_devices  # noqa: E402  (jax-free)
+
+SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
+CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
+    ((1, 1, 1), "none", 1, []),
+    ((1, 1, 1), "full", 1, []),
+    ((1, 1, 1), "attention", 1, []),
+    ((1, 1, 1), "none", 4, []),
+    ((1, 2, 1), "none", 4, []),
+    ((1, 2, 1), "full", 4, []),
+    ((1, 1, 2), "none", 1, []),
+    ((2, 2, 2), "comms", 4, []),
+    (
+        (1, 1, 1),
+        "none",
+        1,
+        [
+            "model.seq_len=16",
+            "train.micro_batch=1",
+            "model.d_model=256",
+            "model.d_ff=1024",
+            "model.vocab=4096",
+        ],
+    ),
+]
+
+
+def measure(case) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxpod.config import load_config
+    from jaxpod.mesh import make_mesh
+    from jaxpod.planner import plan
+    from jaxpod.train import build_engine
+
+    (r, p, t), remat, accum, extra = case
+    overrides = [
+        f"devices={r * p * t}",
+        f"mesh.replica={r}",
+        f"mesh.pipeline={p}",
+        f"mesh.tensor={t}",
+        *SMALL,
+        f"model.remat={remat}",
+        f"train.grad_accum={accum}",
+        *extra,
+    ]
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
+    mesh = make_mesh(cfg.mesh, jax.devices()[: r * p * t])
+    engine, state = build_engine(cfg, mesh)
+    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
+    tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=engine.batch_sharding)
+    mem = engine.train_step.lower(state, tokens).compile().memory_analysis()
+    planned = plan(cfg)
+    compiled = mem.argument_size_in_bytes + mem.temp_size_in_bytes
+    total = planned["bytes_per_device"]["device_total"]
+    return {
+        "mesh": f"{r}x{p}x{t}",
+        "remat": remat,
+        "grad_accum": accum,
+        "extra": extra,
+        "argument_bytes": mem.argument_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "compiled_bytes": compiled,
+        "planned_bytes": total,
+        "ratio": total / compiled,
+        "planned": planned["bytes_per_device"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    use_virtual_cpu_devices(8)
+    rows = []
+    print("| mesh | remat | GA | extra | compiled MB | planned MB | planned/compiled |")
+    print("|---|---|---|---|---|---|---|")
+    for case in CASES:
+        res = measure(case)
+        rows.append(res)
+        print(
+            f"| {res['mesh']} | {res['remat']} | {res['grad_accum']} | "
+            f"{' '.join(res['extra']) or '-'} | {res['compiled_bytes'] / 1e6:.2f} | "
+            f"{res['planned_bytes'] / 1e6:.2f} | {res['ratio']:.3f} |",
+            flush=True,
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Device memory profiles for the planner: how many bytes a device holds, and how many more it
+can stream from (host DRAM / IPU streaming memory). Jax-free.
+
+The numbers are per device. `device_bytes` is the fast memory the step's arrays must fit in;
+`streaming_bytes` is the slower memory that offloaded state (`memory.offload`) and phased
+weights live in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 10**9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One accelerator's two memory levels, in bytes per device."""
+
+    name: str
+    device_bytes: int
+    streaming_bytes: int
+    description: str
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    p.name: p
+    for p in (
+        DeviceProfile(
+            "cpu",
+            16 * GiB,
+            16 * GiB,
+            "virtual XLA CPU device: a nominal 16 GiB each (the machine's RAM is shared by all "
+            "virtual devices, so no per-device figure is real); host memory is the same RAM",
+        ),
+        DeviceProfile(
+            "ipu-gc200",
+            900 * 10**6,
+            64 * GB,
+            "Graphcore GC200 IPU: ~900 MB in-processor SRAM; 64 GB streaming memory per IPU "
+            "(256 GB of DDR per 4-IPU M2000)",
+        ),
+        DeviceProfile(
+            "h100-80gb",
+            80 * GiB,
+            256 * GiB,
+            "NVIDIA H100 SXM 80 GB HBM3; streaming = host DRAM, nominal 256 GiB per GPU "
+            "(2 TiB per 8-GPU node)",
+        ),
+        DeviceProfile(
+            "tpu-v5e",
+            16 * GiB,
+            48 * GiB,
+            "Google TPU v5e: 16 GiB HBM per chip; streaming = host DRAM, nominal 48 GiB per chip",
+        ),
+    )
+}
+
+
+def get_profile(name: str) -> DeviceProfile:
+    """The profile called `name` (one of `PROFILES`); KeyError names the choices."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown device profile {name!r}; choose from {', '.join(PROFILES)}"
+        ) from None

@@ -1,0 +1,495 @@
+"""The pod planner: where every byte of a mapping lives, before any hardware is spent.
+
+`plan(cfg)` is analytic and instant: it imports no jax and builds no model. Parameter counts
+come from the model's formulas, per-device bytes from the parameter layout of `jaxpod.mesh`
+(`LOGICAL_TO_MESH`), activations from a model of what the train step keeps alive, checked
+against XLA's `memory_analysis()` of the compiled step in `tests/test_planner.py`.
+
+Parameter counts (D = d_model, F = d_ff, V = vocab, T = seq_len, L = layers):
+
+    one block   4·D² + 2·D·F + 9·D + F
+                (LNs 2·2D; qkv D·3D + 3D; out D·D + D; MLP D·F + F + F·D + D)
+    gpt         L·block + V·D (tokens) + T·D (positions) + 2D (final LN) [+ V·D if untied]
+    bert        L·block + V·D + T·D + 2·D (token types) + 2D (embedding or final LN)
+                + MLM head D·D + D (dense) + 2D (LN) + V (output bias; output weights tied)
+
+Pre- or post-LN blocks have the same parameters. Per device, the block weights split over
+`pipeline` (layers) and `tensor` (heads/MLP columns; LN and the D-sized biases are
+replicated), the vocabulary-sized tables over `tensor` only, positions and LNs are replicated.
+
+Bytes per device (P_local = parameters this device holds, divided by `memory.rts`):
+
+- weights: P_local x master bytes (float32: 4; `same-as-params`: the params dtype), plus the
+  16-bit working copy (P_local x 2) when params are 16-bit and the master is float32.
+- grads: in the params' dtype (autodiff returns the params' dtype). The backward pass builds
+  the whole stage's gradients (before any RTS reduce-scatter), so the peak counts the stage,
+  not 1/rts; with `pipeline == 1` and `grad_accum > 1` the accumulator doubles it.
+- optimizer: moments (adamw/lamb 2, sgd/lars 1) in the master dtype, sharded like the weights
+  but over `memory.rts_optimizer` replicas.
+- updates: optax materialises the update tree (master dtype, 1/rts) before applying it; the
+  step's activations are dead by then, so the peak is max(backward, update) (verified on XLA).
+- gathered: with rts > 1 the stage's weights are all-gathered (params dtype) before use.
+- activations: see `_activations`: the saved residuals of every layer and every pipeline tick
+  in flight, the pipeline's buffers, and the larger of the loss head and one layer's
+  backward working set.
+
+Offload (`memory.offload`) and phases (`memory.phases = K`): offloaded `params` keep only two
+phases of the stage's layer weights on the device (current + prefetched next: min(1, 2/K) of
+them; grads, update and gathered copy follow); the host holds all of the stage's layer
+weights. Offloaded `optimizer` state lives on the host entirely. Offloaded `activations`
+move the saved residuals to the host (two layers' worth stay for the stream).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxpod.config import Config, parse_bytes
+from jaxpod.device_profiles import PROFILES, DeviceProfile, get_profile
+from jaxpod.errors import UserError
+
+__all__ = [
+    "PROFILES",
+    "DeviceProfile",
+    "check_budget",
+    "format_bytes",
+    "format_plan",
+    "get_profile",
+    "param_layout",
+    "plan",
+]
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MOMENTS = {"adamw": 2, "lamb": 2, "sgd": 1, "lars": 1}
+TOKEN_BYTES = 4  # int32 token ids
+HEAD_LOGIT_COPIES = 3  # float32 logits, shifted logits, exp: live together in the loss head
+
+# EfficientNet (width, depth, native resolution) and approximate parameter counts with a
+# 1000-class head, for when the caller does not inject the exact count.
+EFFICIENTNET = {
+    "b0": (1.0, 1.0, 224, 5.3e6),
+    "b1": (1.0, 1.1, 240, 7.8e6),
+    "b2": (1.1, 1.2, 260, 9.2e6),
+    "b3": (1.2, 1.4, 300, 12.2e6),
+    "b4": (1.4, 1.8, 380, 19.3e6),
+}
+EFFICIENTNET_ACT_PER_PIXEL = 80.0  # saved activation scalars per input pixel, B0, no remat
+
+
+# ----------------------------------------------------------------------------- parameters
+def block_params(d: int, f: int) -> tuple[int, int]:
+    """(tensor-sharded, replicated) parameter counts of one transformer block."""
+    sharded = 3 * d * d + 3 * d + d * d + d * f + f + f * d  # qkv, W_o, MLP weights/in-bias
+    replicated = 4 * d + d + d  # two LNs, W_o bias, MLP out bias
+    return sharded, replicated
+
+
+def param_layout(cfg: Config, params_override: int | None = None) -> dict:
+    """Parameter counts: `total`, `layers` (all blocks), and per device before RTS:
+    `local` = `local_layers` (this stage's blocks) + `local_other` (embeddings, head)."""
+    md, t, p = cfg.model, cfg.mesh.tensor, cfg.mesh.pipeline
+    if md.name == "efficientnet":
+        total = params_override or int(EFFICIENTNET[md.variant][3])
+        return {
+            "total": total,
+            "layers": total,
+            "local": math.ceil(total / p),
+            "local_layers": math.ceil(total / p),
+            "local_other": 0,
+            "estimated": params_override is None,
+        }
+    d, v, s = md.d_model, md.vocab, md.seq_len
+    sharded, replicated = block_params(d, md.d_ff)
+    vocab_sharded = v * d  # token embedding (vocab-parallel)
+    other_replicated = s * d + 2 * d  # positions, final (gpt) / embedding (bert) LN
+    if md.name == "gpt" and not md.tie_embeddings:
+        vocab_sharded += v * d
+    if md.name == "bert":
+        vocab_sharded += v  # MLM output bias
+        other_replicated += 2 * d + d * d + d + 2 * d  # token types, head dense, head LN
+    layers_total = md.layers * (sharded + replicated)
+    total = layers_total + vocab_sharded + other_replicated
+    if params_override is not None:
+        total = params_override
+    local_layers = md.layers // p * (sharded // t + replicated)
+    local_other = vocab_sharded // t + other_replicated
+    return {
+        "total": total,
+        "layers": layers_total,
+        "local": local_layers + local_other,
+        "local_layers": local_layers,
+        "local_other": local_other,
+        "estimated": False,
+    }
+
+
+# ----------------------------------------------------------------------------- activations
+def _layer_sets(cfg: Config) -> dict:
+    """Bytes of one layer's residuals for one micro-batch on one device: `all` (what autodiff
+    saves without remat) and `saved` (what the remat policy keeps, layer input included)."""
+    md, t = cfg.model, cfg.mesh.tensor
+    cb = DTYPE_BYTES[cfg.precision.compute]
+    b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
+    btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
+    # LN1/LN2: 4 [b,T,D] each; q, k, v, attention output: [b,T,D/t] each; masked scores,
+    # exp, probabilities [b,H/t,T,T] (+ the boolean mask, 1 byte); GELU MLP: 6 [b,T,F/t].
+    every = (8 * btd + 4 * btd // t + 3 * scores + 6 * btf) * cb + scores
+    # The attention psum's output is saved; the MLP psum's output is not (the residual add's
+    # backward needs no inputs, so autodiff drops it as a residual).
+    psums = btd if t > 1 else 0
+    saved = {
+        "none": every,
+        "full": btd * cb,
+        "minimal": (btd + 3 * btd // t + btd + btf) * cb,
+        "attention": (btd + 4 * btd // t) * cb,
+        "comms": (btd + psums) * cb,
+    }[md.remat]
+    if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
+        work = (2 * scores + btf + 2 * btd) * cb
+    else:  # recompute one layer: everything it would have saved, less what is kept
+        work = max(every - (saved - btd * cb), 0)
+    return {"all": every, "saved": saved, "work": work, "btd": btd * cb}
+
+
+def _activations(cfg: Config) -> dict:
+    """Activation bytes per device, with the breakdown.
+
+    - `saved`: residuals kept for the backward pass. pipeline == 1: the micro-batches run one
+      after another (forward and backward inside the accumulation loop), so one micro-batch's
+      layers are in flight. pipeline > 1 (GPipe as one scan, differentiated as a whole): every
+      one of the M + S - 1 ticks saves its stage's layers, bubble ticks included.
+    - `pipeline_buffers`: the embedded micro-batches [M, mb, T, D], the last stage's outputs
+      and their gradient, the carry, and one tick's layer stack before it joins the scan's.
+    - `head`: the loss head: float32 logits over this device's tokens (mb·T; M·mb·T/S when the
+      pipeline spreads the head over the stages) x V/t, x 3 live copies, plus the final LN.
+    - `layer_work`: one layer's backward working set (recomputation under remat).
+    Peak = saved + pipeline_buffers + max(head, layer_work): the head's temporaries die before
+    the backward pass reaches the layers.
+    """
+    md, mesh, tr = cfg.model, cfg.mesh, cfg.train
+    cb = DTYPE_BYTES[cfg.precision.compute]
+    if md.name == "efficientnet":
+        width, depth, _, _ = EFFICIENTNET[md.variant]
+        per_image = EFFICIENTNET_ACT_PER_PIXEL * width * depth * md.image_size**2 * cb
+        if md.remat != "none":
+            per_image *= 0.25
+        in_flight = tr.grad_accum + mesh.pipeline - 1 if mesh.pipeline > 1 else 1
+        saved = int(per_image * tr.micro_batch * in_flight / mesh.pipeline)
+        return {
+            "saved": saved,
+            "pipeline_buffers": 0,
+            "head": 0,
+            "layer_work": 0,
+            "total": saved,
+            "ticks": in_flight,
+            "estimated": True,
+        }
+    sets = _layer_sets(cfg)
+    stages, micro, per_stage = mesh.pipeline, tr.grad_accum, md.layers // mesh.pipeline
+    ticks = 1 if stages == 1 else micro + stages - 1
+    saved = ticks * per_stage * sets["saved"]
+    buffers = 0 if stages == 1 else (3 * micro + 1) * sets["btd"] + per_stage * sets["saved"]
+    head_tokens = tr.micro_batch * md.seq_len * (1 if stages == 1 else micro) // stages
+    head = head_tokens * (md.vocab // mesh.tensor) * 4 * HEAD_LOGIT_COPIES
+    head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9)
+    offloaded = "activations" in cfg.memory.offload
+    on_device_saved = min(saved, 2 * sets["saved"]) if offloaded else saved
+    total = on_device_saved + buffers + max(head, sets["work"])
+    return {
+        "saved": saved,
+        "saved_on_device": on_device_saved,
+        "saved_per_layer": sets["saved"],
+        "pipeline_buffers": buffers,
+        "head": head,
+        "layer_work": sets["work"],
+        "ticks": ticks,
+        "layers_per_stage": per_stage,
+        "total": total,
+        "host": saved - on_device_saved,
+        "estimated": False,
+    }
+
+
+# ----------------------------------------------------------------------------- the plan
+def _window(cfg: Config, layout: dict) -> float:
+    """Fraction of a stage's weights resident on the device: all of them, or with params
+    offloaded the non-layer weights plus two of the K phases' layers."""
+    if "params" not in cfg.memory.offload:
+        return 1.0
+    share = min(1.0, 2 / cfg.memory.phases)
+    local = max(layout["local"], 1)
+    return (layout["local_other"] + layout["local_layers"] * share) / local
+
+
+def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
+    mem, prec = cfg.memory, cfg.precision
+    rts = mem.rts
+    rts_opt = mem.rts_optimizer or rts
+    pb = DTYPE_BYTES[prec.params]
+    mb = 4 if prec.master == "float32" else pb
+    local = layout["local"]
+    window = _window(cfg, layout)
+    offload = set(mem.offload)
+
+    weights_all = local / rts * mb + (local / rts * pb if mb != pb else 0)
+    optimizer_all = local / rts_opt * MOMENTS[cfg.optim.name] * mb
+    grads_stage = local * pb * (2 if cfg.mesh.pipeline == 1 and cfg.train.grad_accum > 1 else 1)
+    grads_update = local / rts * pb
+    updates = local / rts * mb * window
+    gathered = local * pb * window if rts > 1 else 0
+
+    weights = weights_all * window
+    grads = grads_stage * window
+    optimizer = 0 if "optimizer" in offload else optimizer_all
+    activations = acts["total"]
+    inputs = cfg.train.grad_accum * cfg.train.micro_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
+    if cfg.is_vision:
+        inputs = cfg.train.grad_accum * cfg.train.micro_batch * 3 * cfg.model.image_size**2
+    backward_peak = grads + activations
+    update_peak = grads_update * window + updates
+    device_total = weights + optimizer + inputs + gathered + max(backward_peak, update_peak)
+    host_weights = weights_all - weights
+    if "params" in offload:  # the host holds the stage's layer weights (the source of truth)
+        host_weights = weights_all * layout["local_layers"] / max(local, 1)
+    host_total = host_weights + (optimizer_all - optimizer) + acts.get("host", 0)
+    host_total += grads_stage * (1 - window)
+    return {
+        "weights": int(weights),
+        "grads": int(grads),
+        "optimizer": int(optimizer),
+        "activations": int(activations),
+        "updates": int(updates),
+        "gathered": int(gathered),
+        "inputs": int(inputs),
+        "device_total": int(device_total),
+        "host_total": int(host_total),
+        "peak": "backward" if backward_peak >= update_peak else "update",
+    }
+
+
+def _budget(cfg: Config, profile: DeviceProfile) -> int:
+    budget = parse_bytes(cfg.memory.device_budget)
+    return profile.device_bytes if budget is None else budget
+
+
+def _with_memory(cfg: Config, **changes) -> Config:
+    return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **changes))
+
+
+def _device_total(cfg: Config, params_override: int | None) -> int:
+    layout = param_layout(cfg, params_override)
+    return _bytes(cfg, layout, _activations(cfg))["device_total"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _phases_needed(cfg: Config, limit: int, params_override: int | None) -> int | None:
+    """The fewest phases (a divisor of the stage's layers) that fit, with params offloaded."""
+    if cfg.is_vision:
+        return 1 if _device_total(cfg, params_override) <= limit else None
+    offload = tuple(sorted({*cfg.memory.offload, "params"}))
+    for k in _divisors(cfg.model.layers // cfg.mesh.pipeline):
+        trial = _with_memory(cfg, phases=k, offload=offload)
+        if _device_total(trial, params_override) <= limit:
+            return k
+    return None
+
+
+def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int | None) -> str:
+    """Changes that would make the mapping fit, with the resulting device bytes."""
+    mem, mesh = cfg.memory, cfg.mesh
+    out = []
+    if phases is not None:
+        offload = sorted({*mem.offload, "params"})
+        trial = _with_memory(cfg, phases=phases, offload=tuple(offload))
+        out.append(
+            f"memory.phases={phases} memory.offload=[{','.join(offload)}] "
+            f"({format_bytes(_device_total(trial, params_override))})"
+        )
+    if not cfg.is_vision and mesh.replica > mem.rts:
+        trial = _with_memory(cfg, rts=mesh.replica, rts_optimizer=mesh.replica)
+        out.append(
+            f"memory.rts={mesh.replica} memory.rts_optimizer={mesh.replica} "
+            f"({format_bytes(_device_total(trial, params_override))})"
+        )
+    if "optimizer" not in mem.offload and not cfg.is_vision:
+        trial = _with_memory(cfg, offload=tuple(sorted({*mem.offload, "optimizer"})))
+        out.append(
+            f"memory.offload+=optimizer ({format_bytes(_device_total(trial, params_override))})"
+        )
+    if cfg.model.remat not in ("full",):
+        trial = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full"))
+        out.append(f"model.remat=full ({format_bytes(_device_total(trial, params_override))})")
+    p2 = mesh.pipeline * 2
+    if mesh.replica % 2 == 0 and cfg.model.layers % p2 == 0 and not cfg.is_vision:
+        trial = dataclasses.replace(
+            cfg, mesh=dataclasses.replace(mesh, pipeline=p2, replica=mesh.replica // 2)
+        )
+        if mem.rts > trial.mesh.replica or (mem.rts_optimizer or 1) > trial.mesh.replica:
+            trial = _with_memory(trial, rts=1, rts_optimizer=None)
+        if (cfg.model.layers // p2) % mem.phases == 0:
+            out.append(
+                f"mesh.pipeline={p2} mesh.replica={mesh.replica // 2} "
+                f"({format_bytes(_device_total(trial, params_override))})"
+            )
+    if not out:
+        return "no single change fits; use more devices or a smaller model"
+    return f"to fit {format_bytes(limit)}, try: " + "; or ".join(out)
+
+
+def plan(cfg: Config, params_override: int | None = None) -> dict:
+    """Where every byte of `cfg`'s mapping lives, per device. Analytic: no jax, no weights.
+
+    `params_override` replaces the formula's parameter count (e.g. EfficientNet's exact
+    `count_params`); per-device counts then scale with it. Returns a JSON-able dict (see the
+    module docstring for the byte model)."""
+    mesh, tr, mem, prec = cfg.mesh, cfg.train, cfg.memory, cfg.precision
+    profile = get_profile(mem.device)
+    layout = param_layout(cfg, params_override)
+    if params_override is not None and not cfg.is_vision:  # keep the formula's layout shape
+        formula = param_layout(cfg)
+        scale = params_override / max(formula["total"], 1)
+        for key in ("layers", "local", "local_layers", "local_other"):
+            layout[key] = int(formula[key] * scale)
+    acts = _activations(cfg)
+    per_device = _bytes(cfg, layout, acts)
+    limit = _budget(cfg, profile)
+    fits = per_device["device_total"] <= limit
+    if fits:
+        phases = mem.phases
+    else:
+        phases = _phases_needed(cfg, limit, params_override)
+    rts = mem.rts
+    result = {
+        "model": cfg.model.name,
+        "device_profile": profile.name,
+        "devices": mesh.replica * mesh.pipeline * mesh.tensor,
+        "replica": mesh.replica,
+        "pipeline": mesh.pipeline,
+        "tensor": mesh.tensor,
+        "micro_batch": tr.micro_batch,
+        "grad_accum": tr.grad_accum,
+        "global_batch": tr.global_batch,
+        "params": layout["total"],
+        "params_estimated": layout["estimated"],
+        "params_per_device": int(layout["local"] / rts),
+        "weight_fraction_per_device": 1 / (mesh.tensor * mesh.pipeline * rts),
+        "rts": rts,
+        "rts_optimizer": mem.rts_optimizer or rts,
+        "offload": list(mem.offload),
+        "configured_phases": mem.phases,
+        "remat": cfg.model.remat,
+        "optimizer": cfg.optim.name,
+        "dtype_bytes": {
+            "params": DTYPE_BYTES[prec.params],
+            "compute": DTYPE_BYTES[prec.compute],
+            "master": 4 if prec.master == "float32" else DTYPE_BYTES[prec.params],
+        },
+        "bytes_per_device": per_device,
+        "activations_breakdown": acts,
+        "device_memory_bytes": limit,
+        "device_profile_bytes": profile.device_bytes,
+        "streaming_memory_bytes": profile.streaming_bytes,
+        "fits": fits,
+        "host_fits": per_device["host_total"] <= profile.streaming_bytes,
+        "phases": phases,
+    }
+    if not fits:
+        result["suggestion"] = _suggest(cfg, limit, phases, params_override)
+    return result
+
+
+# ----------------------------------------------------------------------------- output
+def format_bytes(n: float) -> str:
+    """1234567 -> '1.23 MB' (decimal units, like device data sheets)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_plan(p: dict) -> str:
+    """The plan as an aligned, human-readable table (the default output of `jaxpod plan`)."""
+    b = p["bytes_per_device"]
+    offload = ",".join(p["offload"]) or "none"
+    head = [
+        ("model", f"{p['model']}  ({p['params']:,} params{' ~est.' * p['params_estimated']})"),
+        (
+            "devices",
+            f"{p['devices']} = replica {p['replica']} x pipeline {p['pipeline']} "
+            f"x tensor {p['tensor']}",
+        ),
+        (
+            "global batch",
+            f"{p['global_batch']} = micro_batch {p['micro_batch']} x replica {p['replica']} "
+            f"x grad_accum {p['grad_accum']}",
+        ),
+        (
+            "weights/device",
+            f"1/{round(1 / p['weight_fraction_per_device'])} of the model "
+            f"(1/(t·p·rts), rts {p['rts']}, optimizer rts {p['rts_optimizer']}); "
+            f"{p['params_per_device']:,} params held",
+        ),
+        (
+            "memory",
+            f"{p['device_profile']}: remat {p['remat']}, offload {offload}, "
+            f"phases {p['configured_phases']}",
+        ),
+    ]
+    rows = [
+        ("weights", b["weights"], "master (+16-bit working copy)"),
+        ("grads", b["grads"], "peak during backward"),
+        ("optimizer", b["optimizer"], p["optimizer"]),
+        ("activations", b["activations"], f"remat {p['remat']}"),
+        ("updates", b["updates"], "optimizer update tree"),
+        ("gathered", b["gathered"], "RTS all-gathered weights"),
+        ("inputs", b["inputs"], "batch"),
+    ]
+    width = max(len(k) for k, _ in head)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in head]
+    lines += ["", f"{'per device':<14}{'bytes':>12}", "-" * 26]
+    lines += [f"{name:<14}{format_bytes(n):>12}   {note}" for name, n, note in rows if n]
+    lines.append("-" * 26)
+    lines.append(
+        f"{'device total':<14}{format_bytes(b['device_total']):>12}   peak at {b['peak']}; "
+        f"limit {format_bytes(p['device_memory_bytes'])}"
+    )
+    lines.append(
+        f"{'host total':<14}{format_bytes(b['host_total']):>12}   streaming memory "
+        f"{format_bytes(p['streaming_memory_bytes'])}"
+    )
+    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
+    phases = "none fits" if p["phases"] is None else p["phases"]
+    lines += [
+        "",
+        f"{verdict} ({format_bytes(b['device_total'])} of "
+        f"{format_bytes(p['device_memory_bytes'])}); phases needed: {phases}",
+    ]
+    if not p["host_fits"]:
+        lines.append("host/streaming memory is exceeded too")
+    if "suggestion" in p:
+        lines.append(p["suggestion"])
+    return "\n".join(lines)
+
+
+def check_budget(cfg: Config, plan_: dict | None = None) -> None:
+    """Refuse a mapping whose planned device bytes exceed `memory.device_budget` (one line)."""
+    budget = parse_bytes(cfg.memory.device_budget)
+    if budget is None:
+        return
+    p = plan(cfg) if plan_ is None else plan_
+    total = p["bytes_per_device"]["device_total"]
+    if total <= budget:
+        return
+    b = p["bytes_per_device"]
+    parts = ", ".join(
+        f"{k} {format_bytes(b[k])}" for k in ("weights", "grads", "optimizer", "activations")
+    )
+    suggestion = p.get("suggestion") or "use more phases, more RTS or a deeper pipeline"
+    raise UserError(
+        f"memory.device_budget={cfg.memory.device_budget}: the plan needs "
+        f"{format_bytes(total)} per device ({parts}) > {format_bytes(budget)}; {suggestion}"
+    )

@@ -1,0 +1,245 @@
+"""The planner: analytic reference mappings (instant) and the byte model checked against XLA.
+
+The XLA check compiles the real train step on virtual CPU devices and compares the planner's
+per-device total with `memory_analysis()`: argument bytes (params + optimizer state + batch,
+per device for an SPMD program) + temp bytes (everything the step allocates). Within 15 %.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxpod.config import load_config
+from jaxpod.errors import UserError
+from jaxpod.planner import check_budget, format_plan, param_layout, plan
+
+REQUIRED = (
+    "devices replica pipeline tensor micro_batch grad_accum global_batch params "
+    "weight_fraction_per_device bytes_per_device device_memory_bytes fits phases"
+).split()
+BERT_LARGE = [
+    "model.name=bert",
+    "model.layers=24",
+    "model.d_model=1024",
+    "model.heads=16",
+    "model.d_ff=4096",
+    "model.seq_len=512",
+    "model.vocab=30528",
+]
+GPT3 = [
+    "model.layers=96",
+    "model.d_model=12288",
+    "model.heads=96",
+    "model.d_ff=49152",
+    "model.seq_len=2048",
+    "model.vocab=50304",
+]
+FP16_LAMB = [
+    "precision.params=float16",
+    "precision.compute=float16",
+    "precision.master=same-as-params",
+    "precision.loss_scale=dynamic",
+    "optim.name=lamb",
+]
+
+
+def cfg_of(*overrides):
+    return load_config(None, list(overrides))
+
+
+# ----------------------------------------------------------------------------- analytic
+def test_gpt3_175b_pod256_mapping():
+    cfg = cfg_of(
+        *GPT3,
+        "devices=256",
+        "mesh.pipeline=8",
+        "mesh.tensor=8",
+        "mesh.replica=4",
+        "train.micro_batch=1",
+        "train.grad_accum=16",
+        "memory.device=ipu-gc200",
+    )
+    p = plan(cfg)
+    assert abs(p["params"] - 175e9) / 175e9 < 0.01
+    assert (p["devices"], p["replica"], p["pipeline"], p["tensor"]) == (256, 4, 8, 8)
+    assert p["global_batch"] == 1 * 4 * 16
+    assert p["weight_fraction_per_device"] == pytest.approx(1 / 64)
+    assert not p["fits"]  # fp32 weights + adamw: tens of GB per device
+
+
+def test_bert_large_pod16_mapping():
+    cfg = cfg_of(
+        *BERT_LARGE,
+        "devices=16",
+        "mesh.pipeline=4",
+        "mesh.replica=4",
+        "train.micro_batch=2",
+        "train.grad_accum=8",
+        "memory.device=ipu-gc200",
+    )
+    p = plan(cfg)
+    assert abs(p["params"] - 335e6) / 335e6 < 0.02
+    assert (p["devices"], p["replica"], p["pipeline"], p["tensor"]) == (16, 4, 4, 1)
+    assert p["global_batch"] == 2 * 4 * 8
+    assert p["weight_fraction_per_device"] == pytest.approx(1 / 4)
+    assert set(REQUIRED) <= set(p)
+    assert set(p["bytes_per_device"]) >= {
+        "weights",
+        "grads",
+        "optimizer",
+        "activations",
+        "device_total",
+        "host_total",
+    }
+    json.dumps(p)
+
+
+def test_bert_large_pipeline8_fits_gc200_with_optimizer_state():
+    """Pipeline 8 x replica 2: model and optimizer state in in-processor memory (no offload):
+    FP16 weights as master (stochastic rounding), LAMB moments in FP16, micro-batch 1, GA 4,
+    full recomputation."""
+    cfg = cfg_of(
+        *BERT_LARGE,
+        *FP16_LAMB,
+        "devices=16",
+        "mesh.pipeline=8",
+        "mesh.replica=2",
+        "train.micro_batch=1",
+        "train.grad_accum=4",
+        "model.remat=full",
+        "memory.device=ipu-gc200",
+    )
+    p = plan(cfg)
+    b = p["bytes_per_device"]
+    assert p["fits"] and p["phases"] == 1 and not p["offload"]
+    assert b["optimizer"] > 0 and b["host_total"] == 0
+    assert b["device_total"] <= 900e6
+    assert p["weight_fraction_per_device"] == pytest.approx(1 / 8)
+    # the same model at fp32 master + adamw does not fit
+    fp32 = cfg_of(
+        *BERT_LARGE,
+        "devices=16",
+        "mesh.pipeline=8",
+        "mesh.replica=2",
+        "train.micro_batch=1",
+        "train.grad_accum=4",
+        "model.remat=full",
+        "memory.device=ipu-gc200",
+    )
+    assert not plan(fp32)["fits"]
+
+
+def test_rts_and_offload_move_bytes():
+    base = [
+        *BERT_LARGE,
+        "devices=16",
+        "mesh.pipeline=4",
+        "mesh.replica=4",
+        "model.remat=full",
+        "memory.device=ipu-gc200",
+    ]
+    p1 = plan(cfg_of(*base))["bytes_per_device"]
+    p4 = plan(cfg_of(*base, "memory.rts=4", "memory.rts_optimizer=4"))["bytes_per_device"]
+    assert p4["weights"] == pytest.approx(p1["weights"] / 4, rel=1e-6)
+    assert p4["optimizer"] == pytest.approx(p1["optimizer"] / 4, rel=1e-6)
+    off = plan(cfg_of(*base, "memory.offload=[optimizer]"))["bytes_per_device"]
+    assert off["optimizer"] == 0 and off["host_total"] == p1["optimizer"]
+    ph = plan(cfg_of(*base, "memory.offload=[params]", "memory.phases=6"))["bytes_per_device"]
+    assert ph["weights"] < 0.6 * p1["weights"] and ph["host_total"] > 0  # embeddings stay
+
+
+def test_not_fitting_plan_suggests_and_budget_refuses():
+    cfg = cfg_of(
+        *BERT_LARGE, "devices=16", "mesh.pipeline=4", "mesh.replica=4", "memory.device_budget=900MB"
+    )
+    p = plan(cfg)
+    assert not p["fits"] and "suggestion" in p
+    with pytest.raises(UserError) as err:
+        check_budget(cfg, p)
+    assert "\n" not in str(err.value) and "900MB" in str(err.value) and "try" in str(err.value)
+    check_budget(cfg_of("memory.device_budget=16GiB"))  # the tiny default fits: no error
+    text = format_plan(p)
+    assert "DOES NOT FIT" in text and "MB" in text
+
+
+def test_phases_needed_is_the_fewest_that_fit():
+    base = [
+        *BERT_LARGE,
+        *FP16_LAMB,
+        "devices=16",
+        "mesh.pipeline=4",
+        "mesh.replica=4",
+        "model.remat=full",
+        "train.micro_batch=1",
+        "memory.rts=4",
+        "memory.offload=[optimizer]",
+        "memory.device=ipu-gc200",
+        "memory.device_budget=400MB",
+    ]
+    p = plan(cfg_of(*base))
+    assert not p["fits"] and p["phases"] is not None
+    k = p["phases"]
+    fit = plan(cfg_of(*base, f"memory.phases={k}", "memory.offload=[optimizer,params]"))
+    assert fit["fits"]
+    if k > 1:
+        smaller = max(d for d in range(1, k) if 6 % d == 0)
+        worse = plan(cfg_of(*base, f"memory.phases={smaller}", "memory.offload=[optimizer,params]"))
+        assert not worse["fits"]
+
+
+def test_efficientnet_takes_an_injected_param_count():
+    cfg = cfg_of(
+        "model.name=efficientnet",
+        "data.name=synthetic-imagenet",
+        "devices=2",
+        "mesh.pipeline=2",
+        "mesh.replica=1",
+        "model.pipeline_splits=[4a]",
+    )
+    p = plan(cfg, params_override=1_234_567)
+    assert p["params"] == 1_234_567 and p["activations_breakdown"]["estimated"]
+
+
+def test_param_layout_matches_the_model():
+    """The formula's count equals the GPT's own parameter count (no weights: eval_shape)."""
+    import jax
+
+    from jaxpod.train import abstract_params
+
+    cfg = cfg_of("model.layers=2", "model.tie_embeddings=false")
+    _, params, _ = abstract_params(cfg.model)
+    assert param_layout(cfg)["total"] == sum(x.size for x in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------- against XLA
+SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
+XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum
+    "1x1x1-none-ga1": ((1, 1, 1), "none", 1),
+    "1x2x1-none-ga4": ((1, 2, 1), "none", 4),
+    "2x2x2-comms-ga4": ((2, 2, 2), "comms", 4),
+}
+
+
+def compiled_bytes(cfg, mesh) -> int:
+    import jax
+    import numpy as np
+
+    from jaxpod.train import build_engine
+
+    engine, state = build_engine(cfg, mesh)
+    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
+    tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=engine.batch_sharding)
+    mem = engine.train_step.lower(state, tokens).compile().memory_analysis()
+    return mem.argument_size_in_bytes + mem.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("name", list(XLA_CASES))
+def test_planner_matches_compiled_memory(name, tiny_cfg, mesh_for):
+    mesh_shape, remat, accum = XLA_CASES[name]
+    cfg = tiny_cfg(*SMALL, f"model.remat={remat}", f"train.grad_accum={accum}", mesh=mesh_shape)
+    planned = plan(cfg)["bytes_per_device"]["device_total"]
+    measured = compiled_bytes(cfg, mesh_for(cfg))
+    print(f"{name}: planned {planned / 1e6:.2f} MB, compiled {measured / 1e6:.2f} MB")
+    assert planned == pytest.approx(measured, rel=0.15)
