@@ -1,39 +1,236 @@
-"""Optimizers as optax chains: global-norm clipping, SGD with momentum or AdamW, and a
-learning-rate schedule with linear warm-up."""
+"""Optimizers as optax chains: global-norm clipping; SGD with momentum, AdamW, LAMB or LARS;
+a learning-rate schedule (constant, cosine or polynomial) with linear warm-up.
+
+Weight decay and the LARS/LAMB trust ratio are masked off biases and normalisation scales
+(`decay_mask`). Transformer blocks are *stacked*: leaves under the top-level key "blocks"
+have a leading layer axis `[L, ...]` (`stacked_mask`), and their trust ratios are per layer
+(`scale_by_layerwise_trust_ratio`), exactly as if each layer were a separate leaf.
+
+The chain runs outside `shard_map` on globally sharded arrays, so every norm (clipping, trust
+ratios) is over whole parameters (or whole layers), never over shards. To run the same update
+inside `shard_map` where each device holds whole parameters of its own pipeline stage, build
+it with `make_optimizer(..., clip=False)` and clip with `clip_by_norm` using a global norm
+reduced across stages (e.g. `sqrt(psum(sum of squares, "pipeline"))`).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 import optax
 
 from jaxpod.config import OptimConfig
+from jaxpod.precision import stochastic_round  # the issue names it jaxpod.optim's
+
+__all__ = [
+    "LAMB_EPS",
+    "clip_by_norm",
+    "decay_mask",
+    "lamb",
+    "lars",
+    "make_optimizer",
+    "scale_by_layerwise_trust_ratio",
+    "schedule",
+    "stacked_mask",
+    "stochastic_round",
+]
+
+LAMB_EPS = 1e-6  # Adam epsilon of LAMB (optax.lamb's default)
+STACKED_KEY = "blocks"  # top-level key of the stacked [L, ...] transformer-block params
+
+MaskOrFn = Any  # bool, a pytree of bools (a prefix of the params), or params -> such a pytree
+
+
+def _key_name(k) -> Any:
+    """The plain name of one path entry (dict key, attribute name or sequence index)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return k
+
+
+def _no_decay(name: Any) -> bool:
+    name = str(name)
+    return name in ("bias", "scale") or name.startswith("b_")
+
+
+def decay_mask(params) -> Any:
+    """Pytree of bools like `params`: True where weight decay and the trust ratio apply.
+
+    A leaf is excluded (False) when the last key of its path is "bias" or "scale" or starts
+    with "b_" (GPT's b_qkv, b_o, b_in, b_out; LayerNorm/GroupNorm bias and scale; Linear/Conv
+    biases). Only the path is read, so `ShapeDtypeStruct` leaves work too."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not (path and _no_decay(_key_name(path[-1]))), params
+    )
+
+
+def stacked_mask(params) -> Any:
+    """Pytree of bools like `params`: True for leaves with a leading layer axis `[L, ...]`.
+
+    Those are the leaves under the top-level key "blocks" whose next key is a name (GPT:
+    `blocks/attn/w_qkv`). A "blocks" holding a *list* of modules (an EfficientNet stage:
+    `blocks/0/...`, integer or digit keys) is not stacked."""
+
+    def stacked(path, _):
+        if len(path) < 2 or _key_name(path[0]) != STACKED_KEY:
+            return False
+        index = _key_name(path[1])
+        return not (isinstance(index, int) or (isinstance(index, str) and index.isdigit()))
+
+    return jax.tree_util.tree_map_with_path(stacked, params)
+
+
+def _resolve(mask: MaskOrFn, params) -> Any:
+    """A bool / prefix pytree / callable mask -> a full pytree of bools like `params`."""
+    if callable(mask):
+        mask = mask(params)
+    if isinstance(mask, bool):
+        return jax.tree.map(lambda _: mask, params)
+    return jax.tree.map(lambda m, p: jax.tree.map(lambda _: m, p), mask, params)
+
+
+def _layer_norm(x: jax.Array, stacked: bool) -> jax.Array:
+    """L2 norm over all axes (a scalar), or over all but the leading one (`[L, 1, ..., 1]`)."""
+    if stacked and x.ndim >= 1:
+        axes = tuple(range(1, x.ndim))
+        return jnp.sqrt(jnp.sum(jnp.square(x), axis=axes, keepdims=True))
+    return jnp.sqrt(jnp.sum(jnp.square(x)))
+
+
+def scale_by_layerwise_trust_ratio(
+    trust_coefficient: float = 1.0,
+    eps: float = 0.0,
+    *,
+    mask: MaskOrFn = True,
+    stacked: MaskOrFn = False,
+) -> optax.GradientTransformation:
+    """`optax.scale_by_trust_ratio` (min_norm 0), masked and per layer for stacked leaves.
+
+    For each leaf where `mask` is True: `u * trust_coefficient * |p| / (|u| + eps)`, or `u`
+    unchanged when `|p| == 0` or `|u| == 0`. Where `stacked` is True the leaf is `[L, ...]`
+    and the norms (and so the ratio) are per layer `l`, over `p[l]` and `u[l]`: the result
+    equals applying the unstacked transform to each slice. Leaves where `mask` is False pass
+    through. `mask`/`stacked`: bool, pytree of bools, or a function of the params."""
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("scale_by_layerwise_trust_ratio needs params: update(g, s, params)")
+        masks, stack = _resolve(mask, params), _resolve(stacked, params)
+
+        def scale(u, p, m, s):
+            if not m:
+                return u
+            p_norm, u_norm = _layer_norm(p, s), _layer_norm(u, s)
+            ratio = trust_coefficient * p_norm / (u_norm + eps)
+            zero = jnp.logical_or(p_norm == 0.0, u_norm == 0.0)
+            return u * jnp.where(zero, jnp.array(1.0, p.dtype), ratio)
+
+        return jax.tree.map(scale, updates, params, masks, stack), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def lars(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    weight_decay: float = 0.0,
+    trust_coefficient: float = 0.001,
+    momentum: float = 0.9,
+    eps: float = 0.0,
+    nesterov: bool = False,
+    mask: MaskOrFn = decay_mask,
+    stacked: MaskOrFn = stacked_mask,
+) -> optax.GradientTransformation:
+    """`optax.lars` with per-layer trust ratios for stacked leaves. `mask` selects the leaves
+    that get weight decay *and* the trust ratio (optax's weight_decay_mask and
+    trust_ratio_mask); the others get plain SGD with momentum. Same chain as optax:
+    decay -> trust ratio -> learning rate -> momentum (the trace holds lr-scaled updates)."""
+    return optax.chain(
+        optax.add_decayed_weights(weight_decay, mask=mask),
+        scale_by_layerwise_trust_ratio(trust_coefficient, eps, mask=mask, stacked=stacked),
+        optax.scale_by_learning_rate(learning_rate),
+        optax.trace(decay=momentum, nesterov=nesterov),
+    )
+
+
+def lamb(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = LAMB_EPS,
+    weight_decay: float = 0.0,
+    mask: MaskOrFn = decay_mask,
+    stacked: MaskOrFn = stacked_mask,
+) -> optax.GradientTransformation:
+    """`optax.lamb` with per-layer trust ratios for stacked leaves and the trust ratio masked
+    like the weight decay (optax.lamb applies its trust ratio to every leaf; with `mask=True`
+    this is exactly optax.lamb). Adam -> decay -> trust ratio (coefficient 1) -> lr."""
+    return optax.chain(
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=0.0),
+        optax.add_decayed_weights(weight_decay, mask=mask),
+        scale_by_layerwise_trust_ratio(1.0, 0.0, mask=mask, stacked=stacked),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warm-up over `warmup_steps`, then `constant`, or `cosine` decay to 0 at the end."""
+    """Linear warm-up from 0 over `warmup_steps`, then over the remaining steps `constant`,
+    `cosine` decay to 0, or `polynomial` decay `end_lr + (lr - end_lr) * (1 - t/T) ** power`
+    (t counted from the end of warm-up, T = total_steps - warmup, held at end_lr after T)."""
     warmup = min(cfg.warmup_steps, total_steps)
     decay_steps = max(total_steps - warmup, 1)
     after = {
-        "constant": optax.constant_schedule(cfg.lr),
-        "cosine": optax.cosine_decay_schedule(cfg.lr, decay_steps),
-    }[cfg.schedule]
+        "constant": lambda: optax.constant_schedule(cfg.lr),
+        "cosine": lambda: optax.cosine_decay_schedule(cfg.lr, decay_steps),
+        "polynomial": lambda: optax.polynomial_schedule(
+            cfg.lr, cfg.end_lr, cfg.power, transition_steps=decay_steps
+        ),
+    }[cfg.schedule]()
     if warmup == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
 
 
+def clip_by_norm(grads, norm: jax.Array, max_norm: float):
+    """`grads * min(1, max_norm / norm)` for a norm computed by the caller (e.g. across
+    pipeline stages). Same arithmetic as `optax.clip_by_global_norm`, so with the global
+    norm it is bit-identical to it."""
+    trigger = jnp.squeeze(norm < max_norm)
+    return jax.tree.map(
+        lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads
+    )
+
+
 def make_optimizer(
-    cfg: OptimConfig, total_steps: int
+    cfg: OptimConfig, total_steps: int, *, clip: bool = True
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax chain named by `cfg.name` and its learning-rate schedule.
 
-    It runs outside `shard_map` on globally sharded arrays, so norms (clipping) are over
-    whole parameters, not shards."""
+    `clip=True` (and `grad_clip > 0`) prepends `optax.clip_by_global_norm(grad_clip)`;
+    `clip=False` leaves it out for callers that clip themselves (`clip_by_norm`). Weight decay
+    (all optimizers) and trust ratios (lars, lamb) skip biases and norm scales (`decay_mask`);
+    lars/lamb trust ratios are per layer for stacked blocks (`stacked_mask`). LARS uses
+    `trust_coefficient`; LAMB uses coefficient 1 and Adam eps 1e-6 (optax.lamb's)."""
     lr = schedule(cfg, total_steps)
     base = {
         "sgd": lambda: optax.chain(
-            optax.add_decayed_weights(cfg.weight_decay), optax.sgd(lr, momentum=cfg.momentum)
+            optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
+            optax.sgd(lr, momentum=cfg.momentum),
         ),
-        "adamw": lambda: optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+        "adamw": lambda: optax.adamw(
+            lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
+        ),
+        "lamb": lambda: lamb(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+        "lars": lambda: lars(
+            lr,
+            weight_decay=cfg.weight_decay,
+            trust_coefficient=cfg.trust_coefficient,
+            momentum=cfg.momentum,
+        ),
     }[cfg.name]()
-    clip = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    return optax.chain(*clip, base), lr
+    clips = [optax.clip_by_global_norm(cfg.grad_clip)] if clip and cfg.grad_clip > 0 else []
+    return optax.chain(*clips, base), lr

@@ -1,0 +1,280 @@
+"""Optimizers and schedules: polynomial/warm-up values, masks from real GPT param names, LARS
+and LAMB equal to optax's on unstacked params, and per-layer trust ratios on stacked [L, ...]
+leaves equal to running the optimizer on L separate leaves."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxpod.config import OptimConfig, load_config
+from jaxpod.optim import (
+    clip_by_norm,
+    decay_mask,
+    lamb,
+    lars,
+    make_optimizer,
+    scale_by_layerwise_trust_ratio,
+    schedule,
+    stacked_mask,
+)
+
+# Tolerances: the same math in a different reduction order (our per-layer sum of squares vs
+# jnp.linalg.norm; a [L, ...] reduction vs L separate ones) differs by a few float32 ulps per
+# step; 1e-6 relative over 5 steps on O(1) values is ~10 ulps of headroom.
+RTOL, ATOL = 1e-6, 1e-7
+STEPS = 5
+
+
+def _run(tx, params, grads_seq):
+    """`len(grads_seq)` optimizer steps, one jitted scan (a single compile per test)."""
+
+    def step(carry, g):
+        params, state = carry
+        updates, state = tx.update(g, state, params)
+        return (optax.apply_updates(params, updates), state), None
+
+    run = jax.jit(lambda p, gs: jax.lax.scan(step, (p, tx.init(p)), gs)[0][0])
+    return run(params, jax.tree.map(lambda *xs: jnp.stack(xs), *grads_seq))
+
+
+def _grads(params, seed, steps=STEPS):
+    keys = jax.random.split(jax.random.key(seed), steps)
+    return [jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape) * 0.1, params) for k in keys]
+
+
+def _assert_trees_close(a, b):
+    for (path, x), y in zip(
+        jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True
+    ):
+        np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
+
+
+def _flat_params():
+    """Unstacked params with weight, bias and norm-scale leaves (and one b_ name)."""
+    k = jax.random.split(jax.random.key(0), 4)
+    return {
+        "dense": {"kernel": jax.random.normal(k[0], (6, 5)), "bias": jnp.full((5,), 0.1)},
+        "norm": {"scale": jnp.ones((5,)), "bias": jnp.zeros((5,))},
+        "mlp": {"w_in": jax.random.normal(k[1], (5, 7)), "b_in": jax.random.normal(k[2], (7,))},
+        "wte": jax.random.normal(k[3], (11, 5)),
+    }
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+def test_polynomial_schedule_with_warmup_matches_closed_form():
+    cfg = OptimConfig(lr=0.8, schedule="polynomial", power=2.0, end_lr=0.01, warmup_steps=10)
+    total = 110
+    lr = schedule(cfg, total)
+    for s in [0, 1, 5, 9]:  # linear warm-up from 0
+        assert float(lr(s)) == pytest.approx(0.8 * s / 10, rel=1e-6)
+    for s in [10, 11, 35, 60, 99, 110, 150]:
+        t = min(s - 10, 100) / 100
+        want = 0.01 + (0.8 - 0.01) * (1 - t) ** 2
+        assert float(lr(s)) == pytest.approx(want, rel=1e-5), s
+
+
+def test_constant_and_cosine_unchanged():
+    c = schedule(OptimConfig(lr=0.5, schedule="constant", warmup_steps=4), 20)
+    assert [float(c(s)) for s in (0, 2, 4, 19)] == pytest.approx([0.0, 0.25, 0.5, 0.5])
+    cos = schedule(OptimConfig(lr=0.5, schedule="cosine", warmup_steps=0), 20)
+    assert [float(cos(s)) for s in (0, 10, 20)] == pytest.approx([0.5, 0.25, 0.0], abs=1e-7)
+
+
+# ------------------------------------------------------------------------------- masks
+
+
+def test_masks_on_gpt_param_names():
+    from jaxpod.train import abstract_params
+
+    cfg = load_config("configs/tiny.yaml")
+    _, params, _ = abstract_params(cfg.model)
+    dm, sm = decay_mask(params), stacked_mask(params)
+    assert dm["blocks"]["attn"] == {"b_o": False, "b_qkv": False, "w_o": True, "w_qkv": True}
+    assert dm["blocks"]["mlp"] == {"b_in": False, "b_out": False, "w_in": True, "w_out": True}
+    assert dm["blocks"]["ln1"] == {"bias": False, "scale": False}
+    assert dm["ln_f"] == {"bias": False, "scale": False}
+    assert dm["wte"] and dm["wpe"]
+    assert all(jax.tree.leaves(sm["blocks"]))
+    assert not any(jax.tree.leaves({k: v for k, v in sm.items() if k != "blocks"}))
+    # a "blocks" *list* (an EfficientNet stage: integer keys) is not stacked
+    stage = {"blocks": {0: {"conv": {"kernel": 1}}, 1: {"se": {"bias": 1}}}, "head": {"w": 1}}
+    assert not any(jax.tree.leaves(stacked_mask(stage)))
+    assert not any(jax.tree.leaves(stacked_mask({"blocks": {"0": {"kernel": 1}}})))
+    assert decay_mask(stage)["blocks"][1]["se"]["bias"] is False
+
+
+# ------------------------------------------------------------------- vs optax reference
+
+
+def test_lars_equals_optax_lars_unstacked():
+    params = _flat_params()
+    grads = _grads(params, 1)
+    kw = dict(weight_decay=1e-2, trust_coefficient=0.02, momentum=0.9)
+    ours = lars(0.5, **kw, mask=decay_mask, stacked=False)
+    ref = optax.lars(
+        0.5, weight_decay_mask=decay_mask, trust_ratio_mask=decay_mask, **kw
+    )  # same masks
+    _assert_trees_close(_run(ours, params, grads), _run(ref, params, grads))
+    # default `stacked=stacked_mask` is all False here: identical too
+    _assert_trees_close(_run(lars(0.5, **kw), params, grads), _run(ref, params, grads))
+
+
+def test_lamb_equals_optax_lamb_unstacked():
+    params = _flat_params()
+    grads = _grads(params, 2)
+    # unmasked: exactly optax.lamb (which applies decay and trust ratio to every leaf)
+    ours = lamb(1e-2, b1=0.9, b2=0.99, weight_decay=1e-2, mask=True, stacked=False)
+    ref = optax.lamb(1e-2, b1=0.9, b2=0.99, weight_decay=1e-2)
+    _assert_trees_close(_run(ours, params, grads), _run(ref, params, grads))
+    # masked: optax's own pieces with the trust ratio masked like the decay
+    ours = lamb(1e-2, b1=0.9, b2=0.99, weight_decay=1e-2)
+    ref = optax.chain(
+        optax.scale_by_adam(b1=0.9, b2=0.99, eps=1e-6),
+        optax.add_decayed_weights(1e-2, mask=decay_mask),
+        optax.masked(optax.scale_by_trust_ratio(), decay_mask),
+        optax.scale_by_learning_rate(1e-2),
+    )
+    _assert_trees_close(_run(ours, params, grads), _run(ref, params, grads))
+
+
+def test_masked_leaves_get_no_decay_and_no_trust_ratio():
+    """With zero gradients, only decayed leaves move (weight decay); with unit gradients,
+    the first LARS step of a masked leaf is exactly -lr * g (no trust ratio)."""
+    params = _flat_params()
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    tx = lars(0.5, weight_decay=0.1, trust_coefficient=0.02)
+    upd, _ = tx.update(zeros, tx.init(params), params)
+    mask = decay_mask(params)
+    for m, u in zip(jax.tree.leaves(mask), jax.tree.leaves(upd), strict=True):
+        assert bool(jnp.any(u != 0)) == m
+    ones = jax.tree.map(jnp.ones_like, params)
+    upd, _ = tx.update(ones, tx.init(params), params)
+    np.testing.assert_array_equal(upd["dense"]["bias"], -0.5 * jnp.ones(5))
+    np.testing.assert_array_equal(upd["norm"]["scale"], -0.5 * jnp.ones(5))
+    assert not np.allclose(upd["dense"]["kernel"], -0.5)
+    for name in ("sgd", "adamw"):  # decay masked for every optimizer
+        cfg = OptimConfig(name=name, weight_decay=0.1, schedule="constant", grad_clip=0.0)
+        tx, _ = make_optimizer(cfg, 10)
+        upd, _ = tx.update(zeros, tx.init(params), params)
+        assert not bool(jnp.any(upd["norm"]["scale"] != 0)), name
+        assert bool(jnp.any(upd["wte"] != 0)), name
+
+
+# -------------------------------------------------------------------- stacked == per layer
+
+
+L = 3
+
+
+def _stacked_params():
+    k = jax.random.split(jax.random.key(5), 4)
+    scales = jnp.arange(1, L + 1, dtype=jnp.float32)  # very different norms per layer
+    return {
+        "blocks": {
+            "attn": {
+                "w_qkv": jax.random.normal(k[0], (L, 4, 3, 4)) * scales[:, None, None, None],
+                "b_qkv": jax.random.normal(k[1], (L, 3, 4)),
+            },
+            "ln1": {"scale": jnp.ones((L, 4)), "bias": jnp.zeros((L, 4))},
+        },
+        "wte": jax.random.normal(k[2], (9, 4)),
+        "ln_f": {"scale": jnp.ones((4,)), "bias": jnp.zeros((4,))},
+    }
+
+
+def _unstack(tree):
+    """{"blocks": leaves [L, ...]} -> {"layer0": ..., "layer1": ...} + the other entries."""
+    out = {k: v for k, v in tree.items() if k != "blocks"}
+    for i in range(L):
+        out[f"layer{i}"] = jax.tree.map(lambda x, i=i: x[i], tree["blocks"])
+    return out
+
+
+def _restack(tree):
+    out = {k: v for k, v in tree.items() if not k.startswith("layer")}
+    out["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[tree[f"layer{i}"] for i in range(L)])
+    return out
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda st: lars(2.0, weight_decay=1e-2, trust_coefficient=0.01, stacked=st),
+        lambda st: lamb(1e-2, weight_decay=1e-2, stacked=st),
+    ],
+    ids=["lars", "lamb"],
+)
+def test_stacked_trust_ratio_equals_per_layer(make):
+    """The important one: a stacked [L, ...] leaf updated by the optimizer equals L separate
+    leaves updated by it (trust ratios per layer), over several steps."""
+    params = _stacked_params()
+    grads = _grads(params, 3)
+    stacked = _run(make(stacked_mask), params, grads)
+    per_layer = _run(make(False), _unstack(params), [_unstack(g) for g in grads])
+    _assert_trees_close(stacked, _restack(per_layer))
+    # and the test has power: a whole-leaf trust ratio on the stacked leaf differs
+    whole = _run(make(False), params, grads)
+    w_s, w_w = stacked["blocks"]["attn"]["w_qkv"], whole["blocks"]["attn"]["w_qkv"]
+    assert not np.allclose(w_s, w_w, rtol=1e-3)
+
+
+def test_layerwise_transform_matches_optax_per_slice():
+    """One application of the bare transform on a stacked leaf == optax.scale_by_trust_ratio
+    on each slice (same coefficient and eps)."""
+    p = _stacked_params()["blocks"]["attn"]["w_qkv"]
+    u = jax.random.normal(jax.random.key(9), p.shape)
+    u = u.at[1].set(0.0)  # a zero-norm layer keeps ratio 1 (optax's rule), per layer
+    ours, _ = scale_by_layerwise_trust_ratio(0.01, 1e-3, stacked=True).update(u, None, p)
+    ref = optax.scale_by_trust_ratio(trust_coefficient=0.01, eps=1e-3)
+    for i in range(L):
+        want, _ = ref.update(u[i], None, p[i])
+        np.testing.assert_allclose(ours[i], want, rtol=RTOL, atol=ATOL)
+
+
+# ------------------------------------------------------------------ make_optimizer, clip
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lamb", "lars"])
+def test_make_optimizer_clip_false_plus_clip_by_norm_equals_clip(name):
+    """`clip=False` + `clip_by_norm(g, global_norm, grad_clip)` == the chain with the clip,
+    bit for bit (the caller-supplied-norm path for shard_map)."""
+    params = _stacked_params()
+    cfg = OptimConfig(name=name, lr=0.1, grad_clip=0.05, weight_decay=1e-3, warmup_steps=2)
+    with_clip, lr = make_optimizer(cfg, 20)
+    without, _ = make_optimizer(cfg, 20, clip=False)
+    assert float(lr(1)) == pytest.approx(0.05)
+    s1, s2 = with_clip.init(params), without.init(params)
+    p1 = p2 = params
+    for g in _grads(params, 4, steps=3):
+        u1, s1 = with_clip.update(g, s1, p1)
+        g2 = clip_by_norm(g, optax.tree.norm(g), cfg.grad_clip)
+        u2, s2 = without.update(g2, s2, p2)
+        p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(p1))
+
+
+def test_clip_by_norm_scales_by_min_one():
+    g = {"a": jnp.array([3.0, 4.0])}
+    np.testing.assert_allclose(clip_by_norm(g, jnp.array(5.0), 1.0)["a"], [0.6, 0.8])
+    np.testing.assert_array_equal(clip_by_norm(g, jnp.array(5.0), 10.0)["a"], [3.0, 4.0])
+
+
+def test_make_optimizer_call_compatible_with_train():
+    cfg = load_config("configs/tiny.yaml")
+    for name in ("sgd", "adamw", "lamb", "lars"):
+        optim = dataclasses.replace(cfg.optim, name=name, schedule="polynomial", power=2.0)
+        tx, lr = make_optimizer(optim, cfg.train.steps)
+        params = _stacked_params()
+        updates, _ = jax.jit(tx.update)(_grads(params, 0, 1)[0], tx.init(params), params)
+        assert jax.tree.structure(updates) == jax.tree.structure(params)
+        assert float(lr(cfg.train.steps)) == pytest.approx(cfg.optim.end_lr, abs=1e-9)
