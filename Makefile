@@ -10,7 +10,7 @@ LOGDIR ?= runs
 TB_HOST ?= 127.0.0.1
 TB_PORT ?= 6006
 
-.PHONY: demo test lint format tensorboard bench clean
+.PHONY: demo test lint format tensorboard profile runs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ format: $(STAMP)
 
 tensorboard: $(STAMP)
 	$(BIN)/jaxpod tensorboard $(LOGDIR) --host $(TB_HOST) --port $(TB_PORT)
+
+# Warm up, then trace a few steps of CONFIG into <its logdir>-profile (PROFILE tab).
+profile: $(STAMP)
+	$(BIN)/jaxpod profile $(CONFIG)
+
+runs: $(STAMP)
+	$(BIN)/jaxpod runs $(LOGDIR)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_core.py

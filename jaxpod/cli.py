@@ -1,10 +1,13 @@
 """`jaxpod` command line: parse, set up the process, call the library. Nothing else.
 
-    jaxpod train CONFIG [KEY=VALUE ...]
+    jaxpod train CONFIG [KEY=VALUE ...] [--coordinator HOST:PORT --num-processes N
+                                         --process-id I | --distributed auto]
+    jaxpod profile CONFIG [KEY=VALUE ...] [--steps N] [--warmup W] [same multi-host flags]
+    jaxpod runs [DIR] [--json]
     jaxpod tensorboard [LOGDIR] [--host H] [--port P]
 
-User mistakes (config, data, mesh) print one line `jaxpod: error: ...` and exit 2, with no
-traceback; the config is validated before jax even starts.
+User mistakes (config, data, mesh, flags) print one line `jaxpod: error: ...` and exit 2, with
+no traceback; the config is validated before jax even starts.
 """
 
 from __future__ import annotations
@@ -15,27 +18,72 @@ import sys
 from jaxpod.errors import UserError
 
 
-def _split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
+def _split_config_and_overrides(items: list[str], command: str) -> tuple[str, list[str]]:
     """`CONFIG` is the one argument without `=`; `KEY=VALUE` overrides may surround it."""
     configs = [i for i in items if "=" not in i]
     if len(configs) != 1:
         raise UserError(
             f"expected one CONFIG file among the arguments, got {configs or 'none'}; "
-            "usage: jaxpod train CONFIG [KEY=VALUE ...]"
+            f"usage: jaxpod {command} CONFIG [KEY=VALUE ...]"
         )
     return configs[0], [i for i in items if "=" in i]
 
 
-def _train(args: argparse.Namespace) -> None:
-    from jaxpod.config import load_config
-    from jaxpod.platform import use_virtual_cpu_devices
+def _spec(args: argparse.Namespace):
+    from jaxpod.distributed import DistributedSpec
 
-    config, overrides = _split_config_and_overrides(args.items)
-    cfg = load_config(config, overrides)
-    use_virtual_cpu_devices(cfg.devices)  # before jax starts
+    return DistributedSpec(
+        coordinator=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        auto=args.distributed == "auto",
+        init_timeout=args.init_timeout,
+    )
+
+
+def _train(args: argparse.Namespace) -> None:
+    from jaxpod.distributed import load_run_config
+
+    config, overrides = _split_config_and_overrides(args.items, "train")
+    cfg = load_run_config(config, overrides, _spec(args))  # joins the runtime, before jax
     from jaxpod.loop import run_training
 
     run_training(cfg)
+
+
+def _profile(args: argparse.Namespace) -> None:
+    from jaxpod.distributed import check_spec, load_run_config
+    from jaxpod.profiling import profile_overrides
+
+    config, overrides = _split_config_and_overrides(args.items, "profile")
+    spec = _spec(args)
+    check_spec(spec)
+    overrides = profile_overrides(config, overrides, args.steps, args.warmup)
+    cfg = load_run_config(config, overrides, spec)
+    from jaxpod.loop import run_training
+    from jaxpod.profiling import how_to_open
+
+    result = run_training(cfg)
+    if _is_main():
+        print(how_to_open(result.trace, cfg.train.logdir), flush=True)
+
+
+def _is_main() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _runs(args: argparse.Namespace) -> None:
+    from jaxpod.runs import format_runs, list_runs
+
+    runs = list_runs(args.dir)
+    if args.json:
+        import json
+
+        print(json.dumps(runs, indent=2))
+    else:
+        print(format_runs(runs))
 
 
 def _tensorboard(args: argparse.Namespace) -> None:
@@ -55,18 +103,54 @@ def _tensorboard(args: argparse.Namespace) -> None:
     raise SystemExit(subprocess.call(cmd))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxpod", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    train = sub.add_parser("train", help="train a config on the (replica, pipeline, tensor) mesh")
-    train.add_argument(
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """CONFIG, overrides and the multi-host flags shared by `train` and `profile`."""
+    parser.add_argument(
         "items",
         nargs="+",
         metavar="CONFIG [KEY=VALUE ...]",
         help="a YAML preset (e.g. configs/demo.yaml) and overrides (e.g. mesh.tensor=2), any order",
     )
+    group = parser.add_argument_group(
+        "multi-host", "one process per host; `devices` then counts each process's CPU devices"
+    )
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0")
+    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    group.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+    group.add_argument(
+        "--distributed",
+        choices=["auto"],
+        help="auto: detect coordinator and process ids from the cluster (SLURM, TPU, MPI)",
+    )
+    group.add_argument(
+        "--init-timeout",
+        type=int,
+        default=60,
+        metavar="S",
+        help="seconds to wait for all processes to join (default 60)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxpod", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a config on the (replica, pipeline, tensor) mesh")
+    _add_run_arguments(train)
     train.set_defaults(run=_train)
+
+    profile = sub.add_parser(
+        "profile", help="warm up, then trace a few steps for TensorBoard's profile tab"
+    )
+    _add_run_arguments(profile)
+    profile.add_argument("--steps", type=int, default=3, help="steps to trace (default 3)")
+    profile.add_argument("--warmup", type=int, default=3, help="untraced steps first (3)")
+    profile.set_defaults(run=_profile)
+
+    runs = sub.add_parser("runs", help="a table of the runs under DIR (default: runs)")
+    runs.add_argument("dir", nargs="?", default="runs")
+    runs.add_argument("--json", action="store_true", help="print a JSON list instead")
+    runs.set_defaults(run=_runs)
 
     tb = sub.add_parser("tensorboard", help="serve TensorBoard on the runs directory")
     tb.add_argument("logdir", nargs="?", default="runs")

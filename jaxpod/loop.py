@@ -2,6 +2,9 @@
 
 The loop dispatches step N+1 before it reads step N's metrics to the host, so the device
 queue never runs dry while Python formats numbers.
+
+With several processes (`jaxpod.distributed`) every process runs this same loop on its own
+devices of one global mesh; only process 0 writes the run record and prints.
 """
 
 from __future__ import annotations
@@ -17,12 +20,20 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxpod.checkpoint import Checkpointer
-from jaxpod.config import Config, dump_yaml
+from jaxpod.config import Config, config_to_dict, dump_yaml
 from jaxpod.data import TokenDataset, load_dataset
 from jaxpod.errors import UserError
 from jaxpod.mapping import describe, format_mapping
 from jaxpod.mesh import make_mesh, select_devices
-from jaxpod.metrics import METRICS_FILE, MetricsWriter
+from jaxpod.metrics import (
+    EVAL_FILE,
+    METRICS_FILE,
+    MetricsWriter,
+    flat_hparams,
+    read_metrics,
+    write_json_atomic,
+)
+from jaxpod.profiling import StepProfiler, check_profile_steps
 from jaxpod.train import Engine, TrainState, build_engine
 
 
@@ -35,13 +46,16 @@ class RunResult:
     losses: list[float]  # training loss of every step this run took (after a resume: the rest)
     val_losses: dict[int, float]  # step -> validation loss
     mapping: dict
+    trace: Path | None = None  # the profile written by train.profile_steps, if any
 
 
 def global_tokens(ds: TokenDataset, engine: Engine, cfg: Config, step: int, val: bool = False):
     """The global batch `tokens[G, T+1]` of `step`, assembled from per-device row slices.
 
-    Each device's callback reads only the rows of its replica, so a process only ever reads
-    the data of the devices it owns.
+    Each device's callback reads only the rows of its replica, and jax calls it only for
+    this process's (addressable) devices: with several processes each one reads just its own
+    rows and the global array is assembled without moving data between processes (what
+    `jax.make_array_from_process_local_data` does, with no host-side concatenation).
     """
     g = cfg.train.global_batch
     read = ds.val_rows if val else ds.train_rows
@@ -62,9 +76,9 @@ def evaluate(ds: TokenDataset, engine: Engine, cfg: Config, params) -> float:
 
 
 def _prepare_logdir(logdir: Path) -> None:
-    """Start a fresh record in `logdir` (replacing an earlier run's metrics and events)."""
+    """Start a fresh record in `logdir` (replacing an earlier run's metrics, events, evals)."""
     logdir.mkdir(parents=True, exist_ok=True)
-    for old in [logdir / METRICS_FILE, *logdir.glob("events.out.tfevents.*")]:
+    for old in [logdir / METRICS_FILE, logdir / EVAL_FILE, *logdir.glob("events.out.tfevents.*")]:
         old.unlink(missing_ok=True)
 
 
@@ -91,7 +105,12 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
 
     If `<logdir>/checkpoints/` holds a complete checkpoint, resume from the newest one (same
     losses as an uninterrupted run); otherwise start fresh, replacing an earlier record.
+    `cfg.devices` counts the devices of each process (`jaxpod.distributed`); the mesh spans
+    those of every process. Only process 0 writes files and prints.
     """
+    check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
+    main = jax.process_index() == 0
+    quiet = quiet or not main
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     ds = load_dataset(
         cfg.data.name,
@@ -100,7 +119,7 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
         path=cfg.data.path,
         val_fraction=cfg.data.val_fraction,
     )
-    mesh = make_mesh(cfg.mesh, select_devices(cfg.devices))
+    mesh = make_mesh(cfg.mesh, select_devices(cfg.devices * jax.process_count()))
     engine, state = build_engine(cfg, mesh)
     mapping = describe(cfg, mesh, state.params, state.opt_state)
     say(format_mapping(mapping))
@@ -121,11 +140,14 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
             _say_where(say, logdir)
             return RunResult(logdir, state, [], {}, mapping)
         say(f"resumed        from step {start} ({ckpt.shown / str(start)})")
-        _keep_metrics_upto(logdir, start)
-    else:
+        if main:
+            _keep_metrics_upto(logdir, start)
+    elif main:
         _prepare_logdir(logdir)
-    (logdir / "config.yaml").write_text(dump_yaml(cfg))
-    (logdir / "mapping.json").write_text(json.dumps(mapping, indent=2))
+    if main:
+        (logdir / "config.yaml").write_text(dump_yaml(cfg))
+        mapping_record = {**mapping, "processes": jax.process_count()}
+        (logdir / "mapping.json").write_text(json.dumps(mapping_record, indent=2))
 
     t0 = time.perf_counter()
     first = global_tokens(ds, engine, cfg, 0)
@@ -133,27 +155,61 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
     say(f"compiled       train step in {time.perf_counter() - t0:.1f} s")
 
     losses, val_losses = [], {}
-    with MetricsWriter(logdir) as writer, ckpt:  # waits for the last checkpoint to commit
+    profiler = StepProfiler(logdir, cfg.train.profile_steps, enabled=main)
+    # The writer closes last: it waits for the last checkpoint to commit, then flushes.
+    with MetricsWriter(logdir, enabled=main) as writer, ckpt:
         writer.text("config", "```\n" + dump_yaml(cfg) + "\n```")
         writer.text("mapping", "```\n" + format_mapping(mapping) + "\n```")
+        writer.hparams({**flat_hparams(config_to_dict(cfg)), "processes": jax.process_count()})
         if not start:
             val_losses[0] = evaluate(ds, engine, cfg, state.params)
             writer.write({"step": 0, "val_loss": val_losses[0]}, prefix="val")
             say(f"step {0:>6}  val_loss {val_losses[0]:.4f}")
-        state, losses = _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet, ckpt)
+        try:
+            state, losses = _train_steps(
+                cfg, ds, engine, state, writer, val_losses, say, quiet, ckpt, profiler
+            )
+        finally:
+            profiler.stop()  # an interrupted run still leaves a readable trace
+    if main:
+        write_eval_record(logdir, cfg)
+    if profiler.trace is not None:
+        say(f"profile        {profiler.trace} ({profiler.trace.stat().st_size:,} bytes)")
     _say_where(say, logdir)
-    return RunResult(logdir, state, losses, val_losses, mapping)
+    return RunResult(logdir, state, losses, val_losses, mapping, profiler.trace)
+
+
+def write_eval_record(logdir: Path, cfg: Config) -> dict:
+    """Write `<logdir>/eval.json` (atomically) from the run's `metrics.jsonl`; return it.
+
+    Holds every evaluation (`evals`: step, val_loss), the final validation and training loss,
+    the steps trained and configured, and the mean tokens/s of the logged steps.
+    """
+    records = read_metrics(logdir)
+    evals = [{"step": r["step"], "val_loss": r["val_loss"]} for r in records if "val_loss" in r]
+    train = [r for r in records if "loss" in r]
+    speeds = [r["tokens_per_s"] for r in train if isinstance(r.get("tokens_per_s"), float)]
+    record = {
+        "steps_trained": max((r["step"] for r in records), default=0),
+        "steps_total": cfg.train.steps,
+        "final_val_loss": evals[-1]["val_loss"] if evals else None,
+        "final_loss": train[-1]["loss"] if train else None,
+        "tokens_per_s_mean": float(np.mean(speeds)) if speeds else None,
+        "evals": evals,
+    }
+    write_json_atomic(logdir / EVAL_FILE, record)
+    return record
 
 
 def _say_where(say, logdir: Path) -> None:
-    say(f"logs           {logdir}/ ({METRICS_FILE}, TensorBoard events, config.yaml)")
+    say(f"logs           {logdir}/ ({METRICS_FILE}, {EVAL_FILE}, TensorBoard events, config.yaml)")
     say(
         f"tensorboard    make tensorboard LOGDIR={logdir.parent}   "
         f"(or: .venv/bin/jaxpod tensorboard {logdir.parent})"
     )
 
 
-def _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet, ckpt):
+def _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet, ckpt, profiler):
     """The step loop proper, from `state.step` + 1. Returns the final state and the losses."""
     steps, log_every, eval_every = cfg.train.steps, cfg.train.log_every, cfg.train.eval_every
     every = cfg.train.checkpoint_every
@@ -188,8 +244,13 @@ def _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet, ckpt):
                 )
 
     for step in range(start + 1, steps + 1):
-        state, metrics = engine.train_step(state, global_tokens(ds, engine, cfg, step - 1))
+        with profiler.step(step):
+            state, metrics = engine.train_step(state, global_tokens(ds, engine, cfg, step - 1))
         pending.append((step, metrics))
+        if profiler.stops_after(step):
+            flush(upto_done=True)  # waits for the last traced step: it is whole in the trace
+            profiler.stop((state, metrics))
+            last_time, last_step = time.perf_counter(), step  # writing the trace is not a step
         flush(upto_done=False)  # reads step N-1 while step N runs
         bar.update(1)
         if (eval_every and step % eval_every == 0) or step == steps:

@@ -2,8 +2,11 @@
 
 Writes happen on a background thread so the training loop never waits for the disk. The
 TensorBoard events are written with TensorBoard's own event writer and protos (no
-TensorFlow needed): scalars under `train/...` and `val/...`, and the resolved config as a
-text summary.
+TensorFlow needed): scalars under `train/...` and `val/...`, the resolved config as a
+text summary, and the run's hyperparameters (the flattened config) as an HParams
+`session_start_info` summary, which TensorBoard's HParams tab reads to put runs side by side
+(it infers the experiment, hence the metrics `train/loss`, `val/val_loss`, ..., from the runs).
+`eval.json` holds the evaluation results, written atomically when the run ends.
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ import time
 from pathlib import Path
 
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
+from tensorboard.plugins.hparams import metadata as hparams_metadata
+from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.json"
+HParamValue = bool | int | float | str
 
 
 def _scalar_event(step: int, values: dict[str, float], prefix: str) -> event_pb2.Event:
@@ -49,6 +56,63 @@ def _text_event(tag: str, text: str) -> event_pb2.Event:
     return event_pb2.Event(
         wall_time=time.time(), step=0, summary=summary_pb2.Summary(value=[value])
     )
+
+
+def flat_hparams(nested: dict, prefix: str = "") -> dict[str, HParamValue]:
+    """`{"mesh.replica": 2, "optim.lr": 0.003, ...}` of a nested config dict.
+
+    Lists become their string form (the HParams tab has no list type); `None` values are left
+    out (a key that is null in one run and a string in another would have no single type).
+    """
+    out: dict[str, HParamValue] = {}
+    for key, value in nested.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_hparams(value, name + "."))
+        elif isinstance(value, list | tuple):
+            out[name] = str(list(value))
+        elif value is not None:
+            out[name] = value
+    return out
+
+
+def hparams_event(hparams: dict[str, HParamValue], group: str = "") -> event_pb2.Event:
+    """An HParams-plugin `session_start_info` summary (what `hp.hparams()` writes, sans TF)."""
+    info = plugin_data_pb2.SessionStartInfo(group_name=group, start_time_secs=time.time())
+    for name, value in hparams.items():
+        if isinstance(value, bool):
+            info.hparams[name].bool_value = value
+        elif isinstance(value, int | float):
+            info.hparams[name].number_value = value
+        else:
+            info.hparams[name].string_value = str(value)
+    meta = hparams_metadata.create_summary_metadata(
+        plugin_data_pb2.HParamsPluginData(session_start_info=info)
+    )
+    value = summary_pb2.Summary.Value(
+        tag=hparams_metadata.SESSION_START_INFO_TAG,
+        metadata=meta,
+        tensor=hparams_metadata.NULL_TENSOR,
+    )
+    return event_pb2.Event(
+        wall_time=time.time(), step=0, summary=summary_pb2.Summary(value=[value])
+    )
+
+
+def write_json_atomic(path: str | Path, data: object) -> None:
+    """Write `data` as JSON to `path` through a temporary file renamed into place."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_clean_tree(data), indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _clean_tree(data):
+    if isinstance(data, dict):
+        return {str(k): _clean_tree(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_clean_tree(v) for v in data]
+    return _clean(data)
 
 
 def _clean(value):
@@ -85,6 +149,8 @@ class MetricsWriter:
                 self._jsonl.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
                 self._jsonl.flush()
                 self._events.add_event(_scalar_event(int(record["step"]), record, prefix))
+            elif kind == "hparams":
+                self._events.add_event(hparams_event(*payload))
             else:
                 self._events.add_event(_text_event(*payload))
             self._events.flush()
@@ -96,6 +162,11 @@ class MetricsWriter:
     def text(self, tag: str, text: str) -> None:
         if self.enabled:
             self._queue.put(("text", (tag, text)))
+
+    def hparams(self, hparams: dict[str, HParamValue], group: str = "") -> None:
+        """Record the run's hyperparameters for TensorBoard's HParams tab (once per run)."""
+        if self.enabled:
+            self._queue.put(("hparams", (hparams, group)))
 
     def close(self) -> None:
         if self._thread is not None:

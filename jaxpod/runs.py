@@ -1,0 +1,150 @@
+"""`jaxpod runs`: the run directories under a folder, side by side.
+
+A run directory is any directory holding a `config.yaml` (written by `jaxpod train` before
+the first step). Everything shown is read from the run record: `config.yaml` (model, mesh,
+steps), `metrics.jsonl` (the last training loss, the steps done, tokens/s) and `eval.json`
+(the final validation loss; `metrics.jsonl`'s `val_loss` records if the run has not finished).
+Nothing is unpickled; unreadable files show as dashes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from jaxpod.errors import UserError
+from jaxpod.metrics import EVAL_FILE, METRICS_FILE
+
+COLUMNS = ("name", "config", "mesh", "steps", "loss", "val_loss", "tokens_per_s")
+HEADERS = ("run", "config", "mesh RxPxT", "steps", "loss", "val loss", "tokens/s")
+
+
+def _records(path: Path) -> list[dict]:
+    """The parseable records of a `metrics.jsonl` (a line cut short by a kill is skipped)."""
+    out = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return out
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            out.append(record)
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _section(cfg: dict, name: str) -> dict:
+    value = cfg.get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def _model_name(model: dict) -> str | None:
+    name = model.get("name", "gpt")
+    if name == "efficientnet":
+        return f"efficientnet-{model.get('variant', 'b0')}"
+    if "layers" in model and "d_model" in model:
+        return f"{name} {model['layers']}x{model['d_model']}"
+    return name
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def describe_run(run: Path, root: Path) -> dict:
+    """One row: name (path relative to `root`), config, mesh, steps, losses, tokens/s.
+
+    Missing values are `None` (a run without metrics has only name, config, mesh, steps_total).
+    """
+    cfg = _read_yaml(run / "config.yaml")
+    model, mesh, train = _section(cfg, "model"), _section(cfg, "mesh"), _section(cfg, "train")
+    records = _records(run / METRICS_FILE)
+    losses = [r for r in records if _number(r.get("loss")) is not None]
+    vals = [r for r in records if _number(r.get("val_loss")) is not None]
+    speeds = [_number(r.get("tokens_per_s")) for r in losses]
+    speeds = [s for s in speeds if s is not None]
+    evals = _read_json(run / EVAL_FILE)
+    val = _number(evals.get("final_val_loss"))
+    if val is None and vals:
+        val = float(vals[-1]["val_loss"])
+    shape = [mesh.get(k) for k in ("replica", "pipeline", "tensor")]
+    return {
+        "name": str(run.relative_to(root)) if run != root else run.name,
+        "config": _model_name(model),
+        "mesh": "x".join(str(s) for s in shape) if None not in shape else None,
+        "steps_done": max((r["step"] for r in records), default=None),
+        "steps_total": train.get("steps"),
+        "loss": float(losses[-1]["loss"]) if losses else None,
+        "val_loss": val,
+        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "path": str(run),
+    }
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """Directories under `root` (itself included) holding a `config.yaml`, oldest first by
+    directory modification time."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"runs directory {root} does not exist; pass one, e.g. jaxpod runs runs")
+    found = {p.parent for p in root.rglob("config.yaml") if "checkpoints" not in p.parts}
+    return sorted(found, key=lambda p: (p.stat().st_mtime, str(p)))
+
+
+def list_runs(root: str | Path = "runs") -> list[dict]:
+    """`describe_run` of every run under `root`, oldest first."""
+    return [describe_run(run, Path(root)) for run in find_runs(root)]
+
+
+def _cell(row: dict, column: str) -> str:
+    if column == "steps":
+        done, total = row["steps_done"], row["steps_total"]
+        if done is None:
+            return f"-/{total}" if total is not None else "-"
+        return f"{done}/{total if total is not None else '-'}"
+    value = row[column]
+    if value is None:
+        return "-"
+    if column in ("loss", "val_loss"):
+        return f"{value:.4f}"
+    if column == "tokens_per_s":
+        return f"{value:,.0f}"
+    return str(value)
+
+
+def format_runs(rows: list[dict]) -> str:
+    """A plain-text table (one line per run, aligned columns); a note if there are none."""
+    if not rows:
+        return "no runs (no directory with a config.yaml)"
+    table = [HEADERS, *[tuple(_cell(r, c) for c in COLUMNS) for r in rows]]
+    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+    numeric = {3, 4, 5, 6}  # right-aligned columns
+    lines = [
+        "  ".join(
+            cell.rjust(w) if i in numeric else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        for line in table
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""`jaxpod profile` and `train.profile_steps` end to end; the run record it leaves behind.
+
+One `jaxpod profile` run (1 warm-up step, 2 traced steps) is shared by the module: it checks
+the trace, and the parts of the run record every run writes (eval.json, the HParams summary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxpod.errors import ConfigError
+from jaxpod.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+FAST = ["train.eval_batches=1", "optim.warmup_steps=0"]
+
+
+def jaxpod(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-m", "jaxpod.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("jaxpod: error: "), proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    base = tmp_path_factory.mktemp("profile") / "tiny"
+    # The config's logdir is overridden to `base`; `jaxpod profile` then writes into it as is.
+    proc = jaxpod("profile", TINY, *FAST, f"train.logdir={base}", "--steps", "2", "--warmup", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return base, proc
+
+
+@pytest.mark.slow
+def test_profile_writes_a_trace_of_the_steps(profiled):
+    logdir, proc = profiled
+    traces = list((logdir / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1, traces
+    data = traces[0].read_bytes()
+    assert len(data) > 0
+    assert b"train" in data and b"step_num" in data  # the StepTraceAnnotation of each step
+    assert f"profile        {traces[0]}" in proc.stdout
+    assert f"open it        .venv/bin/jaxpod tensorboard {logdir}" in proc.stdout
+    # 1 warm-up + 2 traced steps, every step logged, no periodic evaluation.
+    records = read_metrics(logdir)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 3]
+
+
+@pytest.mark.slow
+def test_eval_record(profiled):
+    logdir, _ = profiled
+    record = json.loads((logdir / "eval.json").read_text())
+    vals = {r["step"]: r["val_loss"] for r in read_metrics(logdir) if "val_loss" in r}
+    train = [r for r in read_metrics(logdir) if "loss" in r]
+    assert record["evals"] == [{"step": s, "val_loss": v} for s, v in vals.items()]
+    assert record["final_val_loss"] == vals[3]
+    assert record["final_loss"] == train[-1]["loss"]
+    assert record["steps_trained"] == record["steps_total"] == 3
+    mean = sum(r["tokens_per_s"] for r in train) / len(train)
+    assert record["tokens_per_s_mean"] == pytest.approx(mean)
+    assert not list(logdir.glob("*.tmp"))  # written atomically, nothing left over
+
+
+@pytest.mark.slow
+def test_hparams_summary_is_readable_by_tensorboard(profiled):
+    """The HParams plugin's own backend finds the run, its hparams and its metrics."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import backend_context, metadata
+
+    logdir, _ = profiled
+    root = str(logdir.parent)
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(root)
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, root)
+    hparams = backend_context.Context(
+        base_plugin.TBContext(data_provider=provider, multiplexer=multiplexer, logdir=root)
+    )
+    request = context.RequestContext()
+    found = hparams.hparams_metadata(request, "")
+    (run,) = found
+    info = metadata.parse_session_start_info_plugin_data(
+        found[run][metadata.SESSION_START_INFO_TAG]
+    )
+    assert info.hparams["mesh.replica"].number_value == 2
+    assert info.hparams["model.layers"].number_value == 4
+    assert info.hparams["optim.lr"].number_value == pytest.approx(3e-3)
+    assert info.hparams["optim.name"].string_value == "adamw"
+    assert info.hparams["train.profile_steps"].string_value == "[2, 4]"
+    assert info.hparams["processes"].number_value == 1
+
+    experiment = hparams.experiment_from_metadata(
+        request, "", True, found, hparams.hparams_from_data_provider(request, "", None)
+    )
+    assert {"mesh.replica", "model.layers", "optim.lr"} <= {h.name for h in experiment.hparam_infos}
+    metrics = {(m.name.group, m.name.tag) for m in experiment.metric_infos}
+    assert ("", "train/loss") in metrics and ("", "val/val_loss") in metrics
+
+
+def test_profile_steps_beyond_the_run_is_refused(tmp_path):  # before jax starts: fast
+    proc = jaxpod(
+        "train", TINY, "train.steps=4", "train.profile_steps=[3,7]", f"train.logdir={tmp_path}"
+    )
+    assert_user_error(proc, "train.profile_steps=[3, 7]", "train.steps=4", "stop <= 5")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_profile_overrides(tmp_path):
+    from jaxpod.profiling import profile_overrides
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"train: {{logdir: {tmp_path / 'run'}}}\n")
+    (tmp_path / "run-profile" / "checkpoints" / "3").mkdir(parents=True)
+    got = profile_overrides(str(config), ["mesh.tensor=1"], steps=3, warmup=2)
+    assert not (tmp_path / "run-profile" / "checkpoints").exists()  # never resumes
+    assert got == [
+        "mesh.tensor=1",
+        "train.steps=5",
+        "train.profile_steps=[3,6]",
+        "train.eval_every=0",
+        "train.log_every=1",
+        f"train.logdir={tmp_path / 'run'}-profile",
+    ]
+    user = [f"train.logdir={tmp_path / 'run-profile'}"]
+    assert profile_overrides(TINY, user, steps=1, warmup=0)[-1] == user[0]  # used as given
+    (tmp_path / "run-profile" / "checkpoints").mkdir()
+    with pytest.raises(ConfigError, match="holds checkpoints"):
+        profile_overrides(TINY, user, steps=3, warmup=2)

@@ -1,0 +1,140 @@
+"""`jaxpod runs`: the table of run directories, from hand-written run records (no jax), and the
+run-record writers it reads (HParams summary, eval.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxpod.config import dump_yaml
+from jaxpod.metrics import MetricsWriter, flat_hparams, hparams_event, write_json_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def jaxpod(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jaxpod.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def fake_run(logdir: Path, *overrides: str, losses=(), vals=(), eval_json=True, mtime=0) -> None:
+    """A run directory as `jaxpod train` leaves it (config.yaml, metrics.jsonl, eval.json)."""
+    from jaxpod.config import load_config
+
+    logdir.mkdir(parents=True)
+    (logdir / "config.yaml").write_text(dump_yaml(load_config(TINY, list(overrides))))
+    lines = [{"step": s, "val_loss": v} for s, v in vals]
+    lines += [
+        {"step": i + 1, "loss": v, "tokens_per_s": 1000.0 * (i + 1)} for i, v in enumerate(losses)
+    ]
+    if lines:
+        (logdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    if eval_json and vals:
+        write_json_atomic(logdir / "eval.json", {"final_val_loss": vals[-1][1], "evals": []})
+    os.utime(logdir, (mtime, mtime))
+
+
+@pytest.fixture
+def runs_dir(tmp_path) -> Path:
+    root = tmp_path / "runs"
+    fake_run(
+        root / "b-pod",
+        "train.steps=4",
+        losses=[5.5, 5.0, 4.5, 4.25],
+        vals=[(0, 5.6), (4, 4.3)],
+        mtime=200,
+    )
+    fake_run(
+        root / "group" / "a-single",
+        "devices=1",
+        "mesh.replica=1",
+        "mesh.pipeline=1",
+        "mesh.tensor=1",
+        "model.layers=2",
+        losses=[5.0, 4.0],
+        vals=[(0, 5.1)],
+        eval_json=False,  # an unfinished run: the val loss comes from metrics.jsonl
+        mtime=100,
+    )
+    fake_run(root / "c-empty", mtime=300)  # started, no metrics yet
+    (root / "not-a-run").mkdir()
+    return root
+
+
+def test_runs_table(runs_dir):
+    proc = jaxpod("runs", str(runs_dir))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].split() == ["run", "config", "mesh", "RxPxT", "steps", "loss", "val", "loss",
+                                "tokens/s"]  # fmt: skip
+    # Sorted by directory modification time (oldest first).
+    assert [ln.split()[0] for ln in lines[1:]] == ["group/a-single", "b-pod", "c-empty"]
+    assert lines[1].split() == ["group/a-single", "gpt", "2x64", "1x1x1", "2/20", "4.0000",
+                                "5.1000", "1,500"]  # fmt: skip
+    assert lines[2].split() == ["b-pod", "gpt", "4x64", "2x2x2", "4/4", "4.2500", "4.3000",
+                                "2,500"]  # fmt: skip
+    assert lines[3].split() == ["c-empty", "gpt", "4x64", "2x2x2", "-/20", "-", "-", "-"]
+
+
+def test_runs_json(runs_dir):
+    proc = jaxpod("runs", str(runs_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads(proc.stdout)}
+    assert set(rows) == {"group/a-single", "b-pod", "c-empty"}
+    pod = rows["b-pod"]
+    assert pod["config"] == "gpt 4x64" and pod["mesh"] == "2x2x2"
+    assert (pod["steps_done"], pod["steps_total"]) == (4, 4)
+    assert (pod["loss"], pod["val_loss"], pod["tokens_per_s"]) == (4.25, 4.3, 2500.0)
+    assert rows["c-empty"]["loss"] is None and rows["c-empty"]["steps_done"] is None
+
+
+def test_runs_of_a_missing_dir_is_one_line_error(tmp_path):
+    proc = jaxpod("runs", str(tmp_path / "nope"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"jaxpod: error: runs directory {tmp_path / 'nope'} does not exist; pass one, "
+        "e.g. jaxpod runs runs"
+    ]
+    empty = jaxpod("runs", str(tmp_path))
+    assert empty.returncode == 0 and "no runs" in empty.stdout
+
+
+def test_hparams_event_round_trips_through_tensorboard(tmp_path):
+    """Written with tensorboard's protos (no TensorFlow), read back with its EventAccumulator."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    hparams = flat_hparams(
+        {"mesh": {"replica": 2}, "optim": {"lr": 3e-3, "name": "adamw"}, "model": {"tie": True}}
+        | {"train": {"profile_steps": [2, 4], "grad_accum": None}}
+    )
+    assert hparams == {
+        "mesh.replica": 2,
+        "optim.lr": 3e-3,
+        "optim.name": "adamw",
+        "model.tie": True,
+        "train.profile_steps": "[2, 4]",
+    }
+    assert hparams_event(hparams).summary.value[0].tag == metadata.SESSION_START_INFO_TAG
+    with MetricsWriter(tmp_path) as writer:
+        writer.hparams(hparams)
+        writer.write({"step": 1, "loss": 2.5})
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    content = acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
+    info = metadata.parse_session_start_info_plugin_data(content)
+    assert info.hparams["mesh.replica"].number_value == 2
+    assert info.hparams["optim.name"].string_value == "adamw"
+    assert info.hparams["model.tie"].bool_value is True
+    assert acc.Scalars("train/loss")[0].value == 2.5
