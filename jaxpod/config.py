@@ -202,6 +202,16 @@ class Config:
                 "precision.params=float16 with precision.loss_scale=none: small gradients "
                 "underflow to zero in float16; set precision.loss_scale=dynamic"
             )
+        if (
+            self.precision.master == "same-as-params"
+            and self.precision.params != "float32"
+            and self.optim.name in ("adamw", "lamb")
+        ):
+            out.append(
+                f"optim.name={self.optim.name} with 16-bit master weights keeps its second "
+                f"moments (g^2) in {self.precision.params}, where small values underflow; "
+                "prefer optim.name=lars or sgd, or precision.master=float32"
+            )
         return out
 
 
