@@ -191,6 +191,12 @@ def _check_memory(cfg: Config, replica: int) -> None:
             fail(
                 f"{key}={value} does not divide mesh.replica={replica}; use a divisor of {replica}"
             )
+    rts, rts_opt = mem.rts, mem.rts if mem.rts_optimizer is None else mem.rts_optimizer
+    if max(rts, rts_opt) % min(rts, rts_opt):
+        fail(
+            f"memory.rts={rts} and memory.rts_optimizer={rts_opt} must divide one another "
+            "(weights and optimizer state are split over nested groups of replicas)"
+        )
     if mem.phases > md.layers:
         fail(f"memory.phases={mem.phases} is more than model.layers={md.layers}; use fewer")
     per_stage = md.layers // cfg.mesh.pipeline
@@ -267,6 +273,13 @@ def _check_data(cfg: Config) -> None:
         fail(
             f"data.name={d.name} is images but model.name={cfg.model.name} reads tokens; "
             f"use data.name one of {', '.join(TEXT_DATA)}"
+        )
+    if cfg.model.name == "bert" and cfg.model.vocab <= BYTE_VOCAB:
+        t = cfg.mesh.tensor
+        fail(
+            f"model.vocab={cfg.model.vocab}: BERT needs the {BYTE_VOCAB} byte values plus a "
+            f"[MASK] id ({BYTE_VOCAB}); use model.vocab>={BYTE_VOCAB + 1} divisible by "
+            f"mesh.tensor={t}, e.g. {-(-(BYTE_VOCAB + 1) // t) * t}"
         )
     if cfg.model.vocab < BYTE_VOCAB:
         fail(

@@ -59,6 +59,42 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
+RTS_AXES = ("rts_outer", "rts_inner")
+
+
+def split_replica(
+    mesh: Mesh, rts: int, rts_optimizer: int
+) -> tuple[Mesh, tuple[str, ...], tuple[str, ...]]:
+    """The engine's mesh for replicated tensor sharding, and the axes weights and optimizer
+    state are split over.
+
+    With `rts = rts_optimizer = 1` this is `mesh` itself. Otherwise the replica axis (size
+    r) is reshaped, row-major, into `(replica, rts_outer, rts_inner)` of sizes
+    `(r / big, big / small, small)` with `small, big = sorted((rts, rts_optimizer))`: groups
+    of `small` consecutive replicas inside groups of `big`. Weights are split over the axes
+    whose product is `rts`, optimizer state over those giving `rts_optimizer` (so one must
+    divide the other). The devices and their order are unchanged, and batch row r still
+    lands on the same device (rows are split over the three axes, outer-major).
+    """
+    if rts == 1 and rts_optimizer == 1:
+        return mesh, (), ()
+    small, big = sorted((rts, rts_optimizer))
+    if big % small:
+        raise ConfigError(
+            f"memory.rts={rts} and memory.rts_optimizer={rts_optimizer} must divide one "
+            "another (weights and optimizer state are split over nested replica groups)"
+        )
+    r, p, t = (mesh.shape[a] for a in AXES)
+    devices = mesh.devices.reshape(r // big, big // small, small, p, t)
+    names = ("replica", *RTS_AXES, "pipeline", "tensor")
+    split = Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+    def axes(k: int) -> tuple[str, ...]:
+        return () if k == 1 else ("rts_inner",) if k == small else RTS_AXES
+
+    return split, axes(rts), axes(rts_optimizer)
+
+
 def logical_to_spec(axes: tuple[str | None, ...]) -> P:
     """`("layers", "embed", "mlp") -> P("pipeline", None, "tensor")`."""
     return P(*(LOGICAL_TO_MESH.get(a) if a else None for a in axes))
@@ -76,6 +112,10 @@ def param_specs(state: nnx.State) -> dict:
     return nnx.to_pure_dict(specs)
 
 
-def shardings(mesh: Mesh, specs) -> object:
-    """`NamedSharding`s on `mesh` for a tree of `PartitionSpec`s."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+def shardings(mesh: Mesh, specs, memory_kind: str | None = None) -> object:
+    """`NamedSharding`s on `mesh` for a tree of `PartitionSpec`s (in `memory_kind`)."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s, memory_kind=memory_kind),
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )

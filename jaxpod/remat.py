@@ -3,6 +3,11 @@
 A policy decides which intermediate values of a layer are *saved* for the backward pass;
 everything else is recomputed from the layer's input. The model tags the interesting
 values with `checkpoint_name` (see `jaxpod.models.layers`).
+
+With `memory.offload` containing `activations`, the values a policy saves are *offloaded*
+instead: written to `pinned_host` memory in the forward pass and read back in the backward
+pass (`OFFLOAD_POLICIES`, built from `save_and_offload_only_these_names` /
+`offload_dot_with_no_batch_dims`); what is recomputed does not change.
 """
 
 from __future__ import annotations
@@ -25,10 +30,33 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
-def remat(fn: Callable, policy: str) -> Callable:
-    """Wrap `fn` (one layer's forward) with the named recomputation policy."""
+def _offload_names(*names: str) -> Callable:
+    return cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(names),
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+
+# name -> the same policy with its saved values living in host memory. `none` saves every
+# intermediate; offloaded, it keeps the weight-matmul outputs (`minimal`'s set) on host.
+OFFLOAD_POLICIES: dict[str, Callable] = {
+    "none": cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    "full": cp.nothing_saveable,  # saves nothing: nothing to offload
+    "minimal": cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    "attention": _offload_names("qkv", "attn_out"),
+    "comms": _offload_names(COLLECTIVE_OUT),
+}
+
+
+def remat(fn: Callable, policy: str, *, offload: bool = False) -> Callable:
+    """Wrap `fn` (one layer's forward) with the named recomputation policy; `offload=True`
+    keeps the saved values in host memory (`OFFLOAD_POLICIES`)."""
     if policy not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {policy!r}; choose from {list(REMAT_POLICIES)}")
+    if offload:
+        return jax.checkpoint(fn, policy=OFFLOAD_POLICIES[policy], prevent_cse=False)
     saveable = REMAT_POLICIES[policy]
     if policy == "none":
         return fn

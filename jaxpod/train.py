@@ -3,13 +3,34 @@
 Data flow of one optimizer step (global batch G = micro_batch * replica * grad_accum):
 
     tokens[G, T+1] sharded P("replica")  ->  shard_map over the whole mesh:
-        params: pcast to varying over their reduction axes (once)
+        model.inputs_and_targets: GPT next tokens; BERT masked bytes (keys from seed, step, row)
+        params: pcast to varying over their reduction axes (once); fetched from host and
+                all-gathered over the RTS group right before use; cast to precision.compute
         pipeline == 1: scan over grad_accum micro-batches, value_and_grad each, accumulate
         pipeline  > 1: embed all micro-batches, GPipe scan (ppermute between stages),
                        reduce-scatter the last stage's outputs so each stage computes 1/S of
                        the final norm + vocab-parallel loss; one value_and_grad over it all
+        the loss is multiplied by the loss scale before differentiation
         grads: one psum over the reduction axes   -> grads with the params' shardings
-    -> optax update under GSPMD (whole-parameter norms) -> new params, same shardings
+    -> under GSPMD (whole-parameter norms): unscale in float32, skip the step if any gradient
+       is not finite, optax update, `precision.apply_updates` (stochastic rounding for 16-bit
+       master weights, key fold_in(key(train.seed), step)) -> new params, same shardings
+
+Precision: the state holds params in the master dtype (`precision.master_dtype`); the forward
+pass casts them to `precision.compute` and transformers compute in that dtype (LayerNorm
+statistics, softmax and the cross-entropy in float32). With the defaults (float32, no loss
+scaling) every step is bit-identical to an engine without any of this.
+
+Memory (`jaxpod.parallel.replica`, `jaxpod.parallel.offload`): `memory.rts` splits weights
+over groups of replicas, `memory.rts_optimizer` the optimizer state; `memory.offload` and
+`memory.phases` keep state in host memory and stream it. `memory.phases > 1` implies that
+the layer stack lives in host memory (that is what phases are for). With `pipeline == 1`
+the program fetches each phase's weights right before the phase runs, forward and backward
+(but see `jaxpod.parallel.offload` for what jax 0.10.2 lowers that to). With
+`pipeline > 1` a stage's host-resident layer weights are fetched once per step, before its
+GPipe ticks (a host->device transfer inside the tick `scan` would make the transposed scan
+accumulate host-typed cotangents of loop constants, which jax 0.10.2 rejects), and the
+phases then run as separate scans over device-resident weights.
 
 The state is donated, so params and optimizer state are updated in place.
 """
@@ -17,7 +38,7 @@ The state is donated, so params and optimizer state are updated in place.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,94 +47,274 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpod import mlm
 from jaxpod.config import Config, ModelConfig
-from jaxpod.mesh import param_specs, shardings
-from jaxpod.models.gpt import GPT
-from jaxpod.optim import make_optimizer
+from jaxpod.mesh import param_specs, shardings, split_replica
+from jaxpod.optim import STACKED_KEY, make_optimizer, stacked_mask
+from jaxpod.parallel import offload
 from jaxpod.parallel.pipeline import gpipe, spread_over_stages, vary_like
-from jaxpod.parallel.replica import DATA_AXES, reduce_grads, vary_params
+from jaxpod.parallel.replica import gather, reduce_grads, rts_plan, vary_params, with_rts
+from jaxpod.precision import (
+    LossScaleState,
+    compute_dtype,
+    guarded_update,
+    init_loss_scale,
+    master_dtype,
+)
 
+F32 = jnp.float32
 BATCH_SPEC = P("replica", None)
 
 
+class OptState(NamedTuple):
+    """`tx`: the optax chain's state; `loss_scale`: the `LossScaleState`."""
+
+    tx: optax.OptState
+    loss_scale: LossScaleState
+
+
 class TrainState(NamedTuple):
-    """`step` int32[] (optimizer steps taken), `params` and `opt_state` (nested dicts)."""
+    """`step` int32[] (optimizer steps taken), `params` (nested dicts, master dtype) and
+    `opt_state` (`OptState`)."""
 
     step: jax.Array
     params: dict
-    opt_state: optax.OptState
+    opt_state: Any
 
 
-def build_model(cfg: ModelConfig, seed: int) -> GPT:
+def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
+    """The transformer named by `cfg.name` (gpt or bert), initialised from `seed`."""
+    if cfg.name == "bert":
+        from jaxpod.models.bert import BERT
+
+        return BERT(cfg, rngs=nnx.Rngs(seed))
+    from jaxpod.models.gpt import GPT
+
     return GPT(cfg, rngs=nnx.Rngs(seed))
 
 
-def abstract_params(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, dict, dict]:
+def _cast(tree, dtype):
+    """Floating leaves in `dtype` (leaves already in it are returned as they are)."""
+    return jax.tree.map(lambda a: a if a.dtype == dtype else a.astype(dtype), tree)
+
+
+def abstract_params(cfg: ModelConfig, seed: int = 0, dtype=F32) -> tuple[nnx.GraphDef, dict, dict]:
     """`(graphdef, params as ShapeDtypeStructs, PartitionSpecs)` without materialising weights."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, seed)))
-    return graphdef, nnx.to_pure_dict(state), param_specs(state)
+    params = nnx.to_pure_dict(state)
+    if jnp.dtype(dtype) != jnp.dtype(F32):
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), params)
+    return graphdef, params, param_specs(state)
 
 
-def init_params(cfg: ModelConfig, seed: int, mesh: Mesh) -> tuple[nnx.GraphDef, dict, dict]:
+def init_params(
+    cfg: ModelConfig, seed: int, mesh: Mesh, *, dtype=F32, out_shardings=None
+) -> tuple[nnx.GraphDef, dict, dict]:
     """Create the parameters already sharded on `mesh` (jitted init with `out_shardings`).
 
     The values depend only on `seed` (threefry is partitionable), never on the mesh, and no
-    device ever holds more than its own shards.
+    device ever holds more than its own shards. `dtype`: the master dtype (a cast of the
+    float32 init); `out_shardings`: where they live (default: the model's specs on `mesh`).
+    Returns the model's specs (the layout inside `shard_map`).
     """
     graphdef, _, specs = abstract_params(cfg, seed)
-    make = lambda: nnx.to_pure_dict(nnx.split(build_model(cfg, seed))[1])
-    params = jax.jit(make, out_shardings=shardings(mesh, specs))()
-    return graphdef, params, specs
+    make = lambda: _cast(nnx.to_pure_dict(nnx.split(build_model(cfg, seed))[1]), dtype)
+    out = shardings(mesh, specs) if out_shardings is None else out_shardings
+    return graphdef, jax.jit(make, out_shardings=out)(), specs
+
+
+class Layout(NamedTuple):
+    """Where everything lives: the engine's mesh and the specs inside/outside `shard_map`."""
+
+    mesh: Mesh  # the caller's mesh, or with the replica axis split for RTS
+    batch_axes: tuple[str, ...]  # mesh axes the batch rows are split over
+    specs: dict  # the model's layout: what `shard_map` computes with (after gathering)
+    store: dict  # params as stored: specs + the RTS axes on the planned dimension
+    plan: dict  # per param: the dimension gathered over `rts_axes`, or -1
+    rts_axes: tuple[str, ...]
+    opt_store: dict  # per-parameter optimizer leaves: specs + the rts_optimizer axes
+    host: dict  # per param: True if it lives in pinned_host memory
+    host_optimizer: bool
+    phases: int
+    offload_activations: bool
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Axes over which gradients are summed: the batch axes and `pipeline`."""
+        return (*self.batch_axes, "pipeline")
+
+    @property
+    def batch_spec(self) -> P:
+        axes = self.batch_axes
+        return P(axes[0] if len(axes) == 1 else axes, None)
+
+    def param_shardings(self) -> dict:
+        return jax.tree.map(
+            lambda s, h: NamedSharding(self.mesh, s, memory_kind=offload.HOST if h else None),
+            self.store,
+            self.host,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+
+def make_layout(cfg: Config, mesh: Mesh, params: dict, specs: dict) -> Layout:
+    """The layout of `cfg.memory` for abstract `params` with model specs `specs`."""
+    mem = cfg.memory
+    k_opt = mem.rts if mem.rts_optimizer is None else mem.rts_optimizer
+    emesh, w_axes, o_axes = split_replica(mesh, mem.rts, k_opt)
+    batch_axes = tuple(a for a in emesh.axis_names if a not in ("pipeline", "tensor"))
+    stacked = stacked_mask(params)
+    plan = rts_plan(params, specs, stacked, emesh.shape, w_axes)
+    opt_plan = rts_plan(params, specs, stacked, emesh.shape, o_axes)
+    everything = "params" in mem.offload
+    host = jax.tree.map(lambda s: everything or (s and mem.phases > 1), stacked)
+    return Layout(
+        emesh,
+        batch_axes,
+        specs,
+        with_rts(specs, plan, w_axes),
+        plan,
+        w_axes,
+        with_rts(specs, opt_plan, o_axes),
+        host,
+        "optimizer" in mem.offload,
+        mem.phases,
+        "activations" in mem.offload,
+    )
 
 
 def _local_functions(
-    graphdef: nnx.GraphDef, specs: dict, cfg: Config, mesh: Mesh, bubble_fill: float, unroll: bool
+    graphdef: nnx.GraphDef, lay: Layout, cfg: Config, bubble_fill: float, unroll: bool
 ):
     """Per-device `(loss, loss_and_grads)` for the inside of `shard_map`."""
     tp = "tensor"  # a size-1 axis costs nothing: XLA drops single-device collectives
-    stages, micro, micro_batch = mesh.shape["pipeline"], cfg.train.grad_accum, cfg.train.micro_batch
+    stages, micro, micro_batch = (
+        lay.mesh.shape["pipeline"],
+        cfg.train.grad_accum,
+        cfg.train.micro_batch,
+    )
     total_tokens = cfg.train.global_batch * cfg.model.seq_len
+    dtype = compute_dtype(cfg.precision)
+    scaling = cfg.precision.loss_scale != "none"
+    any_host = any(jax.tree.leaves(lay.host))
+    blocks_host = any(jax.tree.leaves(lay.host[STACKED_KEY]))
+    rest_host = {k: v for k, v in lay.host.items() if k != STACKED_KEY}
+    cast = lambda tree: _cast(tree, dtype)
 
-    def micro_loss(params, tokens):  # tokens[mb, T+1] -> summed loss / all tokens of the step
+    def prepare_layer(layer_params):  # one layer's stored slice -> what the layer computes with
+        layer_params = cast(layer_params)
+        return gather(layer_params, lay.plan[STACKED_KEY], lay.rts_axes, leading=1)
+
+    layer_prepare = lay.rts_axes or dtype != master_dtype(cfg.precision)
+    hooks = {}
+    if layer_prepare:
+        hooks["prepare"] = prepare_layer
+    if lay.phases > 1 or blocks_host:
+        hooks.update(phases=lay.phases, fetch=offload.to_device if blocks_host else None)
+    if lay.offload_activations:
+        hooks["offload_activations"] = True
+
+    def model_of(params):  # stored local params -> the model, non-layer weights ready
+        rest = {k: v for k, v in params.items() if k != STACKED_KEY}
+        rest = jax.tree.map(lambda a, h: offload.to_device(a) if h else a, rest, rest_host)
+        plan = {k: v for k, v in lay.plan.items() if k != STACKED_KEY}
+        rest = gather(cast(rest), plan, lay.rts_axes)
+        return nnx.merge(graphdef, {**rest, STACKED_KEY: params[STACKED_KEY]})
+
+    def examples(params, tokens, step, stream):
+        """Local `tokens[B, T+1]` -> micro-batched `(inputs, targets, weights, denominator)`."""
         model = nnx.merge(graphdef, params)
-        h = model.layers(model.embed(tokens[:, :-1], tp), tp, unroll)
-        return jnp.sum(model.token_loss(h, tokens[:, 1:], tp)) / total_tokens
+        keys = None
+        if model.masked:
+            rows = jax.lax.axis_index(lay.batch_axes) * tokens.shape[0]
+            keys = mlm.row_keys(cfg.train.seed, step, rows + jnp.arange(tokens.shape[0]), stream)
+        inputs, targets, weights = model.inputs_and_targets(tokens, keys)
+        split = lambda a: None if a is None else a.reshape(micro, micro_batch, *a.shape[1:])
+        if weights is None:
+            return split(inputs), split(targets), None, total_tokens
+        return (
+            split(inputs),
+            split(targets),
+            split(weights),
+            jax.lax.psum(jnp.sum(weights), lay.batch_axes),
+        )
 
-    def accumulate(params, tokens):  # pipeline == 1: an accumulation loop over micro-batches
-        def body(acc, mb_tokens):
-            loss, grads = jax.value_and_grad(micro_loss)(params, mb_tokens)
+    def summed(loss, weights, denominator):
+        if weights is None:
+            return jnp.sum(loss) / denominator
+        return jnp.sum(loss * weights) / denominator
+
+    def micro_loss(params, inputs, targets, weights, denominator):
+        model = model_of(params)
+        h = model.layers(model.embed(inputs, tp), tp, unroll, **hooks)
+        return summed(model.token_loss(h, targets, tp), weights, denominator)
+
+    def pipeline_loss(params, inputs, targets, weights, denominator):
+        if blocks_host:  # see the module docstring: fetched once per step before the ticks
+            params = {**params, STACKED_KEY: offload.to_device(params[STACKED_KEY])}
+        model = model_of(params)
+        x = model.embed(inputs, tp)  # [M, mb, T, D]
+        tick_hooks = {**hooks, "fetch": None} if "fetch" in hooks else hooks
+        layers = lambda a: model.layers(a, tp, unroll, **tick_hooks)
+        ys = gpipe(layers, x, bubble_fill=bubble_fill, unroll=unroll)
+        h = spread_over_stages(ys.reshape(-1, x.shape[-1]))  # [M*mb*T / S, D]
+        stage = jax.lax.axis_index("pipeline")
+        targets = targets.reshape(stages, -1)[stage]
+        if weights is not None:
+            weights = weights.reshape(stages, -1)[stage]
+        return summed(model.token_loss(h, targets, tp), weights, denominator)
+
+    def value_and_grad(fn, scale, *args):
+        """(loss, grads of loss * scale), grads on the device."""
+        if scaling:
+            scaled = lambda *a: (lambda v: (v * scale.astype(v.dtype), v))(fn(*a))
+            (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(*args)
+        else:
+            loss, grads = jax.value_and_grad(fn)(*args)
+        return loss, offload.to_device(grads) if any_host else grads
+
+    def accumulate(params, scale, inputs, targets, weights, denominator):
+        def body(acc, mb):
+            loss, grads = value_and_grad(micro_loss, scale, params, *mb, denominator)
             return jax.tree.map(jnp.add, acc, grads), loss
 
-        zeros = jax.tree.map(lambda p: vary_like(jnp.zeros_like(p), p), params)
-        grads, losses = jax.lax.scan(body, zeros, tokens, unroll=unroll)
+        def zero(p):
+            z = jnp.zeros(p.shape, p.dtype)
+            return vary_like(z, p)
+
+        zeros = jax.tree.map(zero, params)
+        grads, losses = jax.lax.scan(body, zeros, (inputs, targets, weights), unroll=unroll)
         return jnp.sum(losses), grads
 
-    def pipeline_loss(params, tokens):  # pipeline > 1: GPipe over the micro-batches
-        model = nnx.merge(graphdef, params)
-        x = model.embed(tokens[..., :-1], tp)  # [M, mb, T, D]
-        ys = gpipe(lambda a: model.layers(a, tp, unroll), x, bubble_fill=bubble_fill, unroll=unroll)
-        h = spread_over_stages(ys.reshape(-1, x.shape[-1]))  # [M*mb*T / S, D]
-        targets = tokens[..., 1:].reshape(stages, -1)[jax.lax.axis_index("pipeline")]
-        return jnp.sum(model.token_loss(h, targets, tp)) / total_tokens
-
-    def loss(params, tokens):
-        tokens = tokens.reshape(micro, micro_batch, -1)
-        params = vary_params(params, specs)
+    def loss(params, tokens, scale, step):
+        inputs, targets, weights, denominator = examples(params, tokens, step, mlm.EVAL_STREAM)
+        params = vary_params(params, lay.store, lay.data_axes)
         if stages == 1:
-            losses = jax.lax.map(lambda t: micro_loss(params, t), tokens)
-            return jax.lax.psum(jnp.sum(losses), DATA_AXES)
-        return jax.lax.psum(pipeline_loss(params, tokens), DATA_AXES)
+            losses = jax.lax.map(
+                lambda b: micro_loss(params, *b, denominator), (inputs, targets, weights)
+            )
+            return jax.lax.psum(jnp.sum(losses), lay.data_axes)
+        return jax.lax.psum(
+            pipeline_loss(params, inputs, targets, weights, denominator), lay.data_axes
+        )
 
-    def loss_and_grads(params, tokens):
-        tokens = tokens.reshape(micro, micro_batch, -1)
-        params = vary_params(params, specs)
+    def loss_and_grads(params, tokens, scale, step):
+        inputs, targets, weights, denominator = examples(params, tokens, step, mlm.TRAIN_STREAM)
+        params = vary_params(params, lay.store, lay.data_axes)
         if stages == 1:
-            loss, grads = accumulate(params, tokens)
+            loss, grads = accumulate(params, scale, inputs, targets, weights, denominator)
         else:
-            loss, grads = jax.value_and_grad(pipeline_loss)(params, tokens)
-        return jax.lax.psum(loss, DATA_AXES), reduce_grads(grads, specs)
+            loss, grads = value_and_grad(
+                pipeline_loss, scale, params, inputs, targets, weights, denominator
+            )
+        return jax.lax.psum(loss, lay.data_axes), reduce_grads(grads, lay.store, lay.data_axes)
 
     return loss, loss_and_grads
+
+
+def _layout_for(graphdef, specs, cfg: Config, mesh: Mesh) -> Layout:
+    _, params, _ = abstract_params(cfg.model, cfg.train.seed)
+    return make_layout(cfg, mesh, params, specs)
 
 
 def make_loss_and_grads(
@@ -124,34 +325,56 @@ def make_loss_and_grads(
     *,
     bubble_fill: float = 0.0,
     unroll: bool = False,
-) -> Callable[[dict, jax.Array], tuple[jax.Array, dict]]:
-    """`(params, tokens[G, T+1] P("replica")) -> (mean loss, grads)`, one `shard_map`.
+    layout: Layout | None = None,
+) -> Callable[..., tuple[jax.Array, dict]]:
+    """`(params, tokens[G, T+1] P("replica"), scale=1, step=0) -> (mean loss, grads)`, one
+    `shard_map`. `grads` (of `scale * loss`) have exactly the params' shardings.
 
-    `grads` have exactly the params' shardings. `bubble_fill` is for tests: the value the
-    pipeline carry holds in bubble ticks (it must not matter). `unroll` unrolls every loop
-    so that `cost_analysis()` counts the FLOPs of every iteration (benchmarks).
+    `step` picks BERT's masks. `bubble_fill` is for tests: the value the pipeline carry
+    holds in bubble ticks (it must not matter). `unroll` unrolls every loop so that
+    `cost_analysis()` counts the FLOPs of every iteration (benchmarks). `layout`: where the
+    params live (default: from `cfg.memory` on `mesh`).
     """
-    _, local = _local_functions(graphdef, specs, cfg, mesh, bubble_fill, unroll)
-    return jax.shard_map(local, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), specs))
+    lay = _layout_for(graphdef, specs, cfg, mesh) if layout is None else layout
+    _, local = _local_functions(graphdef, lay, cfg, bubble_fill, unroll)
+    fn = jax.shard_map(
+        local,
+        mesh=lay.mesh,
+        in_specs=(lay.store, lay.batch_spec, P(), P()),
+        out_specs=(P(), lay.store),
+    )
+
+    def loss_and_grads(params, tokens, scale=None, step=None):
+        scale = jnp.ones((), F32) if scale is None else scale
+        step = jnp.zeros((), jnp.int32) if step is None else step
+        return fn(params, tokens, scale, step)
+
+    return loss_and_grads
 
 
 def make_eval_loss(
-    graphdef: nnx.GraphDef, specs: dict, cfg: Config, mesh: Mesh
+    graphdef: nnx.GraphDef, specs: dict, cfg: Config, mesh: Mesh, layout: Layout | None = None
 ) -> Callable[[dict, jax.Array], jax.Array]:
     """`(params, tokens[G, T+1] P("replica")) -> mean loss`: forward only, same sharding."""
-    local, _ = _local_functions(graphdef, specs, cfg, mesh, 0.0, False)
-    return jax.shard_map(local, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=P())
+    lay = _layout_for(graphdef, specs, cfg, mesh) if layout is None else layout
+    local, _ = _local_functions(graphdef, lay, cfg, 0.0, False)
+    fn = jax.shard_map(
+        local, mesh=lay.mesh, in_specs=(lay.store, lay.batch_spec, P(), P()), out_specs=P()
+    )
+    return lambda params, tokens: fn(params, tokens, jnp.ones((), F32), jnp.zeros((), jnp.int32))
 
 
-def optimizer_shardings(optimizer: optax.GradientTransformation, params: dict, other):
+def optimizer_shardings(optimizer: optax.GradientTransformation, params: dict, other, like=None):
     """Shardings of `optimizer.init(params)`: per-parameter leaves (moments) take their
-    parameter's sharding; everything else (step counts) gets `other`."""
+    parameter's sharding (or the matching leaf of `like`, a tree of shardings); everything
+    else (step counts) gets `other`."""
     abstract = jax.eval_shape(optimizer.init, params)
+    like = jax.tree.map(lambda p: p.sharding, params) if like is None else like
     return optax.tree_map_params(
         optimizer,
-        lambda _, p: p.sharding,
+        lambda _, s: s,
         abstract,
-        params,
+        like,
         transform_non_params=lambda _: other,
     )
 
@@ -167,42 +390,91 @@ class Engine(NamedTuple):
     batch_sharding: NamedSharding
     train_step: Callable  # (state, tokens) -> (state, metrics)
     eval_loss: Callable  # (params, tokens) -> loss
+    layout: Layout | None = None
+
+
+def _state_shardings(cfg: Config, lay: Layout, optimizer, params) -> TrainState:
+    replicated = NamedSharding(lay.mesh, P())
+    opt_kind = offload.HOST if lay.host_optimizer else None
+    moments = shardings(lay.mesh, lay.opt_store, opt_kind)
+    tx = optimizer_shardings(optimizer, params, replicated, like=moments)
+    ls = LossScaleState(replicated, replicated, replicated)
+    return TrainState(replicated, lay.param_shardings(), OptState(tx, ls))
+
+
+def abstract_engine(cfg: Config, mesh: Mesh) -> tuple[Engine, TrainState]:
+    """The engine and its state as `ShapeDtypeStruct`s with shardings: nothing is
+    materialised, so any config can be lowered and compiled ahead of time."""
+    graphdef, params, specs = abstract_params(
+        cfg.model, cfg.train.seed, master_dtype(cfg.precision)
+    )
+    lay = make_layout(cfg, mesh, params, specs)
+    optimizer, lr = make_optimizer(cfg.optim, cfg.train.steps)
+    sharding = _state_shardings(cfg, lay, optimizer, params)
+    ls = jax.eval_shape(lambda: init_loss_scale(cfg.precision))
+    shapes = TrainState(
+        jax.ShapeDtypeStruct((), jnp.int32),
+        params,
+        OptState(jax.eval_shape(optimizer.init, params), ls),
+    )
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, sharding
+    )
+    loss_and_grads = make_loss_and_grads(graphdef, specs, cfg, mesh, layout=lay)
+    device_params = offload.with_memory_kind(sharding.params, offload.DEVICE)
+    device_tx = offload.with_memory_kind(sharding.opt_state.tx, offload.DEVICE)
+
+    def step(state: TrainState, tokens: jax.Array):
+        ls = state.opt_state.loss_scale
+        loss, grads = loss_and_grads(state.params, tokens, ls.scale, state.step)
+        params, tx = state.params, state.opt_state.tx
+        if any(jax.tree.leaves(lay.host)):
+            params = jax.device_put(params, device_params)
+        if lay.host_optimizer:
+            tx = jax.device_put(tx, device_tx)
+        key = jax.random.fold_in(jax.random.key(cfg.train.seed), state.step)
+        params, tx, new_ls, info = guarded_update(
+            optimizer, grads, tx, params, ls, cfg.precision, key
+        )
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(info["grads"]),
+            "update_norm": jnp.where(info["finite"], optax.tree.norm(info["updates"]), 0.0),
+            "param_norm": optax.tree.norm(params),
+            "lr": lr(state.step),
+            "loss_scale": ls.scale,
+            "skipped_steps": new_ls.skipped,
+        }
+        params = jax.device_put(params, sharding.params)
+        tx = jax.device_put(tx, sharding.opt_state.tx)
+        return TrainState(state.step + 1, params, OptState(tx, new_ls)), metrics
+
+    batch_sharding = NamedSharding(lay.mesh, lay.batch_spec)
+    train_step = jax.jit(
+        step,
+        in_shardings=(sharding, batch_sharding),
+        out_shardings=(sharding, None),
+        donate_argnums=0,
+    )
+    eval_loss = jax.jit(make_eval_loss(graphdef, specs, cfg, mesh, layout=lay))
+    engine = Engine(
+        graphdef, specs, optimizer, lr, sharding, batch_sharding, train_step, eval_loss, lay
+    )
+    return engine, state
 
 
 def build_engine(cfg: Config, mesh: Mesh) -> tuple[Engine, TrainState]:
     """Initialise sharded params + optimizer state and compile-ready step functions."""
-    graphdef, params, specs = init_params(cfg.model, cfg.train.seed, mesh)
-    optimizer, lr = make_optimizer(cfg.optim, cfg.train.steps)
-    replicated = NamedSharding(mesh, P())
-    opt_state = jax.jit(
-        optimizer.init, out_shardings=optimizer_shardings(optimizer, params, replicated)
-    )(params)
-    state = TrainState(jax.device_put(jnp.zeros((), jnp.int32), replicated), params, opt_state)
-    state_sharding = jax.tree.map(lambda a: a.sharding, state)
-    loss_and_grads = make_loss_and_grads(graphdef, specs, cfg, mesh)
-
-    def step(state: TrainState, tokens: jax.Array):
-        loss, grads = loss_and_grads(state.params, tokens)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {
-            "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
-            "update_norm": optax.tree.norm(updates),
-            "param_norm": optax.tree.norm(params),
-            "lr": lr(state.step),
-        }
-        return TrainState(state.step + 1, params, opt_state), metrics
-
-    batch_sharding = NamedSharding(mesh, BATCH_SPEC)
-    train_step = jax.jit(
-        step,
-        in_shardings=(state_sharding, batch_sharding),
-        out_shardings=(state_sharding, None),
-        donate_argnums=0,
+    engine, abstract = abstract_engine(cfg, mesh)
+    sharding = engine.state_sharding
+    _, params, _ = init_params(
+        cfg.model,
+        cfg.train.seed,
+        mesh,
+        dtype=master_dtype(cfg.precision),
+        out_shardings=sharding.params,
     )
-    eval_loss = jax.jit(make_eval_loss(graphdef, specs, cfg, mesh))
-    engine = Engine(
-        graphdef, specs, optimizer, lr, state_sharding, batch_sharding, train_step, eval_loss
-    )
-    return engine, state
+    tx = jax.jit(engine.optimizer.init, out_shardings=sharding.opt_state.tx)(params)
+    ls = jax.device_put(init_loss_scale(cfg.precision), sharding.opt_state.loss_scale)
+    step = jax.device_put(jnp.zeros((), jnp.int32), sharding.step)
+    return engine, TrainState(step, params, OptState(tx, ls))

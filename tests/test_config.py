@@ -227,6 +227,15 @@ BAD_OVERRIDES = [
     (["memory.device_budget=0MB"], ("memory.device_budget='0MB' must be > 0",)),
     (["memory.rts=3"], ("memory.rts=3 does not divide mesh.replica=8; use a divisor of 8",)),
     (["memory.rts_optimizer=16"], ("memory.rts_optimizer=16 does not divide mesh.replica=8",)),
+    (["model.name=bert"], ("model.vocab=256: BERT needs the 256 byte values plus a [MASK] id",)),
+    (
+        ["model.name=bert", "mesh.tensor=2", "model.heads=8"],
+        ("use model.vocab>=257 divisible by mesh.tensor=2, e.g. 258",),
+    ),
+    (
+        ["memory.rts=2", "memory.rts_optimizer=3", "devices=6"],
+        ("memory.rts=2 and memory.rts_optimizer=3 must divide one another",),
+    ),
     (["memory.phases=5"], ("memory.phases=5 is more than model.layers=4; use fewer",)),
     (["memory.phases=3"], ("memory.phases=3 does not divide the 4 layers of each pipeline",)),
     (["train.profile_steps=[5]"], ("train.profile_steps=[5] must be [start, stop] with",)),

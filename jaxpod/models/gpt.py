@@ -15,14 +15,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpod.config import ModelConfig
-from jaxpod.models.layers import INIT_STD, Block, LayerNorm
+from jaxpod.models.layers import INIT_STD, Block, LayerNorm, apply_stack
 from jaxpod.parallel.tensor import vocab_cross_entropy, vocab_embed
-from jaxpod.remat import remat
 
 
 class GPT(nnx.Module):
     """GPT with params `wte[V, D]` (vocab-parallel), `wpe[T, D]`, `blocks[L, ...]`,
     `ln_f`, and `unembed[V, D]` when embeddings are untied."""
+
+    masked = False  # targets are the next tokens of every position (BERT: masked positions)
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, v = cfg.d_model, cfg.vocab
@@ -41,25 +42,25 @@ class GPT(nnx.Module):
         t = tokens.shape[-1]
         return vocab_embed(tokens, self.wte[...], tp) + self.wpe[...][:t]
 
-    def layers(self, x: jax.Array, tp: str | None = None, unroll: bool = False) -> jax.Array:
+    def inputs_and_targets(self, tokens: jax.Array, keys=None):
+        """`tokens[..., T+1] -> (inputs[..., T], targets[..., T], None)`: every position
+        predicts the next token, all with weight 1 (`keys` unused)."""
+        return tokens[..., :-1], tokens[..., 1:], None
+
+    def layers(self, x: jax.Array, tp: str | None = None, unroll: bool = False, **hooks):
         """Apply every layer of the (local slice of the) stack: `x[B, T, D] -> [B, T, D]`.
 
         `unroll=True` unrolls the layer scan (for FLOP accounting only: XLA's cost analysis
-        counts a loop body once, whatever its trip count)."""
-        graphdef, stacked = nnx.split(self.blocks)
-
-        def one_layer(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, tp), None
-
-        x, _ = jax.lax.scan(remat(one_layer, self.remat_policy), x, stacked, unroll=unroll)
-        return x
+        counts a loop body once, whatever its trip count). `hooks`: the engine's
+        `phases`/`fetch`/`prepare`/`offload_activations` (see `layers.apply_stack`)."""
+        return apply_stack(self.blocks, self.remat_policy, x, tp, unroll, **hooks)
 
     def token_loss(self, h: jax.Array, targets: jax.Array, tp: str | None = None) -> jax.Array:
         """Final norm + vocab-parallel cross-entropy: `h[..., D], targets[...] -> loss[...]`."""
         table = self.wte if self.unembed is None else self.unembed
         return vocab_cross_entropy(self.ln_f(h), table[...], targets, tp)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, keys=None) -> jax.Array:
         """Plain single-device mean next-token loss of `tokens[B, T+1]` (the reference)."""
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         return jnp.mean(self.token_loss(self.layers(self.embed(inputs)), targets))

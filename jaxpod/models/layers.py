@@ -8,9 +8,15 @@ named `"layers"`, and the forward is applied to one layer's slice inside a `scan
 The tensor-parallel collectives come from `jaxpod.parallel.tensor`; the `tp` argument is
 the mesh axis to use (`None` = plain single-device math). Because shapes are read off the
 arrays, the same code runs on a full layer or on one tensor shard of it.
+
+Dtypes: layers compute in the dtype of their inputs and (already cast) weights, i.e.
+`precision.compute`; LayerNorm statistics and the attention softmax are taken in float32
+and cast back (a no-op for float32 models).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +24,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpod.parallel.tensor import column_dense, row_dense
+from jaxpod.remat import remat
 
 INIT_STD = 0.02
+F32 = jnp.float32
+# Weights a phase fetched (see `scan_layers`): never saved for the backward pass, fetched again.
+PHASE_WEIGHTS = "phase_weights"
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, layers: int | None, fill: float | None = None):
@@ -42,19 +52,30 @@ class LayerNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        dtype, x = x.dtype, x.astype(F32)
         mean = jnp.mean(x, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(F32)
+        return (y + self.bias[...].astype(F32)).astype(dtype)
 
 
-class CausalSelfAttention(nnx.Module):
-    """Multi-head causal attention, heads split over the tensor axis.
+class SelfAttention(nnx.Module):
+    """Multi-head attention, heads split over the tensor axis; causal (GPT) or not (BERT).
 
     `W_qkv[D, 3, HD_tensor]` (column-parallel, q/k/v of the local heads), `W_o[HD_tensor, D]`
     (row-parallel, one psum). `x[B, T, D] -> [B, T, D]`.
     """
 
-    def __init__(self, d_model: int, heads: int, *, rngs: nnx.Rngs, layers: int | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        *,
+        rngs: nnx.Rngs,
+        layers: int | None = None,
+        causal: bool = True,
+    ):
+        self.causal = causal
         self.head_dim = d_model // heads
         hd = heads * self.head_dim
         self.w_qkv = _param(rngs, (d_model, 3, hd), ("embed", None, "heads"), layers)
@@ -68,9 +89,10 @@ class CausalSelfAttention(nnx.Module):
         qkv = qkv.reshape(b, t, 3, -1, self.head_dim)  # [B, T, 3, H_tensor, hd]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (self.head_dim**-0.5)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        probs = jax.nn.softmax(scores, axis=-1)
+        if self.causal:
+            causal = jnp.tril(jnp.ones((t, t), bool))
+            scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        probs = jax.nn.softmax(scores.astype(F32), axis=-1).astype(v.dtype)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1)
         out = checkpoint_name(out, "attn_out")
         return row_dense(out, self.w_o[...], self.b_o[...], tp)
@@ -91,14 +113,102 @@ class Mlp(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-LayerNorm transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`."""
+    """Transformer block. Pre-LayerNorm (GPT, `norm="pre"`): `x + attn(ln1(x))`, then
+    `x + mlp(ln2(x))`. Post-LayerNorm (original BERT, `norm="post"`): `ln1(x + attn(x))`,
+    then `ln2(x + mlp(x))`. `causal=False` lets every position attend to every other."""
 
-    def __init__(self, d_model, heads, d_ff, *, rngs: nnx.Rngs, layers: int | None = None):
+    def __init__(
+        self,
+        d_model,
+        heads,
+        d_ff,
+        *,
+        rngs: nnx.Rngs,
+        layers: int | None = None,
+        causal: bool = True,
+        norm: str = "pre",
+    ):
+        if norm not in ("pre", "post"):
+            raise ValueError(f"norm={norm!r} must be 'pre' or 'post'")
+        self.post_norm = norm == "post"
         self.ln1 = LayerNorm(d_model, layers=layers)
-        self.attn = CausalSelfAttention(d_model, heads, rngs=rngs, layers=layers)
+        self.attn = SelfAttention(d_model, heads, rngs=rngs, layers=layers, causal=causal)
         self.ln2 = LayerNorm(d_model, layers=layers)
         self.mlp = Mlp(d_model, d_ff, rngs=rngs, layers=layers)
 
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
+        if self.post_norm:
+            x = self.ln1(x + self.attn(x, tp))
+            return self.ln2(x + self.mlp(x, tp))
         x = x + self.attn(self.ln1(x), tp)
         return x + self.mlp(self.ln2(x), tp)
+
+
+def scan_layers(
+    layer_fn: Callable,
+    x: jax.Array,
+    stacked: dict,
+    *,
+    unroll: bool = False,
+    phases: int = 1,
+    fetch: Callable | None = None,
+) -> jax.Array:
+    """Apply `layer_fn(x, one_layer_params) -> x` to every layer of `stacked` (`[L, ...]`).
+
+    One `lax.scan` over the layers; with `phases=K` the stack is cut into K contiguous
+    phases of L/K layers, each its own scan, and `fetch` (if given) is applied to a phase's
+    `[L/K, ...]` weights right before that phase runs (the caller's hook: e.g. moving them
+    from host to device memory). A fetching phase is a `jax.checkpoint` that saves everything
+    but the fetched weights (`PHASE_WEIGHTS`): the backward pass fetches each phase's weights
+    again instead of keeping every phase's copy alive. Math only: the result does not
+    depend on K.
+    """
+    if phases == 1 and fetch is None:
+        return jax.lax.scan(lambda c, p: (layer_fn(c, p), None), x, stacked, unroll=unroll)[0]
+    size = jax.tree.leaves(stacked)[0].shape[0]
+    if size % phases:
+        raise ValueError(f"{size} layers do not split into phases={phases}")
+    n = size // phases
+
+    def phase(x, chunk):
+        if fetch is not None:
+            chunk = jax.tree.map(lambda a: checkpoint_name(a, PHASE_WEIGHTS), fetch(chunk))
+        return jax.lax.scan(lambda c, p: (layer_fn(c, p), None), x, chunk, unroll=unroll)[0]
+
+    if fetch is not None:
+        keep = jax.checkpoint_policies.save_anything_except_these_names(PHASE_WEIGHTS)
+        phase = jax.checkpoint(phase, policy=keep, prevent_cse=False)
+    for i in range(phases):
+        x = phase(x, jax.tree.map(lambda a, i=i: a[i * n : (i + 1) * n], stacked))
+    return x
+
+
+def apply_stack(
+    blocks: Block,
+    remat_policy: str,
+    x: jax.Array,
+    tp: str | None = None,
+    unroll: bool = False,
+    *,
+    phases: int = 1,
+    fetch: Callable | None = None,
+    prepare: Callable | None = None,
+    offload_activations: bool = False,
+) -> jax.Array:
+    """Run a stacked `Block` (`[L, ...]` params) over `x[B, T, D]`, one layer at a time.
+
+    `prepare` is applied to each layer's params right before that layer runs (the engine's
+    hook, e.g. gathering replicated-tensor-sharded weights); `phases`/`fetch`: see
+    `scan_layers`; `offload_activations`: the remat policy's saved values go to host memory
+    (`jaxpod.remat`). `unroll=True` unrolls the layer scan (FLOP accounting only).
+    """
+    graphdef, stacked = nnx.split(blocks)
+
+    def one_layer(x, layer_params):
+        if prepare is not None:
+            layer_params = prepare(layer_params)
+        return nnx.merge(graphdef, layer_params)(x, tp)
+
+    layer_fn = remat(one_layer, remat_policy, offload=offload_activations)
+    stacked = nnx.to_pure_dict(stacked)
+    return scan_layers(layer_fn, x, stacked, unroll=unroll, phases=phases, fetch=fetch)

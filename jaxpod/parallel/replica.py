@@ -8,9 +8,21 @@ the loss (`vary_params`), so autodiff does not reduce inside the micro-batch loo
 
 The `tensor` axis is different: activations are identical across tensor shards, and the
 Megatron kernels' own collectives already produce complete gradients there.
+
+**Replicated tensor sharding** (`memory.rts = k`). The engine splits the replica axis into
+`(replica, rts_outer, rts_inner)` (`jaxpod.mesh.split_replica`) so that k consecutive
+replicas form a group along `rts` axes. Each weight is stored with one more dimension split
+over the group (`rts_plan`, `with_rts`): a device holds 1/(t·p·k) of the weights. Inside
+`shard_map` the engine calls `gather` right before use — for stacked layers inside the
+layer scan, one layer at a time — an `all_gather` over the group; autodiff transposes it
+into a `psum_scatter` (reduce-scatter), so each device receives the group's summed gradient
+of just its own slice. Those axes are then no longer reduction axes of that weight (they
+appear in its spec), and the remaining data-parallel sum runs as before.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -25,26 +37,82 @@ def _spec_axes(spec: P) -> set[str]:
     return names
 
 
-def reduction_axes(spec: P) -> tuple[str, ...]:
+def reduction_axes(spec: P, data_axes: tuple[str, ...] = DATA_AXES) -> tuple[str, ...]:
     """Axes over which a parameter with this spec receives partial gradients."""
-    return tuple(a for a in DATA_AXES if a not in _spec_axes(spec))
+    return tuple(a for a in data_axes if a not in _spec_axes(spec))
 
 
-def _map(fn, tree, specs):
-    return jax.tree.map(fn, tree, specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def vary_params(params, specs):
+def vary_params(params, specs, data_axes: tuple[str, ...] = DATA_AXES):
     """`pcast` each local parameter to varying over its reduction axes (no data moves)."""
-    return jax.tree.map(
-        lambda p, s: jax.lax.pcast(p, reduction_axes(s), to="varying") if reduction_axes(s) else p,
-        params,
-        specs,
-    )
+
+    def one(p, s):
+        axes = reduction_axes(s, data_axes)
+        return jax.lax.pcast(p, axes, to="varying") if axes else p
+
+    return jax.tree.map(one, params, specs)
 
 
-def reduce_grads(grads, specs):
+def reduce_grads(grads, specs, data_axes: tuple[str, ...] = DATA_AXES):
     """Sum each gradient over its reduction axes: the once-per-step data-parallel all-reduce."""
-    return jax.tree.map(
-        lambda g, s: jax.lax.psum(g, reduction_axes(s)) if reduction_axes(s) else g, grads, specs
-    )
+
+    def one(g, s):
+        axes = reduction_axes(s, data_axes)
+        return jax.lax.psum(g, axes) if axes else g
+
+    return jax.tree.map(one, grads, specs)
+
+
+NO_GATHER = -1  # plan entry of a leaf that is not split over the rts group
+
+
+def rts_plan(shapes, specs, stacked, mesh_shape, axes: tuple[str, ...]):
+    """Per leaf, the dimension to split over the mesh `axes` (product k), or `NO_GATHER`.
+
+    The chosen dimension is the one with the largest local size (after its existing split)
+    that k divides; the leading layer dimension of stacked leaves (`stacked` True) is never
+    chosen, so the layer scan can slice layers and gather one at a time.
+    """
+    k = math.prod(mesh_shape[a] for a in axes)
+
+    def one(shape, spec, is_stacked):
+        if k == 1:
+            return NO_GATHER
+        entries = tuple(spec) + (None,) * (len(shape.shape) - len(spec))
+        best, best_size = NO_GATHER, 0
+        for d, (n, entry) in enumerate(zip(shape.shape, entries, strict=True)):
+            local = n // math.prod(mesh_shape[a] for a in _spec_axes(P(entry)) - {None})
+            if (d > 0 or not is_stacked) and local % k == 0 and local > best_size:
+                best, best_size = d, local
+        return best
+
+    return jax.tree.map(one, shapes, specs, stacked, is_leaf=lambda x: isinstance(x, P))
+
+
+def with_rts(specs, plan, axes: tuple[str, ...]):
+    """`specs` with `axes` appended (as the minor split) to each leaf's planned dimension."""
+
+    def one(spec, dim):
+        if dim == NO_GATHER:
+            return spec
+        entries = list(spec) + [None] * (dim + 1 - len(spec))
+        old = entries[dim]
+        old = () if old is None else old if isinstance(old, tuple) else (old,)
+        entries[dim] = (*old, *axes)
+        return P(*entries)
+
+    return jax.tree.map(one, specs, plan, is_leaf=lambda x: isinstance(x, P))
+
+
+def gather(tree, plan, axes: tuple[str, ...], leading: int = 0):
+    """Inside `shard_map`: all-gather each planned leaf over `axes` along its planned
+    dimension (shifted by `leading` for slices of stacked leaves). Its transpose, in the
+    backward pass, is the reduce-scatter of the gradients."""
+    if not axes:
+        return tree
+
+    def one(x, dim):
+        if dim == NO_GATHER:
+            return x
+        return jax.lax.all_gather(x, axes, axis=dim - leading, tiled=True)
+
+    return jax.tree.map(one, tree, plan)

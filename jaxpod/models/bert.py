@@ -1,0 +1,89 @@
+"""BERT encoder in Flax NNX for masked-language modelling: bidirectional (non-causal)
+attention, pre- or post-LayerNorm blocks (`model.norm`), learned positions, a token-type
+embedding, and the MLM head (dense + GELU + LayerNorm, then logits against the tied,
+vocab-parallel embedding plus an output bias).
+
+The layer stack and the pipeline pieces are GPT's (`embed`, `layers`, `token_loss`), so the
+same engine trains both; `inputs_and_targets` turns byte windows into masked examples
+(`jaxpod.mlm`) and the loss counts only the masked positions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpod.config import ModelConfig
+from jaxpod.mlm import check_vocab, mask_tokens
+from jaxpod.models.layers import INIT_STD, Block, LayerNorm, apply_stack
+from jaxpod.parallel.tensor import column_dense, vocab_cross_entropy, vocab_embed
+
+TOKEN_TYPES = 2  # segments A/B; the byte corpora have one segment, so every id is 0
+
+
+class BERT(nnx.Module):
+    """Params `wte[V, D]` (vocab-parallel), `wpe[T, D]`, `wtt[2, D]`, `ln_emb`,
+    `blocks[L, ...]`, `ln_f` (pre-LN only), MLM head `w_head[D, D]`, `b_head[D]`, `ln_head`,
+    output bias `b_out[V]` (vocab-parallel), and `unembed[V, D]` when untied."""
+
+    masked = True  # the loss is on masked positions only (weights from inputs_and_targets)
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        check_vocab(cfg.vocab)
+        d, v = cfg.d_model, cfg.vocab
+        normal = lambda shape: INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
+        self.wte = nnx.Param(normal((v, d)), axes=("vocab", "embed"))
+        self.wpe = nnx.Param(normal((cfg.seq_len, d)), axes=(None, "embed"))
+        self.wtt = nnx.Param(normal((TOKEN_TYPES, d)), axes=(None, "embed"))
+        self.ln_emb = LayerNorm(d)
+        self.blocks = Block(
+            d, cfg.heads, cfg.d_ff, rngs=rngs, layers=cfg.layers, causal=False, norm=cfg.norm
+        )
+        self.ln_f = LayerNorm(d) if cfg.norm == "pre" else None
+        self.w_head = nnx.Param(normal((d, d)), axes=("embed", None))
+        self.b_head = nnx.Param(jnp.zeros((d,), jnp.float32), axes=(None,))
+        self.ln_head = LayerNorm(d)
+        self.b_out = nnx.Param(jnp.zeros((v,), jnp.float32), axes=("vocab",))
+        self.unembed = (
+            None if cfg.tie_embeddings else nnx.Param(normal((v, d)), axes=("vocab", "embed"))
+        )
+        self.remat_policy = cfg.remat
+
+    def inputs_and_targets(self, tokens: jax.Array, keys: jax.Array):
+        """`tokens[B, T+1]` byte windows, `keys[B]` -> `(inputs[B, T], targets[B, T],
+        weights f32[B, T])`: the first T bytes, masked (`jaxpod.mlm.mask_tokens`)."""
+        return mask_tokens(tokens[..., :-1], keys)
+
+    def embed(self, tokens: jax.Array, tp: str | None = None) -> jax.Array:
+        """`tokens[..., T] -> x[..., T, D]`: LayerNorm(token + position + token type 0)."""
+        t = tokens.shape[-1]
+        x = vocab_embed(tokens, self.wte[...], tp) + self.wpe[...][:t] + self.wtt[...][0]
+        return self.ln_emb(x)
+
+    def layers(self, x: jax.Array, tp: str | None = None, unroll: bool = False, **hooks):
+        """Every (local) encoder layer, `x[B, T, D] -> [B, T, D]` (see `GPT.layers`)."""
+        return apply_stack(self.blocks, self.remat_policy, x, tp, unroll, **hooks)
+
+    def token_loss(self, h: jax.Array, targets: jax.Array, tp: str | None = None) -> jax.Array:
+        """MLM head + vocab-parallel cross-entropy: `h[..., D], targets[...] -> loss[...]`.
+
+        The output bias rides along as one more column of the (local) output table against
+        a constant-1 feature, so `vocab_cross_entropy` computes `h @ table.T + b_out` without
+        gathering anything: `[h, 1] @ [table, b_out].T`.
+        """
+        if self.ln_f is not None:
+            h = self.ln_f(h)
+        h = jax.nn.gelu(column_dense(h, self.w_head[...], self.b_head[...]), approximate=True)
+        h = self.ln_head(h)
+        table = (self.wte if self.unembed is None else self.unembed)[...]
+        table = jnp.concatenate([table, self.b_out[...][:, None].astype(table.dtype)], axis=1)
+        h = jnp.concatenate([h, jnp.ones((*h.shape[:-1], 1), h.dtype)], axis=-1)
+        return vocab_cross_entropy(h, table, targets, tp)
+
+    def __call__(self, tokens: jax.Array, keys: jax.Array) -> jax.Array:
+        """Plain single-device mean MLM loss over the masked positions of `tokens[B, T+1]`
+        with row keys `keys[B]` (the reference)."""
+        inputs, targets, weights = self.inputs_and_targets(tokens, keys)
+        loss = self.token_loss(self.layers(self.embed(inputs)), targets)
+        return jnp.sum(loss * weights) / jnp.sum(weights)
