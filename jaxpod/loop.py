@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from jaxpod.checkpoint import Checkpointer
 from jaxpod.config import Config, config_to_dict, dump_yaml
-from jaxpod.data import TokenDataset, load_dataset
 from jaxpod.errors import UserError
+from jaxpod.images import Prefetcher
 from jaxpod.mapping import describe, format_mapping
 from jaxpod.mesh import make_mesh, select_devices
 from jaxpod.metrics import (
@@ -33,8 +33,9 @@ from jaxpod.metrics import (
     read_metrics,
     write_json_atomic,
 )
+from jaxpod.planner import check_budget
 from jaxpod.profiling import StepProfiler, check_profile_steps
-from jaxpod.train import Engine, TrainState, build_engine
+from jaxpod.tasks import Task, build_task
 
 
 @dataclass
@@ -42,37 +43,11 @@ class RunResult:
     """What a finished run returns (the full record is in `logdir`)."""
 
     logdir: Path
-    state: TrainState
+    state: object  # jaxpod.train.TrainState or jaxpod.train_vision.VisionState
     losses: list[float]  # training loss of every step this run took (after a resume: the rest)
     val_losses: dict[int, float]  # step -> validation loss
     mapping: dict
     trace: Path | None = None  # the profile written by train.profile_steps, if any
-
-
-def global_tokens(ds: TokenDataset, engine: Engine, cfg: Config, step: int, val: bool = False):
-    """The global batch `tokens[G, T+1]` of `step`, assembled from per-device row slices.
-
-    Each device's callback reads only the rows of its replica, and jax calls it only for
-    this process's (addressable) devices: with several processes each one reads just its own
-    rows and the global array is assembled without moving data between processes (what
-    `jax.make_array_from_process_local_data` does, with no host-side concatenation).
-    """
-    g = cfg.train.global_batch
-    read = ds.val_rows if val else ds.train_rows
-    return jax.make_array_from_callback(
-        (g, cfg.model.seq_len + 1),
-        engine.batch_sharding,
-        lambda idx: read(step, idx[0].start or 0, idx[0].stop or g, g),
-    )
-
-
-def evaluate(ds: TokenDataset, engine: Engine, cfg: Config, params) -> float:
-    """Mean validation loss over `train.eval_batches` fixed validation batches."""
-    losses = [
-        engine.eval_loss(params, global_tokens(ds, engine, cfg, b, val=True))
-        for b in range(cfg.train.eval_batches)
-    ]
-    return float(np.mean(jax.device_get(losses)))
 
 
 def _prepare_logdir(logdir: Path) -> None:
@@ -109,21 +84,16 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
     those of every process. Only process 0 writes files and prints.
     """
     check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
+    check_budget(cfg)  # a mapping over memory.device_budget is refused before anything runs
     main = jax.process_index() == 0
     quiet = quiet or not main
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    ds = load_dataset(
-        cfg.data.name,
-        seq_len=cfg.model.seq_len,
-        seed=cfg.train.seed,
-        path=cfg.data.path,
-        val_fraction=cfg.data.val_fraction,
-    )
     mesh = make_mesh(cfg.mesh, select_devices(cfg.devices * jax.process_count()))
-    engine, state = build_engine(cfg, mesh)
-    mapping = describe(cfg, mesh, state.params, state.opt_state)
+    task, state = build_task(cfg, mesh)
+    engine = task.engine
+    mapping = describe(cfg, mesh, state.params, state.opt_state, n_params=task.params)
     say(format_mapping(mapping))
-    say(f"data           {ds.describe()}")
+    say(f"data           {task.dataset.describe()}")
 
     logdir = Path(cfg.train.logdir)
     ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints)
@@ -150,8 +120,7 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
         (logdir / "mapping.json").write_text(json.dumps(mapping_record, indent=2))
 
     t0 = time.perf_counter()
-    first = global_tokens(ds, engine, cfg, 0)
-    engine.train_step.lower(state, first).compile()
+    engine.train_step.lower(state, task.batch(0)).compile()
     say(f"compiled       train step in {time.perf_counter() - t0:.1f} s")
 
     losses, val_losses = [], {}
@@ -162,41 +131,47 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
         writer.text("mapping", "```\n" + format_mapping(mapping) + "\n```")
         writer.hparams({**flat_hparams(config_to_dict(cfg)), "processes": jax.process_count()})
         if not start:
-            val_losses[0] = evaluate(ds, engine, cfg, state.params)
-            writer.write({"step": 0, "val_loss": val_losses[0]}, prefix="val")
-            say(f"step {0:>6}  val_loss {val_losses[0]:.4f}")
+            _evaluate(task, state, 0, writer, val_losses, say)
         try:
             state, losses = _train_steps(
-                cfg, ds, engine, state, writer, val_losses, say, quiet, ckpt, profiler
+                cfg, task, state, writer, val_losses, say, quiet, ckpt, profiler
             )
         finally:
             profiler.stop()  # an interrupted run still leaves a readable trace
     if main:
-        write_eval_record(logdir, cfg)
+        write_eval_record(logdir, cfg, task.unit)
     if profiler.trace is not None:
         say(f"profile        {profiler.trace} ({profiler.trace.stat().st_size:,} bytes)")
     _say_where(say, logdir)
     return RunResult(logdir, state, losses, val_losses, mapping, profiler.trace)
 
 
-def write_eval_record(logdir: Path, cfg: Config) -> dict:
+def write_eval_record(logdir: Path, cfg: Config, unit: str = "tokens") -> dict:
     """Write `<logdir>/eval.json` (atomically) from the run's `metrics.jsonl`; return it.
 
-    Holds every evaluation (`evals`: step, val_loss), the final validation and training loss,
-    the steps trained and configured, and the mean tokens/s of the logged steps.
+    Holds every evaluation (`evals`: step, val_loss[, val_accuracy]), the final validation
+    and training loss (and accuracy for classifiers), the steps trained and configured, and
+    the mean `<unit>_per_s` (tokens or images) of the logged steps.
     """
     records = read_metrics(logdir)
-    evals = [{"step": r["step"], "val_loss": r["val_loss"]} for r in records if "val_loss" in r]
+    evals = [
+        {k: v for k, v in r.items() if k in ("step", "val_loss", "val_accuracy")}
+        for r in records
+        if "val_loss" in r
+    ]
     train = [r for r in records if "loss" in r]
-    speeds = [r["tokens_per_s"] for r in train if isinstance(r.get("tokens_per_s"), float)]
+    rate = f"{unit}_per_s"
+    speeds = [r[rate] for r in train if isinstance(r.get(rate), float)]
     record = {
         "steps_trained": max((r["step"] for r in records), default=0),
         "steps_total": cfg.train.steps,
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "final_loss": train[-1]["loss"] if train else None,
-        "tokens_per_s_mean": float(np.mean(speeds)) if speeds else None,
+        f"{rate}_mean": float(np.mean(speeds)) if speeds else None,
         "evals": evals,
     }
+    if evals and "val_accuracy" in evals[-1]:
+        record["final_val_accuracy"] = evals[-1]["val_accuracy"]
     write_json_atomic(logdir / EVAL_FILE, record)
     return record
 
@@ -209,60 +184,88 @@ def _say_where(say, logdir: Path) -> None:
     )
 
 
-def _train_steps(cfg, ds, engine, state, writer, val_losses, say, quiet, ckpt, profiler):
-    """The step loop proper, from `state.step` + 1. Returns the final state and the losses."""
-    steps, log_every, eval_every = cfg.train.steps, cfg.train.log_every, cfg.train.eval_every
-    every = cfg.train.checkpoint_every
+def _evaluate(task: Task, state, step: int, writer, val_losses: dict, log) -> None:
+    """Evaluate, record under `val/`, and print one line."""
+    results = task.evaluate(state.params)
+    val_losses[step] = results["val_loss"]
+    writer.write({"step": step, **results}, prefix="val")
+    log(f"step {step:>6}  " + "  ".join(f"{k} {v:.4f}" for k, v in results.items()))
+
+
+class _StepLog:
+    """Reads step metrics to the host one step late, logs every `log_every`, times steps.
+
+    `push(step, metrics)` after dispatching a step; `flush()` reads everything still pending
+    (before an evaluation, a trace stop, the end); `restart_timing(step)` excludes work done
+    between steps (evaluation, writing a trace) from the next step times."""
+
+    def __init__(self, cfg: Config, task: Task, writer, bar, log, start: int):
+        self.cfg, self.task, self.writer, self.bar, self.log = cfg, task, writer, bar, log
+        self.rate = f"{task.unit}_per_s"
+        self.losses: list[float] = []
+        self.pending: list = []  # (step, metrics on device) not yet read to the host
+        self.restart_timing(start)
+
+    def restart_timing(self, step: int) -> None:
+        self.last_time, self.last_step = time.perf_counter(), step
+
+    def push(self, step: int, metrics) -> None:
+        self.pending.append((step, metrics))
+        self._read(keep=1)  # reads step N-1 while step N runs
+
+    def flush(self) -> None:
+        self._read(keep=0)
+
+    def _read(self, keep: int) -> None:
+        steps, log_every = self.cfg.train.steps, self.cfg.train.log_every
+        while len(self.pending) > keep:
+            step, metrics = self.pending.pop(0)
+            host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            self.losses.append(host["loss"])
+            if step % log_every and step != steps:
+                continue
+            now = time.perf_counter()
+            step_time = (now - self.last_time) / (step - self.last_step)
+            self.last_time, self.last_step = now, step
+            speed = self.task.per_step / step_time
+            self.writer.write({"step": step, **host, "step_time_s": step_time, self.rate: speed})
+            self.bar.set_postfix(loss=f"{host['loss']:.3f}", **{self.rate: f"{speed:,.0f}"})
+            if self.bar.disable:
+                acc = f"acc {host['accuracy']:.3f}  " if "accuracy" in host else ""
+                self.log(
+                    f"step {step:>6}/{steps}  loss {host['loss']:.4f}  {acc}"
+                    f"lr {host['lr']:.2e}  {speed:,.0f} {self.task.unit}/s"
+                )
+
+
+def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, profiler):
+    """The step loop proper, from `state.step` + 1. Returns the final state and the losses.
+
+    Batches are assembled `data.prefetch` steps ahead by a background thread (host reads and
+    host->device copies overlap the running step)."""
+    steps, eval_every, every = cfg.train.steps, cfg.train.eval_every, cfg.train.checkpoint_every
     start = int(state.step)
     hide = quiet or not sys.stderr.isatty()
     bar = tqdm(total=steps, initial=start, unit="step", disable=hide, file=sys.stderr)
     # With a live progress bar, lines go above it; otherwise (CI, pipes) plain log lines.
     log = say if bar.disable else bar.write
-    step_losses = []
-    pending = []  # (step, metrics on device) not yet read to the host
-    last_time, last_step = time.perf_counter(), start
-
-    def flush(upto_done: bool) -> None:
-        nonlocal last_time, last_step
-        while pending and (upto_done or len(pending) > 1):
-            step, metrics = pending.pop(0)
-            host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            step_losses.append(host["loss"])
-            if step % log_every and step != steps:
-                continue
-            now = time.perf_counter()
-            step_time = (now - last_time) / (step - last_step)
-            last_time, last_step = now, step
-            record = {"step": step, **host, "step_time_s": step_time}
-            record["tokens_per_s"] = cfg.tokens_per_step / step_time
-            writer.write(record)
-            bar.set_postfix(loss=f"{host['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-            if bar.disable:
-                log(
-                    f"step {step:>6}/{steps}  loss {host['loss']:.4f}  "
-                    f"lr {host['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
-                )
-
-    for step in range(start + 1, steps + 1):
-        with profiler.step(step):
-            state, metrics = engine.train_step(state, global_tokens(ds, engine, cfg, step - 1))
-        pending.append((step, metrics))
-        if profiler.stops_after(step):
-            flush(upto_done=True)  # waits for the last traced step: it is whole in the trace
-            profiler.stop((state, metrics))
-            last_time, last_step = time.perf_counter(), step  # writing the trace is not a step
-        flush(upto_done=False)  # reads step N-1 while step N runs
-        bar.update(1)
-        if (eval_every and step % eval_every == 0) or step == steps:
-            flush(upto_done=True)
-            val_losses[step] = evaluate(ds, engine, cfg, state.params)
-            writer.write({"step": step, "val_loss": val_losses[step]}, prefix="val")
-            log(f"step {step:>6}  val_loss {val_losses[step]:.4f}")
-            # Steps up to `step` are all read (flushed above): time the next ones from here,
-            # so evaluation is not charged to them.
-            last_time, last_step = time.perf_counter(), step
-        if (every and step % every == 0) or step == steps:
-            ckpt.save(step, state, cfg.train.seed)  # async: returns once off-device
-    flush(upto_done=True)
+    steplog = _StepLog(cfg, task, writer, bar, log, start)
+    with Prefetcher(task.batch, start, steps, depth=cfg.data.prefetch) as batches:
+        for step, batch in zip(range(start + 1, steps + 1), batches, strict=True):
+            with profiler.step(step):
+                state, metrics = task.engine.train_step(state, batch)
+            steplog.push(step, metrics)
+            if profiler.stops_after(step):
+                steplog.flush()  # waits for the last traced step: it is whole in the trace
+                profiler.stop((state, metrics))
+                steplog.restart_timing(step)  # writing the trace is not a step
+            bar.update(1)
+            if (eval_every and step % eval_every == 0) or step == steps:
+                steplog.flush()
+                _evaluate(task, state, step, writer, val_losses, log)
+                steplog.restart_timing(step)  # evaluation is not charged to the next steps
+            if (every and step % every == 0) or step == steps:
+                ckpt.save(step, state, cfg.train.seed)  # async: returns once off-device
+    steplog.flush()
     bar.close()
-    return state, step_losses
+    return state, steplog.losses

@@ -19,9 +19,13 @@ def bytes_per_device(tree) -> dict[int, int]:
     return dict(held)
 
 
-def describe(cfg: Config, mesh: jax.sharding.Mesh, params, opt_state) -> dict:
-    """A JSON-able summary of the mapping of this run."""
-    n_params = sum(leaf.size for leaf in jax.tree.leaves(params))
+def describe(
+    cfg: Config, mesh: jax.sharding.Mesh, params, opt_state, *, n_params: int | None = None
+) -> dict:
+    """A JSON-able summary of the mapping of this run. `n_params` overrides the count of the
+    arrays' elements (packed stage rows include padding)."""
+    if n_params is None:
+        n_params = sum(leaf.size for leaf in jax.tree.leaves(params))
     p_bytes, o_bytes = bytes_per_device(params), bytes_per_device(opt_state)
     worst = max(p_bytes, key=lambda d: p_bytes[d] + o_bytes.get(d, 0))
     return {
@@ -31,7 +35,8 @@ def describe(cfg: Config, mesh: jax.sharding.Mesh, params, opt_state) -> dict:
         "micro_batch": cfg.train.micro_batch,
         "grad_accum": cfg.train.grad_accum,
         "global_batch": cfg.train.global_batch,
-        "tokens_per_step": cfg.tokens_per_step,
+        "unit": "images" if cfg.is_vision else "tokens",
+        "per_step": cfg.global_batch if cfg.is_vision else cfg.tokens_per_step,
         "params": n_params,
         "param_bytes_total": sum(leaf.nbytes for leaf in jax.tree.leaves(params)),
         "param_bytes_per_device": p_bytes[worst],
@@ -51,8 +56,8 @@ def format_mapping(m: dict) -> str:
             f"devices        {m['devices']} ({m['platform']})  mesh: {mesh}",
             f"global batch   {m['global_batch']} = micro_batch {m['micro_batch']} x replica "
             f"{m['mesh']['replica']} x grad_accum {m['grad_accum']}  "
-            f"({m['tokens_per_step']:,} tokens/step)",
-            f"parameters     {m['params']:,} ({_mib(m['param_bytes_total'])} in fp32)",
+            f"({m['per_step']:,} {m['unit']}/step)",
+            f"parameters     {m['params']:,} ({_mib(m['param_bytes_total'])} as stored)",
             f"per device     params {_mib(m['param_bytes_per_device'])} + optimizer "
             f"{_mib(m['optimizer_bytes_per_device'])}",
         ]

@@ -17,8 +17,9 @@ import yaml
 from jaxpod.errors import UserError
 from jaxpod.metrics import EVAL_FILE, METRICS_FILE
 
-COLUMNS = ("name", "config", "mesh", "steps", "loss", "val_loss", "tokens_per_s")
-HEADERS = ("run", "config", "mesh RxPxT", "steps", "loss", "val loss", "tokens/s")
+COLUMNS = ("name", "config", "mesh", "steps", "loss", "val_loss", "speed")
+HEADERS = ("run", "config", "mesh RxPxT", "steps", "loss", "val loss", "speed")
+UNITS = {"tokens": "tok/s", "images": "img/s"}  # what a step's throughput counts
 
 
 def _records(path: Path) -> list[dict]:
@@ -73,7 +74,8 @@ def _number(value) -> float | None:
 
 
 def describe_run(run: Path, root: Path) -> dict:
-    """One row: name (path relative to `root`), config, mesh, steps, losses, tokens/s.
+    """One row: name (path relative to `root`), config, mesh, steps, losses, and the mean
+    throughput `tokens_per_s` (token models) or `images_per_s` (classifiers), named by `unit`.
 
     Missing values are `None` (a run without metrics has only name, config, mesh, steps_total).
     """
@@ -82,7 +84,8 @@ def describe_run(run: Path, root: Path) -> dict:
     records = _records(run / METRICS_FILE)
     losses = [r for r in records if _number(r.get("loss")) is not None]
     vals = [r for r in records if _number(r.get("val_loss")) is not None]
-    speeds = [_number(r.get("tokens_per_s")) for r in losses]
+    unit = "images" if model.get("name") == "efficientnet" else "tokens"
+    speeds = [_number(r.get(f"{unit}_per_s")) for r in losses]
     speeds = [s for s in speeds if s is not None]
     evals = _read_json(run / EVAL_FILE)
     val = _number(evals.get("final_val_loss"))
@@ -97,7 +100,8 @@ def describe_run(run: Path, root: Path) -> dict:
         "steps_total": train.get("steps"),
         "loss": float(losses[-1]["loss"]) if losses else None,
         "val_loss": val,
-        "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        f"{unit}_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "unit": unit,
         "path": str(run),
     }
 
@@ -123,13 +127,14 @@ def _cell(row: dict, column: str) -> str:
         if done is None:
             return f"-/{total}" if total is not None else "-"
         return f"{done}/{total if total is not None else '-'}"
+    if column == "speed":
+        value = row.get(f"{row['unit']}_per_s")
+        return "-" if value is None else f"{value:,.0f} {UNITS[row['unit']]}"
     value = row[column]
     if value is None:
         return "-"
     if column in ("loss", "val_loss"):
         return f"{value:.4f}"
-    if column == "tokens_per_s":
-        return f"{value:,.0f}"
     return str(value)
 
 
