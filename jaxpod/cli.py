@@ -3,6 +3,8 @@
     jaxpod train CONFIG [KEY=VALUE ...] [--coordinator HOST:PORT --num-processes N
                                          --process-id I | --distributed auto]
     jaxpod profile CONFIG [KEY=VALUE ...] [--steps N] [--warmup W] [same multi-host flags]
+    jaxpod plan CONFIG [KEY=VALUE ...] [--json]
+    jaxpod compile CONFIG [KEY=VALUE ...] [--json]
     jaxpod runs [DIR] [--json]
     jaxpod tensorboard [LOGDIR] [--host H] [--port P]
 
@@ -41,11 +43,17 @@ def _spec(args: argparse.Namespace):
     )
 
 
+def _warn(cfg) -> None:
+    for warning in cfg.warnings():
+        print(f"jaxpod: warning: {warning}", file=sys.stderr)
+
+
 def _train(args: argparse.Namespace) -> None:
     from jaxpod.distributed import load_run_config
 
     config, overrides = _split_config_and_overrides(args.items, "train")
     cfg = load_run_config(config, overrides, _spec(args))  # joins the runtime, before jax
+    _warn(cfg)
     from jaxpod.loop import run_training
 
     run_training(cfg)
@@ -72,6 +80,36 @@ def _is_main() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+def _plan(args: argparse.Namespace) -> None:
+    import json
+
+    from jaxpod.config import load_config
+    from jaxpod.planner import format_plan, plan
+
+    cfg = load_config(*_split_config_and_overrides(args.items, "plan"))
+    _warn(cfg)
+    result = plan(cfg)
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+
+
+def _compile(args: argparse.Namespace) -> None:
+    import json
+
+    from jaxpod.config import load_config
+    from jaxpod.platform import use_virtual_cpu_devices
+
+    cfg = load_config(*_split_config_and_overrides(args.items, "compile"))
+    _warn(cfg)
+    use_virtual_cpu_devices(cfg.devices)  # before jax starts
+    from jaxpod.aot import compile_step, format_compile
+    from jaxpod.mesh import make_mesh, select_devices
+
+    if not args.json:
+        print(f"lowering and compiling the train step on {cfg.devices} devices ...", flush=True)
+    result = compile_step(cfg, make_mesh(cfg.mesh, select_devices(cfg.devices)))
+    print(json.dumps(result, indent=2) if args.json else format_compile(result))
 
 
 def _runs(args: argparse.Namespace) -> None:
@@ -146,6 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--steps", type=int, default=3, help="steps to trace (default 3)")
     profile.add_argument("--warmup", type=int, default=3, help="untraced steps first (3)")
     profile.set_defaults(run=_profile)
+
+    plan = sub.add_parser("plan", help="where every byte of a mapping lives (instant, analytic)")
+    plan.add_argument("items", nargs="+", metavar="CONFIG [KEY=VALUE ...]")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(run=_plan)
+
+    comp = sub.add_parser(
+        "compile", help="lower + compile the train step from abstract shapes (no weights)"
+    )
+    comp.add_argument("items", nargs="+", metavar="CONFIG [KEY=VALUE ...]")
+    comp.add_argument("--json", action="store_true", help="print one JSON object")
+    comp.set_defaults(run=_compile)
 
     runs = sub.add_parser("runs", help="a table of the runs under DIR (default: runs)")
     runs.add_argument("dir", nargs="?", default="runs")

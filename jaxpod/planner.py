@@ -43,6 +43,7 @@ move the saved residuals to the host (two layers' worth stay for the stream).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from jaxpod.config import Config, parse_bytes
@@ -78,6 +79,35 @@ EFFICIENTNET_ACT_PER_PIXEL = 80.0  # saved activation scalars per input pixel, B
 
 
 # ----------------------------------------------------------------------------- parameters
+@functools.cache
+def _effnet_counts(variant, g16, width, depth, classes, splits) -> tuple[int, ...]:
+    from flax import nnx  # only for CNNs: their stages are counted from abstract modules
+
+    from jaxpod.models.efficientnet import build_stages, count_params
+
+    stages = nnx.eval_shape(
+        lambda: nnx.List(
+            build_stages(
+                variant, splits=list(splits), num_classes=classes, g16=g16,
+                width_mult=width, depth_mult=depth, rngs=nnx.Rngs(0),
+            )
+        )
+    )  # fmt: skip
+    return tuple(count_params(stage) for stage in stages)
+
+
+def efficientnet_stage_params(cfg: Config) -> list[int]:
+    """Exact parameter count of each pipeline stage of an EfficientNet config (abstract
+    modules: nothing is materialised; the only planner path that imports jax)."""
+    md = cfg.model
+    return list(
+        _effnet_counts(
+            md.variant, md.g16, md.width_mult, md.depth_mult, md.num_classes,
+            tuple(md.pipeline_splits),
+        )
+    )  # fmt: skip
+
+
 def block_params(d: int, f: int) -> tuple[int, int]:
     """(tensor-sharded, replicated) parameter counts of one transformer block."""
     sharded = 3 * d * d + 3 * d + d * d + d * f + f + f * d  # qkv, W_o, MLP weights/in-bias
@@ -90,14 +120,16 @@ def param_layout(cfg: Config, params_override: int | None = None) -> dict:
     `local` = `local_layers` (this stage's blocks) + `local_other` (embeddings, head)."""
     md, t, p = cfg.model, cfg.mesh.tensor, cfg.mesh.pipeline
     if md.name == "efficientnet":
-        total = params_override or int(EFFICIENTNET[md.variant][3])
+        stages = [params_override] if params_override else efficientnet_stage_params(cfg)
+        total = sum(stages)
+        local = max(stages) if len(stages) == p else math.ceil(total / p)
         return {
             "total": total,
             "layers": total,
-            "local": math.ceil(total / p),
-            "local_layers": math.ceil(total / p),
+            "local": local,  # the largest stage: its row sets every stage's buffer size
+            "local_layers": local,
             "local_other": 0,
-            "estimated": params_override is None,
+            "estimated": False,
         }
     d, v, s = md.d_model, md.vocab, md.seq_len
     sharded, replicated = block_params(d, md.d_ff)

@@ -13,7 +13,13 @@ import pytest
 
 from jaxpod.config import load_config
 from jaxpod.errors import UserError
-from jaxpod.planner import check_budget, format_plan, param_layout, plan
+from jaxpod.planner import (
+    check_budget,
+    efficientnet_stage_params,
+    format_plan,
+    param_layout,
+    plan,
+)
 
 REQUIRED = (
     "devices replica pipeline tensor micro_batch grad_accum global_batch params "
@@ -200,6 +206,25 @@ def test_efficientnet_takes_an_injected_param_count():
     )
     p = plan(cfg, params_override=1_234_567)
     assert p["params"] == 1_234_567 and p["activations_breakdown"]["estimated"]
+
+
+PODS = [(16, 8, 256), (64, 32, 64), (128, 64, 32), (256, 128, 16)]
+
+
+@pytest.mark.parametrize(("pod", "replica", "grad_accum"), PODS)
+def test_efficientnet_b4_g16_pod_presets(pod, replica, grad_accum):
+    from conftest import ROOT
+
+    cfg = load_config(ROOT / "configs" / f"efficientnet_b4_g16_pod{pod}.yaml")
+    p = plan(cfg)
+    stages = efficientnet_stage_params(cfg)  # exact, from abstract stage modules
+    assert p["params"] == sum(stages) == 19_325_576  # B4 G16, pinned in test_efficientnet
+    assert p["params_per_device"] == max(stages)  # the split at 4a puts most weights on stage 1
+    assert (p["devices"], p["replica"], p["pipeline"], p["tensor"]) == (pod, replica, 2, 1)
+    assert (p["micro_batch"], p["grad_accum"], p["global_batch"]) == (3, grad_accum, 6144)
+    assert p["dtype_bytes"] == {"params": 2, "compute": 2, "master": 2}  # FP16 master weights
+    assert p["bytes_per_device"]["weights"] == 2 * max(stages)
+    assert p["bytes_per_device"]["optimizer"] == 2 * max(stages)  # LARS momentum, float16
 
 
 def test_param_layout_matches_the_model():

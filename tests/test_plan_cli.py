@@ -1,0 +1,66 @@
+"""`jaxpod plan` and `jaxpod compile` through the CLI (subprocesses: each sets its devices)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_cli import ROOT, assert_user_error, jaxpod
+
+REQUIRED = (
+    "devices replica pipeline tensor micro_batch grad_accum global_batch params "
+    "weight_fraction_per_device bytes_per_device device_memory_bytes fits phases"
+).split()
+PER_DEVICE = "weights grads optimizer activations device_total host_total".split()
+
+
+def test_plan_json_has_every_key():
+    proc = jaxpod("plan", str(ROOT / "configs" / "demo.yaml"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert set(REQUIRED) <= set(plan)
+    assert set(PER_DEVICE) <= set(plan["bytes_per_device"])
+    assert (plan["devices"], plan["global_batch"]) == (8, 32)
+    assert plan["weight_fraction_per_device"] == pytest.approx(1 / 4)  # t=2 x p=2
+
+
+def test_plan_table_of_an_efficientnet_pod():
+    proc = jaxpod("plan", str(ROOT / "configs" / "efficientnet_b4_g16_pod256.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert "256 = replica 128 x pipeline 2 x tensor 1" in proc.stdout
+    assert "6144 = micro_batch 3 x replica 128 x grad_accum 16" in proc.stdout
+    assert "19,325,576 params" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["memory.device=ipu9000"], ["memory.device", "ipu-gc200"]),
+        (["memory.rts=3"], ["memory.rts=3", "mesh.replica"]),
+        (["memory.phases=8"], ["memory.phases=8", "model.layers=4"]),
+        (["memory.offload=[disk]"], ["memory.offload", "disk"]),
+        (["model.pipeline_splits=[4a]"], ["model.pipeline_splits", "efficientnet"]),
+    ],
+    ids=["profile", "rts", "phases", "offload", "splits"],
+)
+def test_plan_bad_input_is_one_line(args, needles):
+    assert_user_error(jaxpod("plan", str(ROOT / "configs" / "demo.yaml"), *args), *needles)
+
+
+@pytest.mark.slow
+def test_compile_from_abstract_shapes():
+    proc = jaxpod("compile", str(ROOT / "configs" / "tiny.yaml"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["devices"] == 8 and out["global_batch"] == 16
+    assert out["temp_bytes"] > 0 and out["argument_bytes"] >= out["state_bytes_per_device"] > 0
+
+
+def test_train_over_the_device_budget_is_refused_before_running(tmp_path):
+    logdir = tmp_path / "run"
+    proc = jaxpod(
+        "train", str(ROOT / "configs" / "tiny.yaml"), "memory.device_budget=1MB",
+        f"train.logdir={logdir}",
+    )  # fmt: skip
+    assert_user_error(proc, "memory.device_budget=1MB: the plan needs", "per device", "weights")
+    assert not logdir.exists()  # nothing was started, nothing written
