@@ -1,0 +1,124 @@
+"""The pod presets: BERT-Large on POD16 (pipeline 4 and pipeline 8), GPT-3 175B on POD256, and
+their `_emulated` variants.
+
+The planner checks are analytic and instant. The rest run the CLI in subprocesses (each sets
+its own device count) and are marked slow; measured on 2 shared cores: `jaxpod compile` of the
+full-size presets from abstract shapes 26-34 s (BERT-Large, 16 devices) and 45 s (GPT-3 175B,
+256 devices); `jaxpod train` of bert_large_pod16_emulated 43 s (16 devices). Training
+gpt3_175b_pod256_emulated takes 84 s (256 devices; 32 s of it compiling), so only its step is
+compiled here; `jaxpod train configs/gpt3_175b_pod256_emulated.yaml` runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from test_cli import ROOT, jaxpod
+
+from jaxpod.config import load_config
+from jaxpod.planner import plan
+
+CONFIGS = ROOT / "configs"
+PRESETS = [
+    "bert_large_pod16",
+    "bert_large_pod16_pipeline8",
+    "bert_large_pod16_emulated",
+    "gpt3_175b_pod256",
+    "gpt3_175b_pod256_emulated",
+]
+GC200 = 900 * 10**6
+
+
+def preset(name: str, *overrides: str):
+    return load_config(CONFIGS / f"{name}.yaml", list(overrides))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_loads_and_plans(name):
+    cfg = preset(name)
+    p = plan(cfg)
+    assert p["devices"] == cfg.devices == math.prod(cfg.mesh.shape)
+    assert p["global_batch"] == cfg.train.micro_batch * cfg.mesh.replica * cfg.train.grad_accum
+
+
+def test_bert_large_pod16_plan():
+    """4 stages x 4 replicas: 335 M parameters, a quarter of them per device; fits the GC200
+    with the LAMB state in streaming memory, not without it."""
+    p = plan(preset("bert_large_pod16"))
+    assert (p["devices"], p["replica"], p["pipeline"], p["tensor"]) == (16, 4, 4, 1)
+    assert abs(p["params"] - 335e6) / 335e6 < 0.02
+    assert p["weight_fraction_per_device"] == pytest.approx(1 / 4)
+    assert p["device_profile"] == "ipu-gc200" and p["device_memory_bytes"] == GC200
+    assert p["fits"] and p["bytes_per_device"]["host_total"] > 0
+    assert not plan(preset("bert_large_pod16", "memory.offload=[]"))["fits"]
+
+
+def test_bert_large_pipeline8_fits_model_and_optimizer_on_chip():
+    p = plan(preset("bert_large_pod16_pipeline8"))
+    b = p["bytes_per_device"]
+    assert (p["devices"], p["replica"], p["pipeline"], p["tensor"]) == (16, 2, 8, 1)
+    assert abs(p["params"] - 335e6) / 335e6 < 0.02
+    assert p["weight_fraction_per_device"] == pytest.approx(1 / 8)
+    assert p["fits"] and p["phases"] == 1 and not p["offload"]
+    assert b["optimizer"] > 0 and b["host_total"] == 0 and b["device_total"] <= GC200
+
+
+def test_gpt3_175b_pod256_plan():
+    """175 B parameters on 8 x 8 x 4 devices; 1/(t·p·rts) = 1/256 of the weights per device.
+    The planner says it does not fit a GC200 with any setting (two phases of one layer each
+    are already 906 MB of float16 weights at tensor 8); it fits an H100."""
+    p = plan(preset("gpt3_175b_pod256"))
+    assert (p["devices"], p["replica"], p["pipeline"], p["tensor"]) == (256, 4, 8, 8)
+    assert abs(p["params"] - 175e9) / 175e9 < 0.01
+    assert p["weight_fraction_per_device"] == pytest.approx(1 / (8 * 8 * 4))
+    assert (p["rts"], p["configured_phases"]) == (4, 12)
+    assert set(p["offload"]) == {"params", "optimizer", "activations"}
+    assert not p["fits"] and p["phases"] is None
+    assert p["host_fits"]  # 17.7 GB of the 64 GB streaming memory
+    assert plan(preset("gpt3_175b_pod256", "memory.device=h100-80gb"))["fits"]
+
+
+@pytest.mark.parametrize(
+    ("emulated", "full"),
+    [
+        ("bert_large_pod16_emulated", "bert_large_pod16"),
+        ("gpt3_175b_pod256_emulated", "gpt3_175b_pod256"),
+    ],
+)
+def test_emulated_keeps_the_topology_and_recipe(emulated, full):
+    e, f = preset(emulated), preset(full)
+    assert (e.devices, e.mesh.shape, e.model.name) == (f.devices, f.mesh.shape, f.model.name)
+    recipe = lambda c: (  # noqa: E731
+        c.precision.params, c.precision.compute, c.precision.master, c.precision.loss_scale,
+        c.optim.name, c.model.remat, c.model.norm,
+    )  # fmt: skip
+    assert recipe(e) == recipe(f)
+    assert set(e.memory.offload) == set(f.memory.offload)
+    assert (e.memory.rts, e.memory.rts_optimizer) == (f.memory.rts, f.memory.rts_optimizer)
+
+
+# ----------------------------------------------------------------------------- subprocesses
+@pytest.mark.slow
+def test_bert_large_pod16_emulated_trains(tmp_path):
+    proc = jaxpod("train", str(CONFIGS / "bert_large_pod16_emulated.yaml"),
+                  f"train.logdir={tmp_path}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "devices"),
+    [("gpt3_175b_pod256_emulated", 256), ("bert_large_pod16", 16), ("gpt3_175b_pod256", 256)],
+)
+def test_compile_from_abstract_shapes(name, devices):
+    """Lower and compile the train step on the preset's virtual devices, no weights."""
+    proc = jaxpod("compile", str(CONFIGS / f"{name}.yaml"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["devices"] == devices
+    assert out["temp_bytes"] > 0 and out["argument_bytes"] >= out["state_bytes_per_device"] > 0
