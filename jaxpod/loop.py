@@ -22,7 +22,6 @@ from tqdm import tqdm
 from jaxpod.checkpoint import Checkpointer
 from jaxpod.config import Config, config_to_dict, dump_yaml
 from jaxpod.errors import UserError
-from jaxpod.images import Prefetcher
 from jaxpod.mapping import describe, format_mapping
 from jaxpod.mesh import make_mesh, select_devices
 from jaxpod.metrics import (
@@ -34,6 +33,7 @@ from jaxpod.metrics import (
     write_json_atomic,
 )
 from jaxpod.planner import check_budget
+from jaxpod.prefetch import Prefetcher
 from jaxpod.profiling import StepProfiler, check_profile_steps
 from jaxpod.tasks import Task, build_task
 

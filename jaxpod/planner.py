@@ -43,12 +43,21 @@ move the saved residuals to the host (two layers' worth stay for the stream).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 from jaxpod.config import Config, parse_bytes
 from jaxpod.device_profiles import PROFILES, DeviceProfile, get_profile
 from jaxpod.errors import UserError
+from jaxpod.param_counts import block_params, efficientnet_stage_params, param_layout
+
+__all__ = [  # param_layout and efficientnet_stage_params are re-exported from param_counts
+    "block_params",
+    "check_budget",
+    "efficientnet_stage_params",
+    "format_bytes",
+    "format_plan",
+    "param_layout",
+    "plan",
+]
 
 __all__ = [
     "PROFILES",
@@ -76,84 +85,6 @@ EFFICIENTNET = {
     "b4": (1.4, 1.8, 380, 19.3e6),
 }
 EFFICIENTNET_ACT_PER_PIXEL = 80.0  # saved activation scalars per input pixel, B0, no remat
-
-
-# ----------------------------------------------------------------------------- parameters
-@functools.cache
-def _effnet_counts(variant, g16, width, depth, classes, splits) -> tuple[int, ...]:
-    from flax import nnx  # only for CNNs: their stages are counted from abstract modules
-
-    from jaxpod.models.efficientnet import build_stages, count_params
-
-    stages = nnx.eval_shape(
-        lambda: nnx.List(
-            build_stages(
-                variant, splits=list(splits), num_classes=classes, g16=g16,
-                width_mult=width, depth_mult=depth, rngs=nnx.Rngs(0),
-            )
-        )
-    )  # fmt: skip
-    return tuple(count_params(stage) for stage in stages)
-
-
-def efficientnet_stage_params(cfg: Config) -> list[int]:
-    """Exact parameter count of each pipeline stage of an EfficientNet config (abstract
-    modules: nothing is materialised; the only planner path that imports jax)."""
-    md = cfg.model
-    return list(
-        _effnet_counts(
-            md.variant, md.g16, md.width_mult, md.depth_mult, md.num_classes,
-            tuple(md.pipeline_splits),
-        )
-    )  # fmt: skip
-
-
-def block_params(d: int, f: int) -> tuple[int, int]:
-    """(tensor-sharded, replicated) parameter counts of one transformer block."""
-    sharded = 3 * d * d + 3 * d + d * d + d * f + f + f * d  # qkv, W_o, MLP weights/in-bias
-    replicated = 4 * d + d + d  # two LNs, W_o bias, MLP out bias
-    return sharded, replicated
-
-
-def param_layout(cfg: Config, params_override: int | None = None) -> dict:
-    """Parameter counts: `total`, `layers` (all blocks), and per device before RTS:
-    `local` = `local_layers` (this stage's blocks) + `local_other` (embeddings, head)."""
-    md, t, p = cfg.model, cfg.mesh.tensor, cfg.mesh.pipeline
-    if md.name == "efficientnet":
-        stages = [params_override] if params_override else efficientnet_stage_params(cfg)
-        total = sum(stages)
-        local = max(stages) if len(stages) == p else math.ceil(total / p)
-        return {
-            "total": total,
-            "layers": total,
-            "local": local,  # the largest stage: its row sets every stage's buffer size
-            "local_layers": local,
-            "local_other": 0,
-            "estimated": False,
-        }
-    d, v, s = md.d_model, md.vocab, md.seq_len
-    sharded, replicated = block_params(d, md.d_ff)
-    vocab_sharded = v * d  # token embedding (vocab-parallel)
-    other_replicated = s * d + 2 * d  # positions, final (gpt) / embedding (bert) LN
-    if md.name == "gpt" and not md.tie_embeddings:
-        vocab_sharded += v * d
-    if md.name == "bert":
-        vocab_sharded += v  # MLM output bias
-        other_replicated += 2 * d + d * d + d + 2 * d  # token types, head dense, head LN
-    layers_total = md.layers * (sharded + replicated)
-    total = layers_total + vocab_sharded + other_replicated
-    if params_override is not None:
-        total = params_override
-    local_layers = md.layers // p * (sharded // t + replicated)
-    local_other = vocab_sharded // t + other_replicated
-    return {
-        "total": total,
-        "layers": layers_total,
-        "local": local_layers + local_other,
-        "local_layers": local_layers,
-        "local_other": local_other,
-        "estimated": False,
-    }
 
 
 # ----------------------------------------------------------------------------- activations

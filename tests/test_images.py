@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxpod.errors import DataError
-from jaxpod.images import MEAN_RGB, STD_RGB, ImageDataset, Prefetcher, load_images, normalize
+from jaxpod.images import MEAN_RGB, STD_RGB, ImageDataset, load_images, normalize
+from jaxpod.prefetch import Prefetcher
 
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402

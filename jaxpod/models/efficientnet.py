@@ -207,9 +207,6 @@ def split_specs(specs: Sequence[BlockSpec], splits: Sequence[str]) -> list[list[
     return [list(specs[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-# ----------------------------------------------------------------------------- modules
-
-
 def _fan_out_normal(fan_out: int):
     """Initializer `normal(0, sqrt(2 / fan_out))` (the reference conv initializer)."""
 
@@ -440,9 +437,6 @@ class EfficientNet(nnx.Module):
         for stage in self.stages:
             x = stage(x)
         return x
-
-
-# ----------------------------------------------------------------------------- accounting
 
 
 def count_params(tree) -> int:
