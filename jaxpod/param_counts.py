@@ -88,3 +88,19 @@ def param_layout(cfg: Config, params_override: int | None = None) -> dict:
         "local_other": local_other,
         "estimated": False,
     }
+
+
+def flops_per_example(cfg: Config) -> int:
+    """Forward FLOPs (2 x multiply-adds) per image (EfficientNet, exact layer by layer) or per
+    token (transformers: 2 x weight-matmul parameters + 4 x layers x seq x d_model attention)."""
+    md = cfg.model
+    if md.name == "efficientnet":
+        from jaxpod.models.efficientnet import flops_per_image
+
+        return flops_per_image(
+            md.variant, md.image_size, md.num_classes, g16=md.g16,
+            width_mult=md.width_mult, depth_mult=md.depth_mult,
+        )  # fmt: skip
+    sharded, _ = block_params(md.d_model, md.d_ff)
+    matmul = md.layers * (sharded - 3 * md.d_model - md.d_ff) + md.vocab * md.d_model
+    return 2 * matmul + 4 * md.layers * md.seq_len * md.d_model

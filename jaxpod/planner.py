@@ -47,7 +47,12 @@ import dataclasses
 from jaxpod.config import Config, parse_bytes
 from jaxpod.device_profiles import PROFILES, DeviceProfile, get_profile
 from jaxpod.errors import UserError
-from jaxpod.param_counts import block_params, efficientnet_stage_params, param_layout
+from jaxpod.param_counts import (
+    block_params,
+    efficientnet_stage_params,
+    flops_per_example,
+    param_layout,
+)
 
 __all__ = [  # param_layout and efficientnet_stage_params are re-exported from param_counts
     "block_params",
@@ -338,6 +343,7 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         "global_batch": tr.global_batch,
         "params": layout["total"],
         "params_estimated": layout["estimated"],
+        "flops_per_example": flops_per_example(cfg),
         "params_per_device": int(layout["local"] / rts),
         "weight_fraction_per_device": 1 / (mesh.tensor * mesh.pipeline * rts),
         "rts": rts,
@@ -378,8 +384,10 @@ def format_plan(p: dict) -> str:
     """The plan as an aligned, human-readable table (the default output of `jaxpod plan`)."""
     b = p["bytes_per_device"]
     offload = ",".join(p["offload"]) or "none"
+    unit = "image" if p["model"] == "efficientnet" else "token"
     head = [
         ("model", f"{p['model']}  ({p['params']:,} params{' ~est.' * p['params_estimated']})"),
+        ("forward", f"{p['flops_per_example']:,} FLOP per {unit} (2 x multiply-adds)"),
         (
             "devices",
             f"{p['devices']} = replica {p['replica']} x pipeline {p['pipeline']} "

@@ -13,6 +13,7 @@ import pytest
 
 from jaxpod.config import load_config
 from jaxpod.errors import UserError
+from jaxpod.models.efficientnet import flops_per_image
 from jaxpod.planner import (
     check_budget,
     efficientnet_stage_params,
@@ -225,6 +226,7 @@ def test_efficientnet_b4_g16_pod_presets(pod, replica, grad_accum):
     assert p["dtype_bytes"] == {"params": 2, "compute": 2, "master": 2}  # FP16 master weights
     assert p["bytes_per_device"]["weights"] == 2 * max(stages)
     assert p["bytes_per_device"]["optimizer"] == 2 * max(stages)  # LARS momentum, float16
+    assert p["flops_per_example"] == flops_per_image("b4", 380, 1000, g16=True)
 
 
 def test_param_layout_matches_the_model():
