@@ -54,7 +54,7 @@ class TokenDataset:
 
     def train_rows(self, step: int, start: int, stop: int, global_batch: int) -> np.ndarray:
         """Rows [start, stop) of training step `step` (0-based): int32[stop-start, seq_len+1]."""
-        g = _global_indices(step, start, stop, global_batch)
+        g = global_indices(step, start, stop, global_batch)
         if self._train is None:
             return self._synthetic(g, "train")
         n = self._train.shape[0]
@@ -62,12 +62,12 @@ class TokenDataset:
         idx = np.empty_like(g)
         for epoch in np.unique(epochs):
             sel = epochs == epoch
-            idx[sel] = _permutation(self.seed, int(epoch), n)[g[sel] % n]
+            idx[sel] = epoch_permutation(self.seed, int(epoch), n)[g[sel] % n]
         return self._train[idx].astype(np.int32)
 
     def val_rows(self, batch: int, start: int, stop: int, global_batch: int) -> np.ndarray:
         """Rows [start, stop) of validation batch `batch` (unshuffled): int32[stop-start, W]."""
-        g = _global_indices(batch, start, stop, global_batch)
+        g = global_indices(batch, start, stop, global_batch)
         if self._val is None:
             return self._synthetic(g, "val")
         return self._val[g % self._val.shape[0]].astype(np.int32)
@@ -90,7 +90,7 @@ class TokenDataset:
         return out
 
 
-def _global_indices(step: int, start: int, stop: int, global_batch: int) -> np.ndarray:
+def global_indices(step: int, start: int, stop: int, global_batch: int) -> np.ndarray:
     """Global example indices step * global_batch + [start, stop): int64[stop-start]."""
     if step < 0 or global_batch < 1 or not 0 <= start <= stop <= global_batch:
         raise ValueError(
@@ -100,8 +100,9 @@ def _global_indices(step: int, start: int, stop: int, global_batch: int) -> np.n
 
 
 @functools.lru_cache(maxsize=8)
-def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The visiting order of the n train windows in `epoch`: int64[n]."""
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The visiting order of the n training examples in `epoch`: int64[n] (shared by the
+    text and image datasets)."""
     perm = np.random.default_rng([seed, epoch]).permutation(n)
     perm.setflags(write=False)
     return perm

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from jaxpod.data import epoch_permutation, global_indices
 from jaxpod.errors import DataError
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class ImageDataset:
         Returns (uint8[stop-start, H, W, 3], int32[stop-start]); each epoch of
         `train_size` consecutive global examples is a seeded permutation of the training set.
         """
-        g = _global_indices(step, start, stop, global_batch)
+        g = global_indices(step, start, stop, global_batch)
         if self._images is None:
             return self._synthetic(g, "train")
         assert self._train_idx is not None
@@ -81,7 +82,7 @@ class ImageDataset:
         pos = np.empty_like(g)
         for epoch in np.unique(epochs):
             sel = epochs == epoch
-            pos[sel] = _permutation(self.seed, int(epoch), n)[g[sel] % n]
+            pos[sel] = epoch_permutation(self.seed, int(epoch), n)[g[sel] % n]
         return self._gather(self._train_idx[pos])
 
     def val_batch(
@@ -91,7 +92,7 @@ class ImageDataset:
 
         Returns (uint8[stop-start, H, W, 3], int32[stop-start]).
         """
-        g = _global_indices(index, start, stop, global_batch) % self.val_size
+        g = global_indices(index, start, stop, global_batch) % self.val_size
         if self._images is None:
             return self._synthetic(g, "val")
         assert self._val_idx is not None
@@ -133,23 +134,6 @@ class ImageDataset:
         images = pool[(h % np.uint64(SYNTHETIC_POOL)).astype(np.int64)]
         labels = ((h >> np.uint64(32)) % np.uint64(self.num_classes)).astype(np.int32)
         return images, labels
-
-
-def _global_indices(step: int, start: int, stop: int, global_batch: int) -> np.ndarray:
-    """Global example indices step * global_batch + [start, stop): int64[stop-start]."""
-    if step < 0 or global_batch < 1 or not 0 <= start <= stop <= global_batch:
-        raise ValueError(
-            f"bad row request: step={step}, rows [{start}, {stop}) of global_batch={global_batch}"
-        )
-    return np.arange(start, stop, dtype=np.int64) + np.int64(step) * global_batch
-
-
-@functools.lru_cache(maxsize=8)
-def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The visiting order of the n training images in `epoch`: int64[n]."""
-    perm = np.random.default_rng([seed, epoch]).permutation(n)
-    perm.setflags(write=False)
-    return perm
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
