@@ -9,20 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from nbgen import Notebook
 
 OUT = Path(__file__).with_name("02_precision_and_lars.ipynb")
-
-CELLS: list[tuple[str, str]] = []
-
-
-def md(text: str) -> None:
-    CELLS.append(("markdown", text.strip("\n")))
-
-
-def code(text: str) -> None:
-    CELLS.append(("code", text.strip("\n")))
+NB = Notebook()
+md, code = NB.md, NB.code
 
 
 md(r"""
@@ -266,23 +257,5 @@ print("final validation accuracy:", val[-1]["val_accuracy"], " skipped steps:",
 """)
 
 
-def build() -> nbformat.NotebookNode:
-    nb = new_notebook(
-        metadata={
-            "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-            "language_info": {"name": "python"},
-        }
-    )
-    nb.cells = [
-        new_markdown_cell(s) if kind == "markdown" else new_code_cell(s) for kind, s in CELLS
-    ]
-    for i, cell in enumerate(nb.cells):  # stable ids: regenerating gives an identical file
-        cell["id"] = f"cell-{i:02d}"
-    return nb
-
-
 if __name__ == "__main__":
-    nb = build()
-    nbformat.validate(nb)
-    nbformat.write(nb, OUT)
-    print(f"wrote {OUT} ({len(nb.cells)} cells)")
+    NB.write(OUT)
