@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_worker, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.layers=4", "model.d_model=64", "model.heads=4", "model.d_ff=256", "model.seq_len=64"]
@@ -94,27 +96,10 @@ def _worker(job: dict) -> dict:
 
 def run(job: dict) -> dict:
     devices = job.get("devices") or job["mesh"][0] * job["mesh"][1] * job["mesh"][2]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark job {job} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(__file__, job, devices)
 
 
 # ----------------------------------------------------------------------------- the four parts
-def table(title: str, header: list[str], rows: list[list]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
-    line = lambda row: (
-        "| " + " | ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)) + " |"
-    )
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([f"\n### {title}\n", line(header), sep, *map(line, rows)])
 
 
 def bench_a(repeats: int, batches=(32, 128)) -> tuple[dict, str]:

@@ -1,0 +1,39 @@
+"""What the benchmark scripts share: running a job in a fresh subprocess with its own virtual
+device count (fixed when jax starts), and printing a markdown table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_worker(script: str, job: dict, devices: int) -> dict:
+    """`python script --worker JOB` with `devices` virtual CPU devices; its last stdout line
+    is the JSON result."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    proc = subprocess.run(
+        [sys.executable, script, "--worker", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark job {job} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    """A markdown table under a `### title` heading, columns padded to their widest cell."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+
+    def line(row):
+        return "| " + " | ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([f"\n### {title}\n", line(header), sep, *map(line, rows)])
