@@ -10,7 +10,7 @@ How the rest of jaxpod behaves with several processes:
 
 - `devices` in the config counts the virtual CPU devices of *each* process; the mesh must
   multiply to `devices × processes` (`global_devices`).
-- Batches are built with `jax.make_array_from_callback` (`loop.global_tokens`), which calls the
+- Batches are built with `jax.make_array_from_callback` (`jaxpod.tasks.Task.batch`), which calls the
   callback only for this process's devices: each process reads only its own rows, and the
   global array is assembled without any process seeing the others' data.
 - Scalars (loss, norms, val loss) come out of the step replicated on every device, so each

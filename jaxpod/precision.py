@@ -183,7 +183,7 @@ def cast_tree_like(new_tree, like_tree, key: jax.Array):
     return jax.tree_util.tree_map_with_path(one, new_tree, like_tree)
 
 
-def _to_f32(tree):
+def to_float32(tree):
     """Floating leaves upcast to float32; others (step counts) unchanged."""
 
     def one(x):
@@ -275,7 +275,7 @@ def guarded_update(
     "grads": float32 unscaled grads, "updates": float32 updates}."""
     grads32 = unscale_grads(grads, loss_scale)
     finite = all_finite(grads32)
-    updates, state32 = optimizer.update(grads32, _to_f32(opt_state), _to_f32(params))
+    updates, state32 = optimizer.update(grads32, to_float32(opt_state), to_float32(params))
     new_params = apply_updates(params, updates, jax.random.fold_in(key, 0))
     new_state = cast_tree_like(state32, opt_state, jax.random.fold_in(key, 1))
     params = select_tree(finite, new_params, params)

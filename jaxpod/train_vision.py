@@ -25,6 +25,7 @@ Every replica computes the same update (same reduced grads, same rounding keys).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -51,6 +52,7 @@ from jaxpod.precision import (
     master_dtype,
     param_dtype,
     select_tree,
+    to_float32,
     update_loss_scale,
 )
 from jaxpod.remat import remat
@@ -100,13 +102,6 @@ def _split(stages: list) -> tuple[list, list]:
     return [g for g, _ in pairs], [nnx.to_pure_dict(s) for _, s in pairs]
 
 
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def vision_model(cfg: Config, optimizer: optax.GradientTransformation) -> VisionModel:
     """Shapes only (nothing materialised): graphdefs, layouts, stage I/O shapes."""
     graphdefs, trees = _split(nnx.eval_shape(lambda: nnx.List(_stages(cfg))))
@@ -118,7 +113,7 @@ def vision_model(cfg: Config, optimizer: optax.GradientTransformation) -> Vision
         out = jax.eval_shape(lambda t, x, g=graphdef: nnx.merge(g, t)(x), tree, x)
         io_shapes.append((shape, tuple(out.shape[1:])))
         shape = tuple(out.shape[1:])
-    carry = max(max(_prod(i), _prod(o)) for i, o in io_shapes)
+    carry = max(max(math.prod(i), math.prod(o)) for i, o in io_shapes)
     opt_packing = StagePacking([jax.eval_shape(optimizer.init, t) for t in trees])
     count = sum(leaf.size for leaf in jax.tree.leaves(trees))
     return VisionModel(graphdefs, StagePacking(trees), opt_packing, io_shapes, carry, count)
@@ -148,7 +143,7 @@ def _stage_fns(cfg: Config, vm: VisionModel) -> list[Callable]:
 
         def run(row, carry):
             tree = jax.tree.map(lambda a: a.astype(work), vm.packing.unpack(row, k))
-            x = carry[:, : _prod(shape_in)].reshape(carry.shape[0], *shape_in)
+            x = carry[:, : math.prod(shape_in)].reshape(carry.shape[0], *shape_in)
             y = nnx.merge(graphdef, tree)(x).astype(jnp.float32).reshape(carry.shape[0], -1)
             return jnp.pad(y, ((0, 0), (0, vm.carry_size - y.shape[1])))
 
@@ -224,15 +219,6 @@ def _local_loss_and_grads(cfg: Config, vm: VisionModel, bubble_fill: float = 0.0
     return forward, loss_and_grads
 
 
-def _float32(tree):
-    """Floating leaves upcast to float32 (the optimizer's arithmetic); step counts unchanged."""
-
-    def up(x):
-        return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-    return jax.tree.map(up, tree)
-
-
 def _sumsq(tree) -> jax.Array:
     return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
 
@@ -248,9 +234,9 @@ def _local_step(cfg: Config, vm: VisionModel, optimizer, schedule, bubble_fill: 
         (stochastic rounding of the whole row for 16-bit buffers, exact for float32)."""
         f32 = jnp.float32
         p = vm.packing.unpack(rows, k)
-        g = _float32(vm.packing.unpack(grads, k))
+        g = to_float32(vm.packing.unpack(grads, k))
         o = vm.opt_packing.unpack(opt_rows, k)
-        updates, new_o = optimizer.update(g, _float32(o), _float32(p))
+        updates, new_o = optimizer.update(g, to_float32(o), to_float32(p))
         u_row = vm.packing.pack_row(updates, k, float_dtype=f32)
         new_p32 = {n: rows[n].astype(f32) + u_row[n] for n in rows}
         new_rows = cast_tree_like(new_p32, rows, jax.random.fold_in(key, k))

@@ -31,9 +31,9 @@ def jaxpod(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
     """Exit 2, exactly one line on stderr naming the field, no traceback."""
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert len(lines) == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("jaxpod: error: "), lines[0]
     for needle in needles:
         assert needle in lines[0], lines[0]

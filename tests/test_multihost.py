@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cli import assert_user_error
 
 from jaxpod.metrics import read_metrics
 
@@ -47,16 +48,6 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         _cmd(*args), capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=timeout
     )
-
-
-def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("jaxpod: error: "), proc.stderr[-3000:]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli import assert_user_error
 
 from jaxpod.errors import ConfigError
 from jaxpod.metrics import read_metrics
@@ -32,15 +33,6 @@ def jaxpod(*args: str) -> subprocess.CompletedProcess:
         env=env,
         timeout=600,
     )
-
-
-def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("jaxpod: error: "), proc.stderr[-3000:]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")
