@@ -164,8 +164,9 @@ class Checkpointer:
         self.close()
 
 
-def _settle_quietly(seconds: float = 1.0) -> None:
-    """Let the reads a failed restore left in flight finish without printing.
+def _settle_quietly(seconds: float = 3.0) -> None:
+    """Let the reads a failed restore left in flight finish without printing (a window of
+    `seconds`: 1 s was seen to be too short on a loaded 2-core machine, a known race).
 
     When one array fails, orbax abandons the others mid-read; as they finish they print
     tracebacks (its read coroutine turns the cancellation into an Exception, and tensorstore
