@@ -15,15 +15,13 @@ standard formats (tensorstore arrays + JSON) are read; nothing is unpickled.
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import time
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
-from jaxpod.errors import UserError
+from jaxpod.errors import Muted, UserError
 from jaxpod.train import Engine, TrainState
 
 CHECKPOINTS = "checkpoints"
@@ -143,12 +141,14 @@ class Checkpointer:
         _check_matches(where, saved, _flat(_to_nested(target)))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(_to_nested(target)))
         why = None
-        try:
-            restored = self._manager.restore(step, args=args)
-        except Exception as exc:
-            why = _why(exc)  # keep no reference to it: its frames hold the abandoned reads
+        with Muted() as mute:  # a failed read leaves orbax's other reads printing tracebacks
+            try:
+                restored = self._manager.restore(step, args=args)
+            except Exception as exc:
+                why = _why(exc)  # keep no reference to it: its frames hold the abandoned reads
+            if why is not None and not mute.keep():
+                _settle(seconds=3.0)
         if why is not None:
-            _settle_quietly()
             raise UserError(f"checkpoint {where} cannot be read ({why}); {fix}")
         return _from_nested(restored["state"], like)
 
@@ -164,29 +164,18 @@ class Checkpointer:
         self.close()
 
 
-def _settle_quietly(seconds: float = 3.0) -> None:
-    """Let the reads a failed restore left in flight finish without printing (a window of
-    `seconds`: 1 s was seen to be too short on a loaded 2-core machine, a known race).
+def _settle(seconds: float) -> None:
+    """Give the reads a failed restore left in flight `seconds` to finish (while muted).
 
     When one array fails, orbax abandons the others mid-read; as they finish they print
     tracebacks (its read coroutine turns the cancellation into an Exception, and tensorstore
-    calls back into the closed event loop), which would bury the one-line error.
+    calls back into the closed event loop). Best effort for library callers: on a loaded
+    machine a read can outlive any window, which is why the CLI stays muted instead.
     """
-    sys.stderr.flush()
-    hook, sys.unraisablehook = sys.unraisablehook, lambda _: None
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            gc.collect()
-            time.sleep(0.1)
-        sys.stderr.flush()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-        sys.unraisablehook = hook
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.1)
 
 
 def _why(exc: BaseException) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxpod import errors
 from jaxpod.errors import UserError
 
 
@@ -212,10 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    errors.exit_on_user_error()
     try:
         args.run(args)
     except UserError as err:
-        print(f"jaxpod: error: {err}", file=sys.stderr)
+        print(f"jaxpod: error: {err}", file=errors.user_stderr())
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         print("jaxpod: interrupted", file=sys.stderr)

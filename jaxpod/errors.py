@@ -3,6 +3,12 @@
 The CLI prints them without a traceback and exits 2.
 """
 
+from __future__ import annotations
+
+import os
+import sys
+from typing import TextIO
+
 
 class UserError(Exception):
     """Base class for mistakes in user input (config, data paths, mesh). Exit code 2 in the CLI."""
@@ -14,3 +20,52 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A dataset that cannot be read (missing path, no text, too small for the batch)."""
+
+
+# The CLI exits right after a user error. Some failures (a checkpoint whose arrays cannot be
+# read) leave library threads behind that print tracebacks for seconds afterwards; in the CLI
+# those would bury the one-line error, so such a failure keeps the process muted until exit.
+_cli = {"exits_on_error": False, "stream": None}
+
+
+def exit_on_user_error() -> None:
+    """Called once by the CLI: it exits after printing a `UserError`, so `Muted.keep` may
+    leave the process muted for good."""
+    _cli["exits_on_error"] = True
+
+
+def user_stderr() -> TextIO:
+    """Where the CLI prints a user error: the real stderr, also after `Muted.keep`."""
+    return _cli["stream"] or sys.stderr
+
+
+class Muted:
+    """`with Muted() as mute:` sends fd 2 (and unraisable-exception reports) to /dev/null.
+
+    Inside, `mute.keep()` asks to stay muted after the block: granted (returns True) only in
+    the CLI, which keeps the real stream for `user_stderr()` and exits next.
+    """
+
+    def __enter__(self) -> Muted:
+        sys.stderr.flush()
+        self._saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+        self._hook, sys.unraisablehook = sys.unraisablehook, lambda _: None
+        self._kept = False
+        return self
+
+    def keep(self) -> bool:
+        if _cli["exits_on_error"]:
+            self._kept = True
+        return self._kept
+
+    def __exit__(self, *exc) -> None:
+        sys.stderr.flush()
+        if self._kept:
+            _cli["stream"] = os.fdopen(self._saved, "w", buffering=1)
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives until the process exits
+            return
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        sys.unraisablehook = self._hook

@@ -128,3 +128,13 @@ def test_same_losses_on_every_mesh_through_the_cli(tmp_path):
     # fp32, different reduction order across 8 devices; Adam over 4 steps: measured ~1e-6.
     np.testing.assert_allclose(runs["pod"], runs["single"], rtol=1e-5, atol=0)
     assert runs["pod"][-1] < runs["pod"][0]  # and it is actually training
+
+
+def test_muted_block_hides_fd2_and_restores_it_outside_the_cli(capfd):
+    from jaxpod.errors import Muted
+
+    with Muted() as mute:
+        os.write(2, b"abandoned read traceback\n")
+        assert not mute.keep()  # only the CLI, which exits next, may stay muted
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "after\n"
