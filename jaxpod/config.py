@@ -78,6 +78,7 @@ class ModelConfig:
     seq_len: int = 64
     vocab: int = 256
     remat: str = "none"
+    attention_chunks: int = 1  # query blocks attended one at a time (divides seq_len)
     tie_embeddings: bool = True
     norm: str = "pre"  # bert: pre- or post-LayerNorm blocks
     variant: str = "b0"  # efficientnet compound-scaling preset

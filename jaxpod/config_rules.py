@@ -60,6 +60,7 @@ def get(cfg: Config, key: str) -> Any:
 
 _AT_LEAST_1 = (
     "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff model.seq_len "
+    "model.attention_chunks "
     "model.vocab train.steps train.micro_batch train.grad_accum train.global_batch "
     "train.log_every train.eval_batches train.keep_checkpoints model.norm_groups "
     "model.image_size model.num_classes precision.loss_scale_period memory.rts "
@@ -221,6 +222,11 @@ def _check_model(cfg: Config) -> None:
         fail(
             f"model.d_model={md.d_model} is not divisible by model.heads={md.heads}; "
             "choose model.heads that divides model.d_model"
+        )
+    if md.seq_len % md.attention_chunks:
+        fail(
+            f"model.attention_chunks={md.attention_chunks} does not divide "
+            f"model.seq_len={md.seq_len}; use a divisor of {md.seq_len}"
         )
     if md.layers % mesh.pipeline:
         fail(

@@ -54,20 +54,12 @@ from jaxpod.param_counts import (
     param_layout,
 )
 
-__all__ = [  # param_layout and efficientnet_stage_params are re-exported from param_counts
+__all__ = [  # the profiles and parameter counts are re-exported from their modules
+    "PROFILES",
+    "DeviceProfile",
     "block_params",
     "check_budget",
     "efficientnet_stage_params",
-    "format_bytes",
-    "format_plan",
-    "param_layout",
-    "plan",
-]
-
-__all__ = [
-    "PROFILES",
-    "DeviceProfile",
-    "check_budget",
     "format_bytes",
     "format_plan",
     "get_profile",
@@ -100,9 +92,15 @@ def _layer_sets(cfg: Config) -> dict:
     cb = DTYPE_BYTES[cfg.precision.compute]
     b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
     btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
+    # With attention_chunks = C > 1 each query block is a checkpoint: its scores are never
+    # saved, and one block's scores (1/C) are alive while it runs, forward or backward.
+    chunked = md.attention_chunks > 1
+    kept_scores = 0 if chunked else scores
+    block = scores // md.attention_chunks
+    attention_work = (5 * cb + 1) * block if chunked else 0  # masked, exp, probs, 2 grads
     # LN1/LN2: 4 [b,T,D] each; q, k, v, attention output: [b,T,D/t] each; masked scores,
     # exp, probabilities [b,H/t,T,T] (+ the boolean mask, 1 byte); GELU MLP: 6 [b,T,F/t].
-    every = (8 * btd + 4 * btd // t + 3 * scores + 6 * btf) * cb + scores
+    every = (8 * btd + 4 * btd // t + 6 * btf) * cb + (3 * cb + 1) * kept_scores
     # The attention psum's output is saved; the MLP psum's output is not (the residual add's
     # backward needs no inputs, so autodiff drops it as a residual).
     psums = btd if t > 1 else 0
@@ -114,9 +112,9 @@ def _layer_sets(cfg: Config) -> dict:
         "comms": (btd + psums) * cb,
     }[md.remat]
     if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
-        work = (2 * scores + btf + 2 * btd) * cb
+        work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
     else:  # recompute one layer: everything it would have saved, less what is kept
-        work = max(every - (saved - btd * cb), 0)
+        work = max(every - (saved - btd * cb), 0) + attention_work
     return {"all": every, "saved": saved, "work": work, "btd": btd * cb}
 
 
@@ -287,6 +285,11 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
         trial = _with_memory(cfg, offload=tuple(sorted({*mem.offload, "optimizer"})))
         out.append(
             f"memory.offload+=optimizer ({format_bytes(_device_total(trial, params_override))})"
+        )
+    if not cfg.is_vision and cfg.model.attention_chunks == 1 and cfg.model.seq_len % 8 == 0:
+        trial = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_chunks=8))
+        out.append(
+            f"model.attention_chunks=8 ({format_bytes(_device_total(trial, params_override))})"
         )
     if cfg.model.remat not in ("full",):
         trial = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full"))

@@ -300,6 +300,11 @@ BAD_OVERRIDES = [
     ),
     (["mesh.tensor=8"], ("mesh.tensor=8 does not divide model.heads=4",)),
     (
+        ["model.attention_chunks=3"],
+        ("model.attention_chunks=3 does not divide model.seq_len=", "use a divisor of"),
+    ),
+    (["model.attention_chunks=0"], ("model.attention_chunks=0 must be >= 1",)),
+    (
         ["mesh.tensor=8", "model.heads=8", "model.d_ff=260"],
         ("mesh.tensor=8 does not divide model.d_ff=260",),
     ),

@@ -242,10 +242,12 @@ def test_param_layout_matches_the_model():
 
 # ----------------------------------------------------------------------------- against XLA
 SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
-XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum
-    "1x1x1-none-ga1": ((1, 1, 1), "none", 1),
-    "1x2x1-none-ga4": ((1, 2, 1), "none", 4),
-    "2x2x2-comms-ga4": ((2, 2, 2), "comms", 4),
+XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, attention_chunks
+    "1x1x1-none-ga1": ((1, 1, 1), "none", 1, 1),
+    "1x2x1-none-ga4": ((1, 2, 1), "none", 4, 1),
+    "2x2x2-comms-ga4": ((2, 2, 2), "comms", 4, 1),
+    "1x1x1-none-ga1-chunks8": ((1, 1, 1), "none", 1, 8),
+    "1x2x1-full-ga4-chunks8": ((1, 2, 1), "full", 4, 8),
 }
 
 
@@ -264,8 +266,9 @@ def compiled_bytes(cfg, mesh) -> int:
 
 @pytest.mark.parametrize("name", list(XLA_CASES))
 def test_planner_matches_compiled_memory(name, tiny_cfg, mesh_for):
-    mesh_shape, remat, accum = XLA_CASES[name]
-    cfg = tiny_cfg(*SMALL, f"model.remat={remat}", f"train.grad_accum={accum}", mesh=mesh_shape)
+    mesh_shape, remat, accum, chunks = XLA_CASES[name]
+    overrides = [f"model.remat={remat}", f"train.grad_accum={accum}"]
+    cfg = tiny_cfg(*SMALL, *overrides, f"model.attention_chunks={chunks}", mesh=mesh_shape)
     planned = plan(cfg)["bytes_per_device"]["device_total"]
     measured = compiled_bytes(cfg, mesh_for(cfg))
     print(f"{name}: planned {planned / 1e6:.2f} MB, compiled {measured / 1e6:.2f} MB")

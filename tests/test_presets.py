@@ -92,7 +92,7 @@ def test_emulated_keeps_the_topology_and_recipe(emulated, full):
     assert (e.devices, e.mesh.shape, e.model.name) == (f.devices, f.mesh.shape, f.model.name)
     recipe = lambda c: (  # noqa: E731
         c.precision.params, c.precision.compute, c.precision.master, c.precision.loss_scale,
-        c.optim.name, c.model.remat, c.model.norm,
+        c.optim.name, c.model.remat, c.model.norm, c.model.attention_chunks,
     )  # fmt: skip
     assert recipe(e) == recipe(f)
     assert set(e.memory.offload) == set(f.memory.offload)

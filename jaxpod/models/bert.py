@@ -38,7 +38,14 @@ class BERT(nnx.Module):
         self.wtt = nnx.Param(normal((TOKEN_TYPES, d)), axes=(None, "embed"))
         self.ln_emb = LayerNorm(d)
         self.blocks = Block(
-            d, cfg.heads, cfg.d_ff, rngs=rngs, layers=cfg.layers, causal=False, norm=cfg.norm
+            d,
+            cfg.heads,
+            cfg.d_ff,
+            rngs=rngs,
+            layers=cfg.layers,
+            causal=False,
+            norm=cfg.norm,
+            attention_chunks=cfg.attention_chunks,
         )
         self.ln_f = LayerNorm(d) if cfg.norm == "pre" else None
         self.w_head = nnx.Param(normal((d, d)), axes=("embed", None))

@@ -30,7 +30,14 @@ class GPT(nnx.Module):
         normal = lambda shape: INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
         self.wte = nnx.Param(normal((v, d)), axes=("vocab", "embed"))
         self.wpe = nnx.Param(normal((cfg.seq_len, d)), axes=(None, "embed"))
-        self.blocks = Block(d, cfg.heads, cfg.d_ff, rngs=rngs, layers=cfg.layers)
+        self.blocks = Block(
+            d,
+            cfg.heads,
+            cfg.d_ff,
+            rngs=rngs,
+            layers=cfg.layers,
+            attention_chunks=cfg.attention_chunks,
+        )
         self.ln_f = LayerNorm(d)
         self.unembed = (
             None if cfg.tie_embeddings else nnx.Param(normal((v, d)), axes=("vocab", "embed"))

@@ -63,7 +63,10 @@ class SelfAttention(nnx.Module):
     """Multi-head attention, heads split over the tensor axis; causal (GPT) or not (BERT).
 
     `W_qkv[D, 3, HD_tensor]` (column-parallel, q/k/v of the local heads), `W_o[HD_tensor, D]`
-    (row-parallel, one psum). `x[B, T, D] -> [B, T, D]`.
+    (row-parallel, one psum). `x[B, T, D] -> [B, T, D]`. With `chunks=C` the queries are
+    processed in C blocks of T/C, one after another (`lax.map`), each block a checkpoint: only
+    one block's scores `[B, H_tensor, T/C, T]` are ever alive, forward or backward (the
+    sequence-serialised attention of long-context pod recipes). Same math for any C.
     """
 
     def __init__(
@@ -74,8 +77,10 @@ class SelfAttention(nnx.Module):
         rngs: nnx.Rngs,
         layers: int | None = None,
         causal: bool = True,
+        chunks: int = 1,
     ):
         self.causal = causal
+        self.chunks = chunks
         self.head_dim = d_model // heads
         hd = heads * self.head_dim
         self.w_qkv = _param(rngs, (d_model, 3, hd), ("embed", None, "heads"), layers)
@@ -88,14 +93,31 @@ class SelfAttention(nnx.Module):
         qkv = checkpoint_name(column_dense(x, self.w_qkv[...], self.b_qkv[...]), "qkv")
         qkv = qkv.reshape(b, t, 3, -1, self.head_dim)  # [B, T, 3, H_tensor, hd]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (self.head_dim**-0.5)
-        if self.causal:
-            causal = jnp.tril(jnp.ones((t, t), bool))
-            scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        probs = jax.nn.softmax(scores.astype(F32), axis=-1).astype(v.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1)
-        out = checkpoint_name(out, "attn_out")
+        if self.chunks == 1:
+            out = attend(q, k, v, self.causal)
+        else:  # one query block at a time, each recomputed in the backward pass
+            n = t // self.chunks
+            blocks = q.reshape(b, self.chunks, n, *q.shape[2:]).swapaxes(0, 1)
+            one = jax.checkpoint(lambda qs: attend(qs[0], k, v, self.causal, qs[1]))
+            out = jax.lax.map(one, (blocks, jnp.arange(self.chunks) * n))
+            out = out.swapaxes(0, 1).reshape(q.shape)
+        out = checkpoint_name(out.reshape(b, t, -1), "attn_out")
         return row_dense(out, self.w_o[...], self.b_o[...], tp)
+
+
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, start: jax.Array | int = 0
+) -> jax.Array:
+    """Softmax attention of queries `q[B, Tq, H, hd]` at positions `start..start+Tq-1` over
+    `k, v[B, T, H, hd]` -> `[B, Tq, H, hd]`; the scores `[B, H, Tq, T]` are the big temporary.
+    """
+    tq, t = q.shape[1], k.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+    if causal:
+        allowed = (start + jnp.arange(tq))[:, None] >= jnp.arange(t)[None, :]
+        scores = jnp.where(allowed, scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores.astype(F32), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 class Mlp(nnx.Module):
@@ -115,7 +137,8 @@ class Mlp(nnx.Module):
 class Block(nnx.Module):
     """Transformer block. Pre-LayerNorm (GPT, `norm="pre"`): `x + attn(ln1(x))`, then
     `x + mlp(ln2(x))`. Post-LayerNorm (original BERT, `norm="post"`): `ln1(x + attn(x))`,
-    then `ln2(x + mlp(x))`. `causal=False` lets every position attend to every other."""
+    then `ln2(x + mlp(x))`. `causal=False` lets every position attend to every other;
+    `attention_chunks`: see `SelfAttention`."""
 
     def __init__(
         self,
@@ -127,12 +150,15 @@ class Block(nnx.Module):
         layers: int | None = None,
         causal: bool = True,
         norm: str = "pre",
+        attention_chunks: int = 1,
     ):
         if norm not in ("pre", "post"):
             raise ValueError(f"norm={norm!r} must be 'pre' or 'post'")
         self.post_norm = norm == "post"
         self.ln1 = LayerNorm(d_model, layers=layers)
-        self.attn = SelfAttention(d_model, heads, rngs=rngs, layers=layers, causal=causal)
+        self.attn = SelfAttention(
+            d_model, heads, rngs=rngs, layers=layers, causal=causal, chunks=attention_chunks
+        )
         self.ln2 = LayerNorm(d_model, layers=layers)
         self.mlp = Mlp(d_model, d_ff, rngs=rngs, layers=layers)
 
