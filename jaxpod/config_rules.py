@@ -228,6 +228,12 @@ def _check_model(cfg: Config) -> None:
             f"model.attention_chunks={md.attention_chunks} does not divide "
             f"model.seq_len={md.seq_len}; use a divisor of {md.seq_len}"
         )
+    if md.sequence_parallel and md.seq_len % mesh.tensor:
+        fail(
+            f"model.sequence_parallel=true splits model.seq_len={md.seq_len} over "
+            f"mesh.tensor={mesh.tensor}, which does not divide it; use a multiple of "
+            f"{mesh.tensor} or model.sequence_parallel=false"
+        )
     if md.layers % mesh.pipeline:
         fail(
             f"model.layers={md.layers} does not divide into mesh.pipeline={mesh.pipeline} stages; "

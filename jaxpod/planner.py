@@ -98,24 +98,29 @@ def _layer_sets(cfg: Config) -> dict:
     kept_scores = 0 if chunked else scores
     block = scores // md.attention_chunks
     attention_work = (5 * cb + 1) * block if chunked else 0  # masked, exp, probs, 2 grads
+    # Sequence parallelism: residual-stream tensors are [b, T/t, D]; attention and the MLP
+    # each all-gather their input to [b, T, D] (and the row-parallel matmul output is
+    # full-length before its reduce-scatter).
+    res = btd // t if md.sequence_parallel else btd
+    gathered = 2 * btd if md.sequence_parallel and t > 1 else 0
     # LN1/LN2: 4 [b,T,D] each; q, k, v, attention output: [b,T,D/t] each; masked scores,
     # exp, probabilities [b,H/t,T,T] (+ the boolean mask, 1 byte); GELU MLP: 6 [b,T,F/t].
-    every = (8 * btd + 4 * btd // t + 6 * btf) * cb + (3 * cb + 1) * kept_scores
+    every = (8 * res + gathered + 4 * btd // t + 6 * btf) * cb + (3 * cb + 1) * kept_scores
     # The attention psum's output is saved; the MLP psum's output is not (the residual add's
     # backward needs no inputs, so autodiff drops it as a residual).
-    psums = btd if t > 1 else 0
+    psums = res if t > 1 else 0
     saved = {
         "none": every,
-        "full": btd * cb,
-        "minimal": (btd + 3 * btd // t + btd + btf) * cb,
-        "attention": (btd + 4 * btd // t) * cb,
-        "comms": (btd + psums) * cb,
+        "full": res * cb,
+        "minimal": (res + 3 * btd // t + btd + btf) * cb,
+        "attention": (res + 4 * btd // t) * cb,
+        "comms": (res + psums) * cb,
     }[md.remat]
     if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
         work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
     else:  # recompute one layer: everything it would have saved, less what is kept
-        work = max(every - (saved - btd * cb), 0) + attention_work
-    return {"all": every, "saved": saved, "work": work, "btd": btd * cb}
+        work = max(every - (saved - res * cb), 0) + attention_work
+    return {"all": every, "saved": saved, "work": work, "btd": res * cb}
 
 
 def _activations(cfg: Config) -> dict:

@@ -54,6 +54,7 @@ from jaxpod.optim import STACKED_KEY, make_optimizer, stacked_mask
 from jaxpod.parallel import offload
 from jaxpod.parallel.pipeline import gpipe, spread_over_stages, vary_like
 from jaxpod.parallel.replica import gather, reduce_grads, rts_plan, vary_params, with_rts
+from jaxpod.parallel.tensor import gather_sequence
 from jaxpod.precision import (
     LossScaleState,
     compute_dtype,
@@ -200,6 +201,7 @@ def _local_functions(
     blocks_host = any(jax.tree.leaves(lay.host[STACKED_KEY]))
     rest_host = {k: v for k, v in lay.host.items() if k != STACKED_KEY}
     cast = lambda tree: _cast(tree, dtype)
+    sp = cfg.model.sequence_parallel
 
     def prepare_layer(layer_params):  # one layer's stored slice -> what the layer computes with
         layer_params = cast(layer_params)
@@ -247,21 +249,35 @@ def _local_functions(
     def micro_loss(params, inputs, targets, weights, denominator):
         model = model_of(params)
         h = model.layers(model.embed(inputs, tp), tp, unroll, **hooks)
+        if sp:  # the head's vocab-parallel loss needs every position on every tensor shard
+            h = gather_sequence(h, tp)
         return summed(model.token_loss(h, targets, tp), weights, denominator)
 
     def pipeline_loss(params, inputs, targets, weights, denominator):
         if blocks_host:  # see the module docstring: fetched once per step before the ticks
             params = {**params, STACKED_KEY: offload.to_device(params[STACKED_KEY])}
         model = model_of(params)
-        x = model.embed(inputs, tp)  # [M, mb, T, D]
+        x = model.embed(inputs, tp)  # [M, mb, T, D]; sequence-parallel: [M, mb, T_tensor, D]
         tick_hooks = {**hooks, "fetch": None} if "fetch" in hooks else hooks
         layers = lambda a: model.layers(a, tp, unroll, **tick_hooks)
         ys = gpipe(layers, x, bubble_fill=bubble_fill, unroll=unroll)
-        h = spread_over_stages(ys.reshape(-1, x.shape[-1]))  # [M*mb*T / S, D]
+        h = spread_over_stages(ys.reshape(-1, x.shape[-1]))  # [M*mb*T / S, D] (/t with SP)
         stage = jax.lax.axis_index("pipeline")
-        targets = targets.reshape(stages, -1)[stage]
-        if weights is not None:
-            weights = weights.reshape(stages, -1)[stage]
+
+        def share(a):  # this stage's targets/weights [M, mb, T], in h's order
+            if a is None:
+                return None
+            if not sp:
+                return a.reshape(stages, -1)[stage]
+            # h will be the concatenation over tensor shards i of (shard i's positions,
+            # flattened, this stage's slice): the same permutation, without communication.
+            shards = jax.lax.axis_size(tp)
+            a = jnp.moveaxis(a.reshape(*a.shape[:-1], shards, -1), -2, 0)  # [t, M, mb, T/t]
+            return a.reshape(shards, stages, -1)[:, stage].reshape(-1)
+
+        targets, weights = share(targets), share(weights)
+        if sp:  # every tensor shard needs every token for the vocab-parallel head
+            h = gather_sequence(h, tp, dim=0)
         return summed(model.token_loss(h, targets, tp), weights, denominator)
 
     def value_and_grad(fn, scale, *args):

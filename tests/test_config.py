@@ -305,6 +305,10 @@ BAD_OVERRIDES = [
     ),
     (["model.attention_chunks=0"], ("model.attention_chunks=0 must be >= 1",)),
     (
+        ["mesh.tensor=2", "model.seq_len=63", "model.sequence_parallel=true"],
+        ("model.sequence_parallel=true splits model.seq_len=63 over mesh.tensor=2",),
+    ),
+    (
         ["mesh.tensor=8", "model.heads=8", "model.d_ff=260"],
         ("mesh.tensor=8 does not divide model.d_ff=260",),
     ),

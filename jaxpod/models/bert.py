@@ -17,7 +17,12 @@ from flax import nnx
 from jaxpod.config import ModelConfig
 from jaxpod.mlm import check_vocab, mask_tokens
 from jaxpod.models.layers import INIT_STD, Block, LayerNorm, apply_stack
-from jaxpod.parallel.tensor import column_dense, vocab_cross_entropy, vocab_embed
+from jaxpod.parallel.tensor import (
+    column_dense,
+    local_sequence,
+    vocab_cross_entropy,
+    vocab_embed,
+)
 
 TOKEN_TYPES = 2  # segments A/B; the byte corpora have one segment, so every id is 0
 
@@ -46,7 +51,9 @@ class BERT(nnx.Module):
             causal=False,
             norm=cfg.norm,
             attention_chunks=cfg.attention_chunks,
+            sequence_parallel=cfg.sequence_parallel,
         )
+        self.sequence_parallel = cfg.sequence_parallel
         self.ln_f = LayerNorm(d) if cfg.norm == "pre" else None
         self.w_head = nnx.Param(normal((d, d)), axes=("embed", None))
         self.b_head = nnx.Param(jnp.zeros((d,), jnp.float32), axes=(None,))
@@ -64,8 +71,11 @@ class BERT(nnx.Module):
 
     def embed(self, tokens: jax.Array, tp: str | None = None) -> jax.Array:
         """`tokens[..., T] -> x[..., T, D]`: LayerNorm(token + position + token type 0)."""
-        t = tokens.shape[-1]
-        x = vocab_embed(tokens, self.wte[...], tp) + self.wpe[...][:t] + self.wtt[...][0]
+        t, sp = tokens.shape[-1], self.sequence_parallel
+        positions = self.wpe[...][:t]
+        if sp:  # this shard's positions only: x[..., T_tensor, D]
+            positions = local_sequence(positions, tp, dim=0)
+        x = vocab_embed(tokens, self.wte[...], tp, scatter=sp) + positions + self.wtt[...][0]
         return self.ln_emb(x)
 
     def layers(self, x: jax.Array, tp: str | None = None, unroll: bool = False, **hooks):

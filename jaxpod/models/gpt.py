@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxpod.config import ModelConfig
 from jaxpod.models.layers import INIT_STD, Block, LayerNorm, apply_stack
-from jaxpod.parallel.tensor import vocab_cross_entropy, vocab_embed
+from jaxpod.parallel.tensor import local_sequence, vocab_cross_entropy, vocab_embed
 
 
 class GPT(nnx.Module):
@@ -37,7 +37,9 @@ class GPT(nnx.Module):
             rngs=rngs,
             layers=cfg.layers,
             attention_chunks=cfg.attention_chunks,
+            sequence_parallel=cfg.sequence_parallel,
         )
+        self.sequence_parallel = cfg.sequence_parallel
         self.ln_f = LayerNorm(d)
         self.unembed = (
             None if cfg.tie_embeddings else nnx.Param(normal((v, d)), axes=("vocab", "embed"))
@@ -45,9 +47,13 @@ class GPT(nnx.Module):
         self.remat_policy = cfg.remat
 
     def embed(self, tokens: jax.Array, tp: str | None = None) -> jax.Array:
-        """`tokens[..., T] int32 -> x[..., T, D]` (token + position embedding)."""
-        t = tokens.shape[-1]
-        return vocab_embed(tokens, self.wte[...], tp) + self.wpe[...][:t]
+        """`tokens[..., T] int32 -> x[..., T, D]` (token + position embedding); with
+        sequence parallelism this shard's positions only, `x[..., T_tensor, D]`."""
+        t, sp = tokens.shape[-1], self.sequence_parallel
+        positions = self.wpe[...][:t]
+        if sp:
+            positions = local_sequence(positions, tp, dim=0)
+        return vocab_embed(tokens, self.wte[...], tp, scatter=sp) + positions
 
     def inputs_and_targets(self, tokens: jax.Array, keys=None):
         """`tokens[..., T+1] -> (inputs[..., T], targets[..., T], None)`: every position

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpod.parallel.tensor import column_dense, row_dense
+from jaxpod.parallel.tensor import column_dense, gather_sequence, row_dense
 from jaxpod.remat import remat
 
 INIT_STD = 0.02
@@ -67,6 +67,8 @@ class SelfAttention(nnx.Module):
     processed in C blocks of T/C, one after another (`lax.map`), each block a checkpoint: only
     one block's scores `[B, H_tensor, T/C, T]` are ever alive, forward or backward (the
     sequence-serialised attention of long-context pod recipes). Same math for any C.
+    `sequence_parallel`: `x[B, T_tensor, D] -> [B, T_tensor, D]` (see
+    `jaxpod.parallel.tensor`): all-gather T in, reduce-scatter T out.
     """
 
     def __init__(
@@ -78,9 +80,11 @@ class SelfAttention(nnx.Module):
         layers: int | None = None,
         causal: bool = True,
         chunks: int = 1,
+        sequence_parallel: bool = False,
     ):
         self.causal = causal
         self.chunks = chunks
+        self.sequence_parallel = sequence_parallel
         self.head_dim = d_model // heads
         hd = heads * self.head_dim
         self.w_qkv = _param(rngs, (d_model, 3, hd), ("embed", None, "heads"), layers)
@@ -89,6 +93,8 @@ class SelfAttention(nnx.Module):
         self.b_o = _param(None, (d_model,), ("embed",), layers, fill=0.0)
 
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
+        if self.sequence_parallel:
+            x = gather_sequence(x, tp)
         b, t, _ = x.shape
         qkv = checkpoint_name(column_dense(x, self.w_qkv[...], self.b_qkv[...]), "qkv")
         qkv = qkv.reshape(b, t, 3, -1, self.head_dim)  # [B, T, 3, H_tensor, hd]
@@ -102,7 +108,7 @@ class SelfAttention(nnx.Module):
             out = jax.lax.map(one, (blocks, jnp.arange(self.chunks) * n))
             out = out.swapaxes(0, 1).reshape(q.shape)
         out = checkpoint_name(out.reshape(b, t, -1), "attn_out")
-        return row_dense(out, self.w_o[...], self.b_o[...], tp)
+        return row_dense(out, self.w_o[...], self.b_o[...], tp, self.sequence_parallel)
 
 
 def attend(
@@ -121,24 +127,37 @@ def attend(
 
 
 class Mlp(nnx.Module):
-    """GELU MLP: `W_in[D, F_tensor]` column-parallel, `W_out[F_tensor, D]` row-parallel."""
+    """GELU MLP: `W_in[D, F_tensor]` column-parallel, `W_out[F_tensor, D]` row-parallel;
+    `sequence_parallel` as in `SelfAttention`."""
 
-    def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, layers: int | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        rngs: nnx.Rngs,
+        layers: int | None = None,
+        sequence_parallel: bool = False,
+    ):
+        self.sequence_parallel = sequence_parallel
         self.w_in = _param(rngs, (d_model, d_ff), ("embed", "mlp"), layers)
         self.b_in = _param(None, (d_ff,), ("mlp",), layers, fill=0.0)
         self.w_out = _param(rngs, (d_ff, d_model), ("mlp", "embed"), layers)
         self.b_out = _param(None, (d_model,), ("embed",), layers, fill=0.0)
 
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
+        if self.sequence_parallel:
+            x = gather_sequence(x, tp)
         h = jax.nn.gelu(column_dense(x, self.w_in[...], self.b_in[...]), approximate=True)
-        return row_dense(h, self.w_out[...], self.b_out[...], tp)
+        return row_dense(h, self.w_out[...], self.b_out[...], tp, self.sequence_parallel)
 
 
 class Block(nnx.Module):
     """Transformer block. Pre-LayerNorm (GPT, `norm="pre"`): `x + attn(ln1(x))`, then
     `x + mlp(ln2(x))`. Post-LayerNorm (original BERT, `norm="post"`): `ln1(x + attn(x))`,
     then `ln2(x + mlp(x))`. `causal=False` lets every position attend to every other;
-    `attention_chunks`: see `SelfAttention`."""
+    `attention_chunks`, `sequence_parallel` (then `x` is `[B, T_tensor, D]` in and out): see
+    `SelfAttention`."""
 
     def __init__(
         self,
@@ -151,16 +170,24 @@ class Block(nnx.Module):
         causal: bool = True,
         norm: str = "pre",
         attention_chunks: int = 1,
+        sequence_parallel: bool = False,
     ):
         if norm not in ("pre", "post"):
             raise ValueError(f"norm={norm!r} must be 'pre' or 'post'")
         self.post_norm = norm == "post"
         self.ln1 = LayerNorm(d_model, layers=layers)
+        sp = sequence_parallel
         self.attn = SelfAttention(
-            d_model, heads, rngs=rngs, layers=layers, causal=causal, chunks=attention_chunks
+            d_model,
+            heads,
+            rngs=rngs,
+            layers=layers,
+            causal=causal,
+            chunks=attention_chunks,
+            sequence_parallel=sp,
         )
         self.ln2 = LayerNorm(d_model, layers=layers)
-        self.mlp = Mlp(d_model, d_ff, rngs=rngs, layers=layers)
+        self.mlp = Mlp(d_model, d_ff, rngs=rngs, layers=layers, sequence_parallel=sp)
 
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
         if self.post_norm:

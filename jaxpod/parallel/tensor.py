@@ -9,6 +9,14 @@ Collectives per transformer layer, forward: one `psum` after attention's output
 projection and one after the MLP's second matmul. In the backward pass JAX inserts the
 matching all-reduces on the activations' gradients (the transpose of the implicit
 `pvary` that happens when a tensor-replicated activation meets a tensor-sharded weight).
+
+Sequence parallelism (Megatron-SP, `model.sequence_parallel`): between the two matmul
+blocks the residual stream `x[B, T_tensor, D]` is split over `tensor` along the sequence,
+so LayerNorms, residual adds, dropout-free elementwise math and the activations saved or
+carried between layers and pipeline stages are 1/t the size. Each all-reduce becomes its
+two halves: `gather_sequence` (all-gather over T) before the column-parallel matmul and a
+reduce-scatter over T (`row_dense(..., scatter=True)`) after the row-parallel one — the
+same bytes on the wire as the psum.
 """
 
 from __future__ import annotations
@@ -32,15 +40,43 @@ def column_dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.
     return y if b is None else y + b
 
 
-def row_dense(x: jax.Array, w: jax.Array, b: jax.Array | None, axis: str | None) -> jax.Array:
-    """`x[..., F_tensor] @ W[F_tensor, D]`, summed over `axis`, plus `b[D]` (replicated).
+def row_dense(
+    x: jax.Array, w: jax.Array, b: jax.Array | None, axis: str | None, scatter: bool = False
+) -> jax.Array:
+    """`x[..., T, F_tensor] @ W[F_tensor, D]`, summed over `axis`, plus `b[D]` (replicated).
 
     The one `psum` of a Megatron MLP / attention block: each shard holds a partial sum.
+    `scatter=True` (sequence parallelism) reduce-scatters over the sequence instead:
+    `-> y[..., T / |axis|, D]`, this shard's block of positions.
     """
     y = jnp.tensordot(x, w, axes=1)
-    if axis is not None:
+    if axis is not None and scatter:
+        y = jax.lax.psum_scatter(y, axis, scatter_dimension=y.ndim - 2, tiled=True)
+        y = checkpoint_name(y, COLLECTIVE_OUT)
+    elif axis is not None:
         y = checkpoint_name(jax.lax.psum(y, axis), COLLECTIVE_OUT)
     return y if b is None else y + b
+
+
+def gather_sequence(x: jax.Array, axis: str | None, dim: int = -2) -> jax.Array:
+    """All-gather the sequence blocks of `x[..., T / |axis|, D]` -> `x[..., T, D]` (in order).
+
+    Not tagged for the remat policies: under `comms` the backward pass gathers again rather
+    than keeping a full-length copy per layer (what sequence parallelism is for).
+    """
+    if axis is None:
+        return x
+    return jax.lax.all_gather(x, axis, axis=dim % x.ndim, tiled=True)
+
+
+def local_sequence(x: jax.Array, axis: str | None, dim: int = -2) -> jax.Array:
+    """This shard's block of positions of a full-length `x` (along `dim`), in the layout
+    `row_dense(..., scatter=True)` produces."""
+    if axis is None:
+        return x
+    dim %= x.ndim
+    n = x.shape[dim] // jax.lax.axis_size(axis)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * n, n, dim)
 
 
 def _vocab_range(table: jax.Array, axis: str | None) -> tuple[jax.Array | int, int]:
@@ -50,11 +86,14 @@ def _vocab_range(table: jax.Array, axis: str | None) -> tuple[jax.Array | int, i
     return start, size
 
 
-def vocab_embed(tokens: jax.Array, table: jax.Array, axis: str | None) -> jax.Array:
-    """Vocab-parallel embedding: `tokens[...] int`, `table[V_tensor, D]` -> `x[..., D]`.
+def vocab_embed(
+    tokens: jax.Array, table: jax.Array, axis: str | None, scatter: bool = False
+) -> jax.Array:
+    """Vocab-parallel embedding: `tokens[..., T] int`, `table[V_tensor, D]` -> `x[..., T, D]`.
 
     Each shard looks up the ids in its vocabulary range (zeros elsewhere); a `psum` over
-    `axis` assembles the full embedding. No shard ever holds the whole table.
+    `axis` assembles the full embedding. No shard ever holds the whole table. `scatter=True`
+    (sequence parallelism) reduce-scatters over T instead: `-> x[..., T / |axis|, D]`.
     """
     if axis is None:
         return jnp.take(table, tokens, axis=0)
@@ -63,6 +102,8 @@ def vocab_embed(tokens: jax.Array, table: jax.Array, axis: str | None) -> jax.Ar
     inside = (local >= 0) & (local < size)
     x = jnp.take(table, jnp.clip(local, 0, size - 1), axis=0)
     x = jnp.where(inside[..., None], x, 0)
+    if scatter:
+        return jax.lax.psum_scatter(x, axis, scatter_dimension=x.ndim - 2, tiled=True)
     return jax.lax.psum(x, axis)
 
 
