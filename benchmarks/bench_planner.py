@@ -19,6 +19,13 @@ sys.path.insert(0, str(ROOT))
 from jaxpod.platform import use_virtual_cpu_devices  # noqa: E402  (jax-free)
 
 SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
+WEIGHTS = ["model.seq_len=16", "train.micro_batch=1", "model.d_model=256", "model.d_ff=1024"]
+FP16_SR = [
+    "precision.params=float16",
+    "precision.compute=float16",
+    "precision.master=same-as-params",
+    "precision.loss_scale=dynamic",
+]
 CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((1, 1, 1), "none", 1, []),
     ((1, 1, 1), "full", 1, []),
@@ -40,6 +47,15 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
             "model.vocab=4096",
         ],
     ),
+    ((1, 1, 1), "none", 1, ["model.sequence_chunks=8"]),
+    ((1, 1, 1), "full", 1, ["model.sequence_chunks=8"]),
+    ((1, 2, 1), "full", 4, ["model.sequence_chunks=8"]),
+    ((1, 1, 4), "comms", 1, ["model.sequence_parallel=true"]),
+    ((1, 2, 4), "full", 4, ["model.sequence_parallel=true"]),
+    ((2, 2, 2), "comms", 4, ["model.sequence_parallel=true", "model.sequence_chunks=8"]),
+    # the update on its own: weights dominate (seq 16), float32 LAMB, then the FP16 recipe
+    ((1, 1, 1), "full", 1, [*WEIGHTS, "optim.name=lamb"]),
+    ((1, 1, 1), "full", 1, [*WEIGHTS, "optim.name=lamb", *FP16_SR]),
 ]
 
 

@@ -78,7 +78,7 @@ class ModelConfig:
     seq_len: int = 64
     vocab: int = 256
     remat: str = "none"
-    attention_chunks: int = 1  # query blocks attended one at a time (divides seq_len)
+    sequence_chunks: int = 1  # query blocks attended one at a time (divides seq_len)
     sequence_parallel: bool = False  # residual stream split over tensor along the sequence
     tie_embeddings: bool = True
     norm: str = "pre"  # bert: pre- or post-LayerNorm blocks

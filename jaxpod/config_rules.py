@@ -60,7 +60,7 @@ def get(cfg: Config, key: str) -> Any:
 
 _AT_LEAST_1 = (
     "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff model.seq_len "
-    "model.attention_chunks "
+    "model.sequence_chunks "
     "model.vocab train.steps train.micro_batch train.grad_accum train.global_batch "
     "train.log_every train.eval_batches train.keep_checkpoints model.norm_groups "
     "model.image_size model.num_classes precision.loss_scale_period memory.rts "
@@ -223,9 +223,9 @@ def _check_model(cfg: Config) -> None:
             f"model.d_model={md.d_model} is not divisible by model.heads={md.heads}; "
             "choose model.heads that divides model.d_model"
         )
-    if md.seq_len % md.attention_chunks:
+    if md.seq_len % md.sequence_chunks:
         fail(
-            f"model.attention_chunks={md.attention_chunks} does not divide "
+            f"model.sequence_chunks={md.sequence_chunks} does not divide "
             f"model.seq_len={md.seq_len}; use a divisor of {md.seq_len}"
         )
     if md.sequence_parallel and md.seq_len % mesh.tensor:

@@ -26,8 +26,12 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   not 1/rts; with `pipeline == 1` and `grad_accum > 1` the accumulator doubles it.
 - optimizer: moments (adamw/lamb 2, sgd/lars 1) in the master dtype, sharded like the weights
   but over `memory.rts_optimizer` replicas.
-- updates: optax materialises the update tree (master dtype, 1/rts) before applying it; the
-  step's activations are dead by then, so the peak is max(backward, update) (verified on XLA).
+- updates: optax materialises the update tree (master dtype, 1/rts) before applying it, next
+  to the reduced grads and their unscaled/clipped copy; the step's activations are dead by
+  then, so the peak is max(backward, update) (verified on XLA for float32 + AdamW). This is
+  a streamed, per-tensor update as a pod runs it: XLA's whole-tree FP16 + stochastic
+  rounding + LAMB update on CPU holds ~3x more (float32 working copies of weights, grads
+  and moments, random bits), measured in `docs/benchmarks.md`.
 - gathered: with rts > 1 the stage's weights are all-gathered (params dtype) before use.
 - activations: see `_activations`: the saved residuals of every layer and every pipeline tick
   in flight, the pipeline's buffers, and the larger of the loss head and one layer's
@@ -43,6 +47,7 @@ move the saved residuals to the host (two layers' worth stay for the stream).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxpod.config import Config, parse_bytes
 from jaxpod.device_profiles import PROFILES, DeviceProfile, get_profile
@@ -92,11 +97,14 @@ def _layer_sets(cfg: Config) -> dict:
     cb = DTYPE_BYTES[cfg.precision.compute]
     b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
     btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
-    # With attention_chunks = C > 1 each query block is a checkpoint: its scores are never
-    # saved, and one block's scores (1/C) are alive while it runs, forward or backward.
-    chunked = md.attention_chunks > 1
+    # With sequence_chunks = C > 1 each query block and each MLP token block is a checkpoint:
+    # scores and MLP hidden activations are never saved, one query block's scores are alive.
+    # The MLP blocks earn no credit in the backward working set (measured: XLA's fused
+    # GELU recompute gains ~nothing from them); the loss head's logits shrink by C; lax.map
+    # needs the blocks stacked first: a transposed copy of the MLP input and of the queries.
+    chunked = md.sequence_chunks > 1
     kept_scores = 0 if chunked else scores
-    block = scores // md.attention_chunks
+    block = scores // md.sequence_chunks
     attention_work = (5 * cb + 1) * block if chunked else 0  # masked, exp, probs, 2 grads
     # Sequence parallelism: residual-stream tensors are [b, T/t, D]; attention and the MLP
     # each all-gather their input to [b, T, D] (and the row-parallel matmul output is
@@ -105,7 +113,11 @@ def _layer_sets(cfg: Config) -> dict:
     gathered = 2 * btd if md.sequence_parallel and t > 1 else 0
     # LN1/LN2: 4 [b,T,D] each; q, k, v, attention output: [b,T,D/t] each; masked scores,
     # exp, probabilities [b,H/t,T,T] (+ the boolean mask, 1 byte); GELU MLP: 6 [b,T,F/t].
-    every = (8 * res + gathered + 4 * btd // t + 6 * btf) * cb + (3 * cb + 1) * kept_scores
+    kept_hidden = 0 if chunked else btf
+    every = (8 * res + gathered + 4 * btd // t + 6 * kept_hidden) * cb
+    every += (3 * cb + 1) * kept_scores
+    if chunked:  # the blocked (transposed) copies of the MLP input and the queries
+        every += (btd + btd // t) * cb
     # The attention psum's output is saved; the MLP psum's output is not (the residual add's
     # backward needs no inputs, so autodiff drops it as a residual).
     psums = res if t > 1 else 0
@@ -119,7 +131,8 @@ def _layer_sets(cfg: Config) -> dict:
     if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
         work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
     else:  # recompute one layer: everything it would have saved, less what is kept
-        work = max(every - (saved - res * cb), 0) + attention_work
+        work = max(every + 6 * (btf - kept_hidden) * cb - (saved - res * cb), 0)
+        work += attention_work
     return {"all": every, "saved": saved, "work": work, "btd": res * cb}
 
 
@@ -162,8 +175,9 @@ def _activations(cfg: Config) -> dict:
     saved = ticks * per_stage * sets["saved"]
     buffers = 0 if stages == 1 else (3 * micro + 1) * sets["btd"] + per_stage * sets["saved"]
     head_tokens = tr.micro_batch * md.seq_len * (1 if stages == 1 else micro) // stages
-    head = head_tokens * (md.vocab // mesh.tensor) * 4 * HEAD_LOGIT_COPIES
-    head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9)
+    head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head blocks (as the engine)
+    head = head_tokens * (md.vocab // mesh.tensor) * 4 * HEAD_LOGIT_COPIES // head_chunks
+    head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // head_chunks
     offloaded = "activations" in cfg.memory.offload
     on_device_saved = min(saved, 2 * sets["saved"]) if offloaded else saved
     total = on_device_saved + buffers + max(head, sets["work"])
@@ -218,7 +232,8 @@ def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
     if cfg.is_vision:
         inputs = cfg.train.grad_accum * cfg.train.micro_batch * 3 * cfg.model.image_size**2
     backward_peak = grads + activations
-    update_peak = grads_update * window + updates
+    # the update holds the reduced grads, a same-size copy (unscaled/clipped) and the updates
+    update_peak = 2 * grads_update * window + updates
     device_total = weights + optimizer + inputs + gathered + max(backward_peak, update_peak)
     host_weights = weights_all - weights
     if "params" in offload:  # the host holds the stage's layer weights (the source of truth)
@@ -291,10 +306,10 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
         out.append(
             f"memory.offload+=optimizer ({format_bytes(_device_total(trial, params_override))})"
         )
-    if not cfg.is_vision and cfg.model.attention_chunks == 1 and cfg.model.seq_len % 8 == 0:
-        trial = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_chunks=8))
+    if not cfg.is_vision and cfg.model.sequence_chunks == 1 and cfg.model.seq_len % 8 == 0:
+        trial = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sequence_chunks=8))
         out.append(
-            f"model.attention_chunks=8 ({format_bytes(_device_total(trial, params_override))})"
+            f"model.sequence_chunks=8 ({format_bytes(_device_total(trial, params_override))})"
         )
     if cfg.model.remat not in ("full",):
         trial = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full"))

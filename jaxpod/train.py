@@ -16,21 +16,18 @@ Data flow of one optimizer step (global batch G = micro_batch * replica * grad_a
        is not finite, optax update, `precision.apply_updates` (stochastic rounding for 16-bit
        master weights, key fold_in(key(train.seed), step)) -> new params, same shardings
 
-Precision: the state holds params in the master dtype (`precision.master_dtype`); the forward
-pass casts them to `precision.compute` and transformers compute in that dtype (LayerNorm
-statistics, softmax and the cross-entropy in float32). With the defaults (float32, no loss
-scaling) every step is bit-identical to an engine without any of this.
+Precision: params are held in the master dtype (`precision.master_dtype`) and cast to
+`precision.compute` for the forward pass (LayerNorm statistics, softmax and cross-entropy in
+float32); the float32 defaults are bit-identical to an engine without any of this.
 
-Memory (`jaxpod.parallel.replica`, `jaxpod.parallel.offload`): `memory.rts` splits weights
-over groups of replicas, `memory.rts_optimizer` the optimizer state; `memory.offload` and
-`memory.phases` keep state in host memory and stream it. `memory.phases > 1` implies that
-the layer stack lives in host memory (that is what phases are for). With `pipeline == 1`
-the program fetches each phase's weights right before the phase runs, forward and backward
-(but see `jaxpod.parallel.offload` for what jax 0.10.2 lowers that to). With
-`pipeline > 1` a stage's host-resident layer weights are fetched once per step, before its
-GPipe ticks (a host->device transfer inside the tick `scan` would make the transposed scan
-accumulate host-typed cotangents of loop constants, which jax 0.10.2 rejects), and the
-phases then run as separate scans over device-resident weights.
+Memory (`jaxpod.parallel.replica`, `jaxpod.parallel.offload`): `memory.rts`/`rts_optimizer`
+split weights/optimizer state over replica groups; `memory.offload` and `memory.phases`
+(which implies host-resident layers) keep state in host memory and stream it — with
+`pipeline == 1` each phase's weights right before it runs, forward and backward; with
+`pipeline > 1` once per step before the GPipe ticks (a transfer inside the tick scan makes
+its transpose accumulate host-typed cotangents, which jax 0.10.2 rejects). Sequence
+parallelism and `model.sequence_chunks` live in the model (`jaxpod.models.layers`); the
+engine gathers the sequence for the loss head, which runs in chunks too.
 
 The state is donated, so params and optimizer state are updated in place.
 """
@@ -50,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpod import mlm
 from jaxpod.config import Config, ModelConfig
 from jaxpod.mesh import param_specs, shardings, split_replica
+from jaxpod.models.layers import token_loss_in_chunks
 from jaxpod.optim import STACKED_KEY, make_optimizer, stacked_mask
 from jaxpod.parallel import offload
 from jaxpod.parallel.pipeline import gpipe, spread_over_stages, vary_like
@@ -86,12 +84,10 @@ class TrainState(NamedTuple):
 def build_model(cfg: ModelConfig, seed: int) -> nnx.Module:
     """The transformer named by `cfg.name` (gpt or bert), initialised from `seed`."""
     if cfg.name == "bert":
-        from jaxpod.models.bert import BERT
-
-        return BERT(cfg, rngs=nnx.Rngs(seed))
-    from jaxpod.models.gpt import GPT
-
-    return GPT(cfg, rngs=nnx.Rngs(seed))
+        from jaxpod.models.bert import BERT as Model
+    else:
+        from jaxpod.models.gpt import GPT as Model
+    return Model(cfg, rngs=nnx.Rngs(seed))
 
 
 def _cast(tree, dtype):
@@ -202,6 +198,7 @@ def _local_functions(
     rest_host = {k: v for k, v in lay.host.items() if k != STACKED_KEY}
     cast = lambda tree: _cast(tree, dtype)
     sp = cfg.model.sequence_parallel
+    head = lambda m, h, y: token_loss_in_chunks(m, h, y, tp, cfg.model.sequence_chunks)
 
     def prepare_layer(layer_params):  # one layer's stored slice -> what the layer computes with
         layer_params = cast(layer_params)
@@ -242,16 +239,19 @@ def _local_functions(
         )
 
     def summed(loss, weights, denominator):
-        if weights is None:
-            return jnp.sum(loss) / denominator
-        return jnp.sum(loss * weights) / denominator
+        weighted = loss if weights is None else loss * weights.reshape(loss.shape)
+        return jnp.sum(weighted) / denominator
 
     def micro_loss(params, inputs, targets, weights, denominator):
         model = model_of(params)
         h = model.layers(model.embed(inputs, tp), tp, unroll, **hooks)
         if sp:  # the head's vocab-parallel loss needs every position on every tensor shard
             h = gather_sequence(h, tp)
-        return summed(model.token_loss(h, targets, tp), weights, denominator)
+        return summed(
+            head(model, h, targets),
+            weights,
+            denominator,
+        )
 
     def pipeline_loss(params, inputs, targets, weights, denominator):
         if blocks_host:  # see the module docstring: fetched once per step before the ticks
@@ -278,7 +278,11 @@ def _local_functions(
         targets, weights = share(targets), share(weights)
         if sp:  # every tensor shard needs every token for the vocab-parallel head
             h = gather_sequence(h, tp, dim=0)
-        return summed(model.token_loss(h, targets, tp), weights, denominator)
+        return summed(
+            head(model, h, targets),
+            weights,
+            denominator,
+        )
 
     def value_and_grad(fn, scale, *args):
         """(loss, grads of loss * scale), grads on the device."""

@@ -300,10 +300,10 @@ BAD_OVERRIDES = [
     ),
     (["mesh.tensor=8"], ("mesh.tensor=8 does not divide model.heads=4",)),
     (
-        ["model.attention_chunks=3"],
-        ("model.attention_chunks=3 does not divide model.seq_len=", "use a divisor of"),
+        ["model.sequence_chunks=3"],
+        ("model.sequence_chunks=3 does not divide model.seq_len=", "use a divisor of"),
     ),
-    (["model.attention_chunks=0"], ("model.attention_chunks=0 must be >= 1",)),
+    (["model.sequence_chunks=0"], ("model.sequence_chunks=0 must be >= 1",)),
     (
         ["mesh.tensor=2", "model.seq_len=63", "model.sequence_parallel=true"],
         ("model.sequence_parallel=true splits model.seq_len=63 over mesh.tensor=2",),

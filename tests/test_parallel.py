@@ -840,12 +840,12 @@ def test_float16_overflow_skips_step(lab):
 
 
 # --------------------------------------------------------------------------------------------
-# 6. Sequence-serialised attention (`model.attention_chunks`).
+# 6. Serialised sequence (`model.sequence_chunks`): attention queries, MLP tokens, loss head.
 # --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
-def test_attention_chunks_are_the_same_math(causal):
+def test_sequence_chunks_are_the_same_math(causal):
     """Attention over 4 query blocks (lax.map, each a checkpoint) == one block: outputs and
     gradients (w.r.t. weights and input) of a single layer, float32, to rounding."""
     from jaxpod.models.layers import SelfAttention
@@ -861,17 +861,17 @@ def test_attention_chunks_are_the_same_math(causal):
 
     (want, want_grads), (got, got_grads) = value_and_grads(1), value_and_grads(4)
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert_trees_close(got_grads, want_grads, GRAD_TOL, f"attention chunks causal={causal}")
+    assert_trees_close(got_grads, want_grads, GRAD_TOL, f"sequence chunks causal={causal}")
 
 
-def test_attention_chunks_sharded_match_reference(lab):
-    """A 2x2x2 step with model.attention_chunks=4 gives the plain (unchunked, single-device)
+def test_sequence_chunks_sharded_match_reference(lab):
+    """A 2x2x2 step with model.sequence_chunks=4 gives the plain (unchunked, single-device)
     reference's loss and gradients."""
-    cfg = lab.cfg((2, 2, 2), "adamw", "model.attention_chunks=4")
+    cfg = lab.cfg((2, 2, 2), "adamw", "model.sequence_chunks=4")
     loss, grads = sharded_loss_and_grads(lab, cfg)[:2]
     ref = lab.ref_steps("adamw")[0]
-    assert_loss_close(loss, ref["loss"], "attention chunks 2x2x2 vs reference")
-    assert_trees_close(grads, ref["grads"], GRAD_TOL, "attention chunks 2x2x2 vs reference")
+    assert_loss_close(loss, ref["loss"], "sequence chunks 2x2x2 vs reference")
+    assert_trees_close(grads, ref["grads"], GRAD_TOL, "sequence chunks 2x2x2 vs reference")
 
 
 # --------------------------------------------------------------------------------------------

@@ -242,12 +242,13 @@ def test_param_layout_matches_the_model():
 
 # ----------------------------------------------------------------------------- against XLA
 SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
-XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, attention_chunks[, sp]
+XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, sequence_chunks[, sp]
     "1x1x1-none-ga1": ((1, 1, 1), "none", 1, 1),
     "1x2x1-none-ga4": ((1, 2, 1), "none", 4, 1),
     "2x2x2-comms-ga4": ((2, 2, 2), "comms", 4, 1),
     "1x1x1-none-ga1-chunks8": ((1, 1, 1), "none", 1, 8),
     "1x2x1-full-ga4-chunks8": ((1, 2, 1), "full", 4, 8),
+    "1x1x1-full-ga1-chunks8": ((1, 1, 1), "full", 1, 8),  # the update is the peak
     "1x1x4-comms-ga1-sp": ((1, 1, 4), "comms", 1, 1, True),
     "1x2x4-full-ga4-chunks8-sp": ((1, 2, 4), "full", 4, 8, True),
 }
@@ -270,7 +271,7 @@ def compiled_bytes(cfg, mesh) -> int:
 def test_planner_matches_compiled_memory(name, tiny_cfg, mesh_for):
     mesh_shape, remat, accum, chunks, *sp = XLA_CASES[name]
     overrides = [f"model.remat={remat}", f"train.grad_accum={accum}"]
-    overrides += [f"model.attention_chunks={chunks}", f"model.sequence_parallel={bool(sp)}"]
+    overrides += [f"model.sequence_chunks={chunks}", f"model.sequence_parallel={bool(sp)}"]
     cfg = tiny_cfg(*SMALL, *overrides, mesh=mesh_shape)
     planned = plan(cfg)["bytes_per_device"]["device_total"]
     measured = compiled_bytes(cfg, mesh_for(cfg))

@@ -50,7 +50,7 @@ class BERT(nnx.Module):
             layers=cfg.layers,
             causal=False,
             norm=cfg.norm,
-            attention_chunks=cfg.attention_chunks,
+            sequence_chunks=cfg.sequence_chunks,
             sequence_parallel=cfg.sequence_parallel,
         )
         self.sequence_parallel = cfg.sequence_parallel

@@ -36,7 +36,7 @@ class GPT(nnx.Module):
             cfg.d_ff,
             rngs=rngs,
             layers=cfg.layers,
-            attention_chunks=cfg.attention_chunks,
+            sequence_chunks=cfg.sequence_chunks,
             sequence_parallel=cfg.sequence_parallel,
         )
         self.sequence_parallel = cfg.sequence_parallel

@@ -16,6 +16,7 @@ and cast back (a no-op for float32 models).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpod.parallel.tensor import column_dense, gather_sequence, row_dense
+from jaxpod.parallel.tensor import column_dense, gather_sequence, reduce_rows, row_dense
 from jaxpod.remat import remat
 
 INIT_STD = 0.02
@@ -41,6 +42,38 @@ def _param(rngs: nnx.Rngs | None, shape, axes, layers: int | None, fill: float |
     else:
         value = jnp.full(shape, fill, jnp.float32)
     return nnx.Param(value, axes=axes)
+
+
+def serialize(fn: Callable, x: jax.Array, chunks: int, axis: int) -> jax.Array:
+    """`fn(block, i)` on each of `chunks` equal blocks of `x` along `axis`, one block after
+    another (`lax.map`), each block a checkpoint: only one block's intermediates are ever
+    alive, forward or backward (they are recomputed, never saved). The blocks' outputs are
+    concatenated back along `axis`. `chunks=1` is `fn(x, 0)`.
+
+    The serialisation factor of pod recipes (attention queries, MLP tokens, the loss head):
+    the same math, 1/chunks of the working memory, a little recomputation.
+    """
+    if chunks == 1:
+        return fn(x, 0)
+    axis %= x.ndim
+    n = x.shape[axis] // chunks
+    blocks = jnp.moveaxis(x.reshape(*x.shape[:axis], chunks, n, *x.shape[axis + 1 :]), axis, 0)
+    out = jax.lax.map(jax.checkpoint(lambda a: fn(*a)), (blocks, jnp.arange(chunks)))
+    out = jnp.moveaxis(out, 0, axis)  # [..., chunks, n, ...]
+    return out.reshape(*out.shape[:axis], chunks * n, *out.shape[axis + 2 :])
+
+
+def token_loss_in_chunks(
+    model: nnx.Module, h: jax.Array, targets: jax.Array, tp: str | None, chunks: int
+) -> jax.Array:
+    """`model.token_loss` of `h[..., D]` against `targets[...]` -> `loss[N]` (tokens
+    flattened), the N tokens in `gcd(chunks, N)` blocks (`serialize`): one block's logits
+    `[N/chunks, V_tensor]` alive at a time instead of all of them."""
+    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    chunks = math.gcd(chunks, targets.shape[0])
+    n = targets.shape[0] // chunks
+    block = lambda hb, i: model.token_loss(hb, jax.lax.dynamic_slice_in_dim(targets, i * n, n), tp)
+    return serialize(block, h, chunks, axis=0)
 
 
 class LayerNorm(nnx.Module):
@@ -63,10 +96,9 @@ class SelfAttention(nnx.Module):
     """Multi-head attention, heads split over the tensor axis; causal (GPT) or not (BERT).
 
     `W_qkv[D, 3, HD_tensor]` (column-parallel, q/k/v of the local heads), `W_o[HD_tensor, D]`
-    (row-parallel, one psum). `x[B, T, D] -> [B, T, D]`. With `chunks=C` the queries are
-    processed in C blocks of T/C, one after another (`lax.map`), each block a checkpoint: only
-    one block's scores `[B, H_tensor, T/C, T]` are ever alive, forward or backward (the
-    sequence-serialised attention of long-context pod recipes). Same math for any C.
+    (row-parallel, one psum). `x[B, T, D] -> [B, T, D]`. With `chunks=C` the queries go
+    through in C blocks of T/C (`serialize`): only one block's scores `[B, H_tensor, T/C, T]`
+    are ever alive, forward or backward. Same math for any C.
     `sequence_parallel`: `x[B, T_tensor, D] -> [B, T_tensor, D]` (see
     `jaxpod.parallel.tensor`): all-gather T in, reduce-scatter T out.
     """
@@ -99,14 +131,9 @@ class SelfAttention(nnx.Module):
         qkv = checkpoint_name(column_dense(x, self.w_qkv[...], self.b_qkv[...]), "qkv")
         qkv = qkv.reshape(b, t, 3, -1, self.head_dim)  # [B, T, 3, H_tensor, hd]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        if self.chunks == 1:
-            out = attend(q, k, v, self.causal)
-        else:  # one query block at a time, each recomputed in the backward pass
-            n = t // self.chunks
-            blocks = q.reshape(b, self.chunks, n, *q.shape[2:]).swapaxes(0, 1)
-            one = jax.checkpoint(lambda qs: attend(qs[0], k, v, self.causal, qs[1]))
-            out = jax.lax.map(one, (blocks, jnp.arange(self.chunks) * n))
-            out = out.swapaxes(0, 1).reshape(q.shape)
+        n = t // self.chunks  # queries per block
+        attend_block = lambda qb, i: attend(qb, k, v, self.causal, i * n)
+        out = serialize(attend_block, q, self.chunks, axis=1)
         out = checkpoint_name(out.reshape(b, t, -1), "attn_out")
         return row_dense(out, self.w_o[...], self.b_o[...], tp, self.sequence_parallel)
 
@@ -128,7 +155,8 @@ def attend(
 
 class Mlp(nnx.Module):
     """GELU MLP: `W_in[D, F_tensor]` column-parallel, `W_out[F_tensor, D]` row-parallel;
-    `sequence_parallel` as in `SelfAttention`."""
+    `chunks`: the tokens go through in blocks (`serialize`: one block's `[B, T/C, F_tensor]`
+    hidden activations alive at a time); `sequence_parallel` as in `SelfAttention`."""
 
     def __init__(
         self,
@@ -137,8 +165,10 @@ class Mlp(nnx.Module):
         *,
         rngs: nnx.Rngs,
         layers: int | None = None,
+        chunks: int = 1,
         sequence_parallel: bool = False,
     ):
+        self.chunks = chunks
         self.sequence_parallel = sequence_parallel
         self.w_in = _param(rngs, (d_model, d_ff), ("embed", "mlp"), layers)
         self.b_in = _param(None, (d_ff,), ("mlp",), layers, fill=0.0)
@@ -148,15 +178,21 @@ class Mlp(nnx.Module):
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
         if self.sequence_parallel:
             x = gather_sequence(x, tp)
-        h = jax.nn.gelu(column_dense(x, self.w_in[...], self.b_in[...]), approximate=True)
-        return row_dense(h, self.w_out[...], self.b_out[...], tp, self.sequence_parallel)
+        w_in, b_in, w_out = self.w_in[...], self.b_in[...], self.w_out[...]
+
+        def partial_sums(xb, _):  # [B, n, D] -> [B, n, D], this shard's F columns only
+            h = jax.nn.gelu(column_dense(xb, w_in, b_in), approximate=True)
+            return jnp.tensordot(h, w_out, axes=1)
+
+        y = serialize(partial_sums, x, self.chunks, axis=1)
+        return reduce_rows(y, self.b_out[...], tp, self.sequence_parallel)
 
 
 class Block(nnx.Module):
     """Transformer block. Pre-LayerNorm (GPT, `norm="pre"`): `x + attn(ln1(x))`, then
     `x + mlp(ln2(x))`. Post-LayerNorm (original BERT, `norm="post"`): `ln1(x + attn(x))`,
     then `ln2(x + mlp(x))`. `causal=False` lets every position attend to every other;
-    `attention_chunks`, `sequence_parallel` (then `x` is `[B, T_tensor, D]` in and out): see
+    `sequence_chunks`, `sequence_parallel` (then `x` is `[B, T_tensor, D]` in and out): see
     `SelfAttention`."""
 
     def __init__(
@@ -169,7 +205,7 @@ class Block(nnx.Module):
         layers: int | None = None,
         causal: bool = True,
         norm: str = "pre",
-        attention_chunks: int = 1,
+        sequence_chunks: int = 1,
         sequence_parallel: bool = False,
     ):
         if norm not in ("pre", "post"):
@@ -183,11 +219,13 @@ class Block(nnx.Module):
             rngs=rngs,
             layers=layers,
             causal=causal,
-            chunks=attention_chunks,
+            chunks=sequence_chunks,
             sequence_parallel=sp,
         )
         self.ln2 = LayerNorm(d_model, layers=layers)
-        self.mlp = Mlp(d_model, d_ff, rngs=rngs, layers=layers, sequence_parallel=sp)
+        self.mlp = Mlp(
+            d_model, d_ff, rngs=rngs, layers=layers, chunks=sequence_chunks, sequence_parallel=sp
+        )
 
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
         if self.post_norm:

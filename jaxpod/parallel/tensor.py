@@ -49,7 +49,14 @@ def row_dense(
     `scatter=True` (sequence parallelism) reduce-scatters over the sequence instead:
     `-> y[..., T / |axis|, D]`, this shard's block of positions.
     """
-    y = jnp.tensordot(x, w, axes=1)
+    return reduce_rows(jnp.tensordot(x, w, axes=1), b, axis, scatter)
+
+
+def reduce_rows(
+    y: jax.Array, b: jax.Array | None, axis: str | None, scatter: bool = False
+) -> jax.Array:
+    """The collective half of `row_dense`: sum the partial sums `y[..., T, D]` over `axis`
+    (or reduce-scatter them over T), then add the replicated bias `b[D]`."""
     if axis is not None and scatter:
         y = jax.lax.psum_scatter(y, axis, scatter_dimension=y.ndim - 2, tiled=True)
         y = checkpoint_name(y, COLLECTIVE_OUT)
