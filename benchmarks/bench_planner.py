@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 from jaxpod.platform import use_virtual_cpu_devices  # noqa: E402  (jax-free)
 
 SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
+RTS4 = ["memory.rts=4", "memory.rts_optimizer=4"]
 WEIGHTS = ["model.seq_len=16", "train.micro_batch=1", "model.d_model=256", "model.d_ff=1024"]
 FP16_SR = [
     "precision.params=float16",
@@ -53,6 +54,12 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((1, 1, 4), "comms", 1, ["model.sequence_parallel=true"]),
     ((1, 2, 4), "full", 4, ["model.sequence_parallel=true"]),
     ((2, 2, 2), "comms", 4, ["model.sequence_parallel=true", "model.sequence_chunks=8"]),
+    # replicated tensor sharding (weights + optimizer state over 4 replicas)
+    ((4, 1, 1), "full", 2, [*RTS4]),
+    ((4, 2, 1), "full", 2, [*RTS4]),
+    ((4, 1, 1), "full", 4, [*WEIGHTS, "model.layers=8"]),
+    ((4, 1, 1), "full", 4, [*WEIGHTS, "model.layers=8", *RTS4]),
+    ((4, 2, 1), "full", 4, [*WEIGHTS, "model.layers=8", *RTS4]),
     # the update on its own: weights dominate (seq 16), float32 LAMB, then the FP16 recipe
     ((1, 1, 1), "full", 1, [*WEIGHTS, "optim.name=lamb"]),
     ((1, 1, 1), "full", 1, [*WEIGHTS, "optim.name=lamb", *FP16_SR]),

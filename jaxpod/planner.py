@@ -21,9 +21,9 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
 
 - weights: P_local x master bytes (float32: 4; `same-as-params`: the params dtype), plus the
   16-bit working copy (P_local x 2) when params are 16-bit and the master is float32.
-- grads: in the params' dtype (autodiff returns the params' dtype). The backward pass builds
-  the whole stage's gradients (before any RTS reduce-scatter), so the peak counts the stage,
-  not 1/rts; with `pipeline == 1` and `grad_accum > 1` the accumulator doubles it.
+- grads: in the params' dtype (autodiff returns the params' dtype), 1/rts: each layer's
+  gradient is reduce-scattered as the backward pass leaves it (the transpose of its
+  all-gather); with `pipeline == 1` and `grad_accum > 1` the accumulator doubles it.
 - optimizer: moments (adamw/lamb 2, sgd/lars 1) in the master dtype, sharded like the weights
   but over `memory.rts_optimizer` replicas.
 - updates: optax materialises the update tree (master dtype, 1/rts) before applying it, next
@@ -32,7 +32,11 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   a streamed, per-tensor update as a pod runs it: XLA's whole-tree FP16 + stochastic
   rounding + LAMB update on CPU holds ~3x more (float32 working copies of weights, grads
   and moments, random bits), measured in `docs/benchmarks.md`.
-- gathered: with rts > 1 the stage's weights are all-gathered (params dtype) before use.
+- gathered: with rts > 1 the weights are all-gathered (params dtype) right before use: the
+  non-layer weights for the step, the layers one at a time (remat recomputes the gather in
+  the backward pass). With remat `none` every layer's gathered copy is saved, and with
+  `pipeline > 1` the gather, the same on every tick, is hoisted out of the GPipe scan:
+  the whole stage (measured).
 - activations: see `_activations`: the saved residuals of every layer and every pipeline tick
   in flight, the pipeline's buffers, and the larger of the loss head and one layer's
   backward working set.
@@ -58,8 +62,9 @@ from jaxpod.param_counts import (
     flops_per_example,
     param_layout,
 )
+from jaxpod.plan_report import format_bytes, format_plan
 
-__all__ = [  # the profiles and parameter counts are re-exported from their modules
+__all__ = [  # profiles, parameter counts and the report are re-exported from their modules
     "PROFILES",
     "DeviceProfile",
     "block_params",
@@ -219,10 +224,16 @@ def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
 
     weights_all = local / rts * mb + (local / rts * pb if mb != pb else 0)
     optimizer_all = local / rts_opt * MOMENTS[cfg.optim.name] * mb
-    grads_stage = local * pb * (2 if cfg.mesh.pipeline == 1 and cfg.train.grad_accum > 1 else 1)
+    accumulated = cfg.mesh.pipeline == 1 and cfg.train.grad_accum > 1
+    grads_stage = local / rts * pb * (2 if accumulated else 1)
     grads_update = local / rts * pb
     updates = local / rts * mb * window
-    gathered = local * pb * window if rts > 1 else 0
+    gathered = 0
+    if rts > 1 and (cfg.model.remat == "none" or cfg.mesh.pipeline > 1):
+        gathered = local * pb * window  # saved per layer, or hoisted out of the GPipe ticks
+    elif rts > 1:  # the non-layer weights, and one layer at a time (recomputed in backward)
+        per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
+        gathered = (layout["local_other"] + layout["local_layers"] / per_stage) * pb
 
     weights = weights_all * window
     grads = grads_stage * window
@@ -306,6 +317,14 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
         out.append(
             f"memory.offload+=optimizer ({format_bytes(_device_total(trial, params_override))})"
         )
+    md = cfg.model
+    if not cfg.is_vision and mesh.tensor > 1 and not md.sequence_parallel:
+        if md.seq_len % mesh.tensor == 0:
+            trial = dataclasses.replace(cfg, model=dataclasses.replace(md, sequence_parallel=True))
+            out.append(
+                "model.sequence_parallel=true "
+                f"({format_bytes(_device_total(trial, params_override))})"
+            )
     if not cfg.is_vision and cfg.model.sequence_chunks == 1 and cfg.model.seq_len % 8 == 0:
         trial = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sequence_chunks=8))
         out.append(
@@ -392,81 +411,6 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
     if not fits:
         result["suggestion"] = _suggest(cfg, limit, phases, params_override)
     return result
-
-
-# ----------------------------------------------------------------------------- output
-def format_bytes(n: float) -> str:
-    """1234567 -> '1.23 MB' (decimal units, like device data sheets)."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def format_plan(p: dict) -> str:
-    """The plan as an aligned, human-readable table (the default output of `jaxpod plan`)."""
-    b = p["bytes_per_device"]
-    offload = ",".join(p["offload"]) or "none"
-    unit = "image" if p["model"] == "efficientnet" else "token"
-    head = [
-        ("model", f"{p['model']}  ({p['params']:,} params{' ~est.' * p['params_estimated']})"),
-        ("forward", f"{p['flops_per_example']:,} FLOP per {unit} (2 x multiply-adds)"),
-        (
-            "devices",
-            f"{p['devices']} = replica {p['replica']} x pipeline {p['pipeline']} "
-            f"x tensor {p['tensor']}",
-        ),
-        (
-            "global batch",
-            f"{p['global_batch']} = micro_batch {p['micro_batch']} x replica {p['replica']} "
-            f"x grad_accum {p['grad_accum']}",
-        ),
-        (
-            "weights/device",
-            f"1/{round(1 / p['weight_fraction_per_device'])} of the model "
-            f"(1/(t·p·rts), rts {p['rts']}, optimizer rts {p['rts_optimizer']}); "
-            f"{p['params_per_device']:,} params held",
-        ),
-        (
-            "memory",
-            f"{p['device_profile']}: remat {p['remat']}, offload {offload}, "
-            f"phases {p['configured_phases']}",
-        ),
-    ]
-    rows = [
-        ("weights", b["weights"], "master (+16-bit working copy)"),
-        ("grads", b["grads"], "peak during backward"),
-        ("optimizer", b["optimizer"], p["optimizer"]),
-        ("activations", b["activations"], f"remat {p['remat']}"),
-        ("updates", b["updates"], "optimizer update tree"),
-        ("gathered", b["gathered"], "RTS all-gathered weights"),
-        ("inputs", b["inputs"], "batch"),
-    ]
-    width = max(len(k) for k, _ in head)
-    lines = [f"{k.ljust(width)}  {v}" for k, v in head]
-    lines += ["", f"{'per device':<14}{'bytes':>12}", "-" * 26]
-    lines += [f"{name:<14}{format_bytes(n):>12}   {note}" for name, n, note in rows if n]
-    lines.append("-" * 26)
-    lines.append(
-        f"{'device total':<14}{format_bytes(b['device_total']):>12}   peak at {b['peak']}; "
-        f"limit {format_bytes(p['device_memory_bytes'])}"
-    )
-    lines.append(
-        f"{'host total':<14}{format_bytes(b['host_total']):>12}   streaming memory "
-        f"{format_bytes(p['streaming_memory_bytes'])}"
-    )
-    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
-    phases = "none fits" if p["phases"] is None else p["phases"]
-    lines += [
-        "",
-        f"{verdict} ({format_bytes(b['device_total'])} of "
-        f"{format_bytes(p['device_memory_bytes'])}); phases needed: {phases}",
-    ]
-    if not p["host_fits"]:
-        lines.append("host/streaming memory is exceeded too")
-    if "suggestion" in p:
-        lines.append(p["suggestion"])
-    return "\n".join(lines)
 
 
 def check_budget(cfg: Config, plan_: dict | None = None) -> None:

@@ -198,15 +198,16 @@ for name, p in {**rts_plans, **phase_plans}.items():
 """)
 
 md(r"""
-With nothing offloaded, BERT-Large on 4 stages needs 1.11 GB; `rts 4` brings it to 836 MB, but
-the all-gathered working copy of the stage's weights (216 MB) eats much of the saving.
-`rts_optimizer` alone is the cheap half: the LAMB state shrinks by 4 and nothing is gathered
-(782 MB). (The preset instead streams the LAMB state from host memory: 674 MB on the device.)
+With nothing offloaded, BERT-Large on 4 stages needs 1.30 GB; `rts 4` brings it to 674 MB: the
+weights, the optimizer state and the gradients (reduce-scattered layer by layer as the backward
+pass leaves them) all shrink by 4, and only the all-gathered working copy of the stage's
+weights (216 MB) is paid back. `rts_optimizer` alone shrinks only the LAMB state (973 MB).
+(The preset streams the LAMB state from host memory instead: 864 MB on the device.)
 For GPT-3, phases take the resident layer weights from 1.41 GB to 278 MB per device and the
 RTS-gathered copy from 5.6 GB to 1.1 GB (`K = 12`, one layer per phase; `K = 1` and `K = 2`
-are the same because two phases are always resident), and the device total from 15.6 GB to
-5.4 GB, but the floor of two layers of weights plus their gradients and the attention
-activations stays far above the GC200's 900 MB.
+are the same because two phases are always resident), and the device total from 11.3 GB to
+2.3 GB, but the floor of two layers of weights plus their gradients and the activations stays
+far above the GC200's 900 MB.
 
 ## 3 · An offloaded run: the ledger and the trace
 

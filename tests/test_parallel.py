@@ -879,12 +879,12 @@ def test_sequence_chunks_sharded_match_reference(lab):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 2), (2, 2, 2), (1, 2, 4)], ids=mesh_id)
+@pytest.mark.parametrize("shape", [(1, 1, 2), (2, 2, 2)], ids=mesh_id)
 def test_sequence_parallel_matches_reference(lab, shape):
     """With the residual stream split over `tensor` along the sequence (all-gather before
     the column-parallel matmuls, reduce-scatter after the row-parallel ones, positions and
     targets sliced to match), loss and every gradient equal the plain reference — the
-    accumulation loop (pipeline 1) and the GPipe scan (pipeline 2)."""
+    accumulation loop (pipeline 1) and the GPipe scan (pipeline 2; BERT's test adds 1x2x4)."""
     cfg = lab.cfg(shape, "adamw", "model.sequence_parallel=true")
     loss, grads, _, mesh = sharded_loss_and_grads(lab, cfg)
     ref = lab.ref_steps("adamw")[0]

@@ -1,0 +1,77 @@
+"""`jaxpod plan`'s human-readable report of a plan (the dict `jaxpod.planner.plan` returns)."""
+
+from __future__ import annotations
+
+
+def format_bytes(n: float) -> str:
+    """1234567 -> '1.23 MB' (decimal units, like device data sheets)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_plan(p: dict) -> str:
+    """The plan as an aligned, human-readable table (the default output of `jaxpod plan`)."""
+    b = p["bytes_per_device"]
+    offload = ",".join(p["offload"]) or "none"
+    unit = "image" if p["model"] == "efficientnet" else "token"
+    head = [
+        ("model", f"{p['model']}  ({p['params']:,} params{' ~est.' * p['params_estimated']})"),
+        ("forward", f"{p['flops_per_example']:,} FLOP per {unit} (2 x multiply-adds)"),
+        (
+            "devices",
+            f"{p['devices']} = replica {p['replica']} x pipeline {p['pipeline']} "
+            f"x tensor {p['tensor']}",
+        ),
+        (
+            "global batch",
+            f"{p['global_batch']} = micro_batch {p['micro_batch']} x replica {p['replica']} "
+            f"x grad_accum {p['grad_accum']}",
+        ),
+        (
+            "weights/device",
+            f"1/{round(1 / p['weight_fraction_per_device'])} of the model "
+            f"(1/(t·p·rts), rts {p['rts']}, optimizer rts {p['rts_optimizer']}); "
+            f"{p['params_per_device']:,} params held",
+        ),
+        (
+            "memory",
+            f"{p['device_profile']}: remat {p['remat']}, offload {offload}, "
+            f"phases {p['configured_phases']}",
+        ),
+    ]
+    rows = [
+        ("weights", b["weights"], "master (+16-bit working copy)"),
+        ("grads", b["grads"], "peak during backward"),
+        ("optimizer", b["optimizer"], p["optimizer"]),
+        ("activations", b["activations"], f"remat {p['remat']}"),
+        ("updates", b["updates"], "optimizer update tree"),
+        ("gathered", b["gathered"], "RTS all-gathered weights"),
+        ("inputs", b["inputs"], "batch"),
+    ]
+    width = max(len(k) for k, _ in head)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in head]
+    lines += ["", f"{'per device':<14}{'bytes':>12}", "-" * 26]
+    lines += [f"{name:<14}{format_bytes(n):>12}   {note}" for name, n, note in rows if n]
+    lines.append("-" * 26)
+    lines.append(
+        f"{'device total':<14}{format_bytes(b['device_total']):>12}   peak at {b['peak']}; "
+        f"limit {format_bytes(p['device_memory_bytes'])}"
+    )
+    lines.append(
+        f"{'host total':<14}{format_bytes(b['host_total']):>12}   streaming memory "
+        f"{format_bytes(p['streaming_memory_bytes'])}"
+    )
+    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
+    phases = "none fits" if p["phases"] is None else p["phases"]
+    lines += [
+        "",
+        f"{verdict} ({format_bytes(b['device_total'])} of "
+        f"{format_bytes(p['device_memory_bytes'])}); phases needed: {phases}",
+    ]
+    if not p["host_fits"]:
+        lines.append("host/streaming memory is exceeded too")
+    if "suggestion" in p:
+        lines.append(p["suggestion"])
+    return "\n".join(lines)
