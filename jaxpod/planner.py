@@ -274,6 +274,10 @@ def _with_memory(cfg: Config, **changes) -> Config:
     return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, **changes))
 
 
+def _with_model(cfg: Config, **changes) -> Config:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
+
+
 def _device_total(cfg: Config, params_override: int | None) -> int:
     layout = param_layout(cfg, params_override)
     return _bytes(cfg, layout, _activations(cfg))["device_total"]
@@ -297,54 +301,42 @@ def _phases_needed(cfg: Config, limit: int, params_override: int | None) -> int 
 
 def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int | None) -> str:
     """Changes that would make the mapping fit, with the resulting device bytes."""
-    mem, mesh = cfg.memory, cfg.mesh
+    mem, mesh, md = cfg.memory, cfg.mesh, cfg.model
     out = []
+
+    def option(label: str, trial: Config) -> None:
+        out.append(f"{label} ({format_bytes(_device_total(trial, params_override))})")
+
     if phases is not None:
         offload = sorted({*mem.offload, "params"})
-        trial = _with_memory(cfg, phases=phases, offload=tuple(offload))
-        out.append(
-            f"memory.phases={phases} memory.offload=[{','.join(offload)}] "
-            f"({format_bytes(_device_total(trial, params_override))})"
+        option(
+            f"memory.phases={phases} memory.offload=[{','.join(offload)}]",
+            _with_memory(cfg, phases=phases, offload=tuple(offload)),
         )
     if not cfg.is_vision and mesh.replica > mem.rts:
-        trial = _with_memory(cfg, rts=mesh.replica, rts_optimizer=mesh.replica)
-        out.append(
-            f"memory.rts={mesh.replica} memory.rts_optimizer={mesh.replica} "
-            f"({format_bytes(_device_total(trial, params_override))})"
+        option(
+            f"memory.rts={mesh.replica} memory.rts_optimizer={mesh.replica}",
+            _with_memory(cfg, rts=mesh.replica, rts_optimizer=mesh.replica),
         )
     if "optimizer" not in mem.offload and not cfg.is_vision:
         trial = _with_memory(cfg, offload=tuple(sorted({*mem.offload, "optimizer"})))
-        out.append(
-            f"memory.offload+=optimizer ({format_bytes(_device_total(trial, params_override))})"
-        )
-    md = cfg.model
+        option("memory.offload+=optimizer", trial)
     if not cfg.is_vision and mesh.tensor > 1 and not md.sequence_parallel:
         if md.seq_len % mesh.tensor == 0:
-            trial = dataclasses.replace(cfg, model=dataclasses.replace(md, sequence_parallel=True))
-            out.append(
-                "model.sequence_parallel=true "
-                f"({format_bytes(_device_total(trial, params_override))})"
-            )
-    if not cfg.is_vision and cfg.model.sequence_chunks == 1 and cfg.model.seq_len % 8 == 0:
-        trial = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sequence_chunks=8))
-        out.append(
-            f"model.sequence_chunks=8 ({format_bytes(_device_total(trial, params_override))})"
-        )
-    if cfg.model.remat not in ("full",):
-        trial = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full"))
-        out.append(f"model.remat=full ({format_bytes(_device_total(trial, params_override))})")
+            option("model.sequence_parallel=true", _with_model(cfg, sequence_parallel=True))
+    if not cfg.is_vision and md.sequence_chunks == 1 and md.seq_len % 8 == 0:
+        option("model.sequence_chunks=8", _with_model(cfg, sequence_chunks=8))
+    if md.remat not in ("full",):
+        option("model.remat=full", _with_model(cfg, remat="full"))
     p2 = mesh.pipeline * 2
-    if mesh.replica % 2 == 0 and cfg.model.layers % p2 == 0 and not cfg.is_vision:
+    if mesh.replica % 2 == 0 and md.layers % p2 == 0 and not cfg.is_vision:
         trial = dataclasses.replace(
             cfg, mesh=dataclasses.replace(mesh, pipeline=p2, replica=mesh.replica // 2)
         )
         if mem.rts > trial.mesh.replica or (mem.rts_optimizer or 1) > trial.mesh.replica:
             trial = _with_memory(trial, rts=1, rts_optimizer=None)
-        if (cfg.model.layers // p2) % mem.phases == 0:
-            out.append(
-                f"mesh.pipeline={p2} mesh.replica={mesh.replica // 2} "
-                f"({format_bytes(_device_total(trial, params_override))})"
-            )
+        if (md.layers // p2) % mem.phases == 0:
+            option(f"mesh.pipeline={p2} mesh.replica={mesh.replica // 2}", trial)
     if not out:
         return "no single change fits; use more devices or a smaller model"
     return f"to fit {format_bytes(limit)}, try: " + "; or ".join(out)
