@@ -63,6 +63,7 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     # the update on its own: weights dominate (seq 16), float32 LAMB, then the FP16 recipe
     ((1, 1, 1), "full", 1, [*WEIGHTS, "optim.name=lamb"]),
     ((1, 1, 1), "full", 1, [*WEIGHTS, "optim.name=lamb", *FP16_SR]),
+    ((1, 2, 1), "full", 4, [*WEIGHTS, "model.layers=8", "optim.name=lamb", *FP16_SR]),
 ]
 
 

@@ -211,7 +211,8 @@ def make_optimizer(
     """The optax chain named by `cfg.name` and its learning-rate schedule.
 
     `clip=True` (and `grad_clip > 0`) prepends `optax.clip_by_global_norm(grad_clip)`;
-    `clip=False` leaves it out for callers that clip themselves (`clip_by_norm`). Weight decay
+    `clip=False` puts `optax.identity()` in its place (same state tree, so either optimizer
+    updates the other's state) for callers that clip themselves (`clip_by_norm`). Weight decay
     (all optimizers) and trust ratios (lars, lamb) skip biases and norm scales (`decay_mask`);
     lars/lamb trust ratios are per layer for stacked blocks (`stacked_mask`). LARS uses
     `trust_coefficient`; LAMB uses coefficient 1 and Adam eps 1e-6 (optax.lamb's)."""
@@ -232,5 +233,7 @@ def make_optimizer(
             momentum=cfg.momentum,
         ),
     }[cfg.name]()
-    clips = [optax.clip_by_global_norm(cfg.grad_clip)] if clip and cfg.grad_clip > 0 else []
+    clips = []
+    if cfg.grad_clip > 0:
+        clips = [optax.clip_by_global_norm(cfg.grad_clip) if clip else optax.identity()]
     return optax.chain(*clips, base), lr

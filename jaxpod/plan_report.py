@@ -46,7 +46,7 @@ def format_plan(p: dict) -> str:
         ("grads", b["grads"], "peak during backward"),
         ("optimizer", b["optimizer"], p["optimizer"]),
         ("activations", b["activations"], f"remat {p['remat']}"),
-        ("updates", b["updates"], "optimizer update tree"),
+        ("updates", b["updates"], "optimizer update working set"),
         ("gathered", b["gathered"], "RTS all-gathered weights"),
         ("inputs", b["inputs"], "batch"),
     ]

@@ -272,7 +272,8 @@ def guarded_update(
     stochastic rounding for 16-bit masters), returns state leaves to their dtypes
     (`cast_tree_like`), and keeps old params/state bit-identical if any gradient was not
     finite. Returns `(params, opt_state, loss_scale, info)`, info = {"finite": bool[],
-    "grads": float32 unscaled grads, "updates": float32 updates}."""
+    "grads": float32 unscaled grads, "updates": float32 updates, "grad_norm" and
+    "update_norm": their global norms}."""
     grads32 = unscale_grads(grads, loss_scale)
     finite = all_finite(grads32)
     updates, state32 = optimizer.update(grads32, to_float32(opt_state), to_float32(params))
@@ -281,4 +282,6 @@ def guarded_update(
     params = select_tree(finite, new_params, params)
     opt_state = select_tree(finite, new_state, opt_state)
     loss_scale = update_loss_scale(loss_scale, finite, cfg)
-    return params, opt_state, loss_scale, {"finite": finite, "grads": grads32, "updates": updates}
+    info = {"finite": finite, "grads": grads32, "updates": updates}
+    info |= {"grad_norm": optax.tree.norm(grads32), "update_norm": optax.tree.norm(updates)}
+    return params, opt_state, loss_scale, info

@@ -14,7 +14,8 @@ Data flow of one optimizer step (global batch G = micro_batch * replica * grad_a
         grads: one psum over the reduction axes   -> grads with the params' shardings
     -> under GSPMD (whole-parameter norms): unscale in float32, skip the step if any gradient
        is not finite, optax update, `precision.apply_updates` (stochastic rounding for 16-bit
-       master weights, key fold_in(key(train.seed), step)) -> new params, same shardings
+       master weights, key fold_in(key(train.seed), step)) -> new params, same shardings;
+       16-bit masters are updated one layer per stage at a time (`jaxpod.layerwise`)
 
 Precision: params are held in the master dtype (`precision.master_dtype`) and cast to
 `precision.compute` for the forward pass (LayerNorm statistics, softmax and cross-entropy in
@@ -46,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpod import mlm
 from jaxpod.config import Config, ModelConfig
+from jaxpod.layerwise import make_update
 from jaxpod.mesh import param_specs, shardings, split_replica
 from jaxpod.models.layers import token_loss_in_chunks
 from jaxpod.optim import STACKED_KEY, make_optimizer, stacked_mask
@@ -53,13 +55,7 @@ from jaxpod.parallel import offload
 from jaxpod.parallel.pipeline import gpipe, spread_over_stages, vary_like
 from jaxpod.parallel.replica import gather, reduce_grads, rts_plan, vary_params, with_rts
 from jaxpod.parallel.tensor import gather_sequence
-from jaxpod.precision import (
-    LossScaleState,
-    compute_dtype,
-    guarded_update,
-    init_loss_scale,
-    master_dtype,
-)
+from jaxpod.precision import LossScaleState, compute_dtype, init_loss_scale, master_dtype
 
 F32 = jnp.float32
 BATCH_SPEC = P("replica", None)
@@ -443,6 +439,7 @@ def abstract_engine(cfg: Config, mesh: Mesh) -> tuple[Engine, TrainState]:
     loss_and_grads = make_loss_and_grads(graphdef, specs, cfg, mesh, layout=lay)
     device_params = offload.with_memory_kind(sharding.params, offload.DEVICE)
     device_tx = offload.with_memory_kind(sharding.opt_state.tx, offload.DEVICE)
+    update = make_update(cfg, optimizer)  # layer by layer for 16-bit master weights
 
     def step(state: TrainState, tokens: jax.Array):
         ls = state.opt_state.loss_scale
@@ -453,13 +450,11 @@ def abstract_engine(cfg: Config, mesh: Mesh) -> tuple[Engine, TrainState]:
         if lay.host_optimizer:
             tx = jax.device_put(tx, device_tx)
         key = jax.random.fold_in(jax.random.key(cfg.train.seed), state.step)
-        params, tx, new_ls, info = guarded_update(
-            optimizer, grads, tx, params, ls, cfg.precision, key
-        )
+        params, tx, new_ls, info = update(grads, tx, params, ls, key)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(info["grads"]),
-            "update_norm": jnp.where(info["finite"], optax.tree.norm(info["updates"]), 0.0),
+            "grad_norm": info["grad_norm"],
+            "update_norm": jnp.where(info["finite"], info["update_norm"], 0.0),
             "param_norm": optax.tree.norm(params),
             "lr": lr(state.step),
             "loss_scale": ls.scale,

@@ -67,7 +67,7 @@ Four presets, all planned against the `ipu-gc200` profile (900 MB of in-processo
 
 The device total is the resident state (weights, optimizer, RTS-gathered copy, batch) plus the
 larger of two peaks: the backward pass (gradients + activations) or the optimizer update (the
-update tree and the gradients it reads). The bars stack the resident parts and the parts of
+update's working set and the gradients it reads). The bars stack the resident parts and the parts of
 whichever peak is larger; the hatched bar beside each is what lives in host/streaming memory.
 """)
 
@@ -201,12 +201,12 @@ md(r"""
 With nothing offloaded, BERT-Large on 4 stages needs 1.30 GB; `rts 4` brings it to 674 MB: the
 weights, the optimizer state and the gradients (reduce-scattered layer by layer as the backward
 pass leaves them) all shrink by 4, and only the all-gathered working copy of the stage's
-weights (216 MB) is paid back. `rts_optimizer` alone shrinks only the LAMB state (973 MB).
-(The preset streams the LAMB state from host memory instead: 864 MB on the device.)
+weights (216 MB) is paid back. `rts_optimizer` alone shrinks only the LAMB state (976 MB).
+(The preset streams the LAMB state from host memory instead: 868 MB on the device.)
 For GPT-3, phases take the resident layer weights from 1.41 GB to 278 MB per device and the
 RTS-gathered copy from 5.6 GB to 1.1 GB (`K = 12`, one layer per phase; `K = 1` and `K = 2`
-are the same because two phases are always resident), and the device total from 11.3 GB to
-2.3 GB, but the floor of two layers of weights plus their gradients and the activations stays
+are the same because two phases are always resident), and the device total from 11.8 GB to
+2.8 GB, but the floor of two layers of weights plus their gradients and the activations stays
 far above the GC200's 900 MB.
 
 ## 3 · An offloaded run: the ledger and the trace

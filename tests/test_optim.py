@@ -5,6 +5,7 @@ leaves equal to running the optimizer on L separate leaves."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,15 @@ def test_constant_and_cosine_unchanged():
     assert [float(c(s)) for s in (0, 2, 4, 19)] == pytest.approx([0.0, 0.25, 0.5, 0.5])
     cos = schedule(OptimConfig(lr=0.5, schedule="cosine", warmup_steps=0), 20)
     assert [float(cos(s)) for s in (0, 10, 20)] == pytest.approx([0.5, 0.25, 0.0], abs=1e-7)
+
+
+def test_cosine_with_warmup_matches_closed_form():
+    """Linear warm-up 0 -> lr over 4 steps, then lr/2 (1 + cos(pi t / 16)) over the other 16."""
+    cos = schedule(OptimConfig(lr=0.5, schedule="cosine", warmup_steps=4), 20)
+    steps = [0, 1, 2, 4, 6, 12, 19, 20, 30]
+    want = [0.5 * s / 4 if s < 4 else 0.25 * (1 + math.cos(math.pi * min(s - 4, 16) / 16))
+            for s in steps]  # fmt: skip
+    assert [float(cos(s)) for s in steps] == pytest.approx(want, abs=1e-7)
 
 
 # ------------------------------------------------------------------------------- masks
@@ -278,3 +288,16 @@ def test_make_optimizer_call_compatible_with_train():
         updates, _ = jax.jit(tx.update)(_grads(params, 0, 1)[0], tx.init(params), params)
         assert jax.tree.structure(updates) == jax.tree.structure(params)
         assert float(lr(cfg.train.steps)) == pytest.approx(cfg.optim.end_lr, abs=1e-9)
+
+
+def test_unclipped_optimizer_shares_the_state_tree():
+    """`clip=False` swaps the clip for `optax.identity()`: the same state tree, so the
+    layer-by-layer update (which clips itself) can update the engine's state."""
+    params = {"w": jnp.ones((3, 2)), "bias": jnp.zeros((2,))}
+    for name in ("sgd", "adamw", "lamb", "lars"):
+        cfg = OptimConfig(name=name, grad_clip=1.0)
+        clipped, _ = make_optimizer(cfg, 10)
+        unclipped, _ = make_optimizer(cfg, 10, clip=False)
+        assert jax.tree.structure(clipped.init(params)) == jax.tree.structure(
+            unclipped.init(params)
+        )

@@ -245,6 +245,8 @@ def test_param_layout_matches_the_model():
 SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
 RTS4 = ["memory.rts=4", "memory.rts_optimizer=4"]
 WEIGHTS = ["model.seq_len=16", "train.micro_batch=1", "model.d_model=256", "model.d_ff=1024"]
+FP16_SR = ["precision.params=float16", "precision.compute=float16"]
+FP16_SR += ["precision.master=same-as-params", "precision.loss_scale=dynamic"]
 # (benchmarks/bench_planner.py measures more configurations; these are the representatives)
 XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, more overrides
     "1x1x1-none-ga1": ((1, 1, 1), "none", 1, []),
@@ -260,6 +262,13 @@ XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, more overrides
     "4x1x1-full-ga2-rts4": ((4, 1, 1), "full", 2, RTS4),
     # weights dominate (seq 16, d 256, 8 layers): the gathered stage is the difference
     "4x2x1-full-ga4-rts4-weights": ((4, 2, 1), "full", 4, [*RTS4, *WEIGHTS, "model.layers=8"]),
+    # the FP16 + stochastic rounding + LAMB update, tensor by tensor (jaxpod.layerwise)
+    "1x2x1-full-ga4-fp16-lamb-weights": (
+        (1, 2, 1),
+        "full",
+        4,
+        [*WEIGHTS, "model.layers=8", "optim.name=lamb", *FP16_SR],
+    ),
 }
 
 

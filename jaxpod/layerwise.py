@@ -1,0 +1,193 @@
+"""The optimizer update tensor by tensor, one layer at a time: the lean update for 16-bit masters.
+
+`precision.guarded_update` runs optax on float32 upcasts of the whole tree. With 16-bit master
+weights XLA then holds float32 copies of the params, the moments and the grads (they cannot
+alias the 16-bit buffers) plus the random bits of stochastic rounding, all at once: on a
+weights-dominated config the FP16 + LAMB step held 3.6x the planner's bytes and more than the
+float32 LAMB step (docs/benchmarks.md). A pod streams the update instead, and so does this:
+
+1. Reductions first, over the 16-bit gradients (fused, no upcast tree): the global norm of
+   the unscaled gradients (non-finite if any element is inf/NaN: the step is then skipped)
+   and from it the clip factor `min(1, max_norm / norm)`.
+2. The non-layer leaves (embeddings, final norm) are updated as a whole.
+3. Each stacked block tensor `[L, ...]` (with its moments) gets its own `fori_loop` over the
+   `L / p` layers of a pipeline stage: iteration `j` takes layer `j` of every stage — a
+   `[p, ...]` slice, still split over `pipeline` like the stack, so nothing moves between
+   stages — upcasts it, runs the optimizer (LARS/LAMB trust ratios stay per layer: the
+   slice's leading axis is the layer axis), rounds it back and writes it into the carry.
+
+The float32 working set is one layer of one tensor instead of the whole model. The arithmetic
+is the whole-tree update's (same clip formula, per-layer trust ratios, per-element moments),
+so float32 results agree with it to rounding; 16-bit masters get stochastic rounding from
+per-layer keys (`fold_in(key, 1 + j)`, then per leaf): equal in distribution, not bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxpod.config import Config, PrecisionConfig
+from jaxpod.optim import make_optimizer, stacked_mask
+from jaxpod.precision import (
+    F32,
+    LossScaleState,
+    apply_updates,
+    cast_tree_like,
+    guarded_update,
+    is_half,
+    master_dtype,
+    to_float32,
+    update_loss_scale,
+)
+
+__all__ = ["layerwise_guarded_update", "make_update"]
+
+
+def make_update(cfg: Config, optimizer: optax.GradientTransformation) -> Callable:
+    """The transformer engine's update `(grads, opt_state, params, loss_scale, key) ->
+    (params, opt_state, loss_scale, info)` for the state of `optimizer`: layer by layer
+    (`layerwise_guarded_update`) when the master weights are 16-bit, else the whole-tree
+    `guarded_update`. `info` has "finite", "grad_norm" and "update_norm"."""
+    if not is_half(master_dtype(cfg.precision)):
+        return lambda g, s, p, ls, k: guarded_update(optimizer, g, s, p, ls, cfg.precision, k)
+    unclipped, _ = make_optimizer(cfg.optim, cfg.train.steps, clip=False)
+
+    def update(g, s, p, ls, k):
+        return layerwise_guarded_update(
+            unclipped, g, s, p, ls, cfg.precision, k,
+            stages=cfg.mesh.pipeline, max_norm=cfg.optim.grad_clip,
+        )  # fmt: skip
+
+    return update
+
+
+def _empty(x: jax.Array) -> jax.Array:
+    return jnp.zeros((0,), jnp.asarray(x).dtype)
+
+
+def _unscale_clip(g: jax.Array, scale: jax.Array, norm: jax.Array, max_norm: float):
+    """float32 `g / scale`, clipped like `optax.clip_by_global_norm` with the global `norm`."""
+    g = g.astype(F32) / scale
+    if max_norm <= 0:
+        return g
+    return jax.lax.select(norm < max_norm, g, (g / norm) * max_norm)
+
+
+def _sum_squares(tree) -> jax.Array:
+    return sum((jnp.sum(jnp.square(x.astype(F32))) for x in jax.tree.leaves(tree)), F32(0.0))
+
+
+def layerwise_guarded_update(
+    optimizer: optax.GradientTransformation,
+    grads,
+    opt_state,
+    params,
+    loss_scale: LossScaleState,
+    cfg: PrecisionConfig,
+    key: jax.Array,
+    *,
+    stages: int,
+    max_norm: float,
+) -> tuple[Any, Any, LossScaleState, dict[str, jax.Array]]:
+    """`precision.guarded_update`, tensor by tensor, one layer per stage at a time (module
+    docstring).
+
+    `optimizer` must not clip (`make_optimizer(..., clip=False)`); `max_norm` (> 0) clips by
+    the global norm. `params`/`grads`: the engine's trees, stacked blocks `[L, ...]` split
+    over `pipeline` on the layer axis (`stages` = mesh.pipeline divides L). Returns `(params,
+    opt_state, loss_scale, info)` with `info = {"finite": bool[], "grad_norm": f32[] (of the
+    unscaled, unclipped grads), "update_norm": f32[]}`; a non-finite step leaves params and
+    state bit-identical."""
+    scale = loss_scale.scale
+    # one fused reduction per leaf: an inf or NaN anywhere makes the sum of squares non-finite
+    # (as does a float32 sum beyond 3.4e38, a gradient norm > 1.8e19: skipped as well)
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(F32) / scale)) for g in jax.tree.leaves(grads)))
+    finite = jnp.isfinite(norm)
+    k_params, k_state = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+
+    def update(g, s, p, j):
+        """One optimizer application on a (partial) tree; empty leaves are no-ops. `j`: the
+        layer index (keys `fold_in(.., 1 + j)`), or None for the non-layer leaves."""
+        kp, ks = (k_params, k_state) if j is None else (
+            jax.random.fold_in(k_params, 1 + j), jax.random.fold_in(k_state, 1 + j)
+        )  # fmt: skip
+        g32 = jax.tree.map(lambda x: _unscale_clip(x, scale, norm, max_norm), g)
+        upd, s32 = optimizer.update(g32, to_float32(s), to_float32(p))
+        new_p = jax.tree.map(lambda n, o: jnp.where(finite, n, o), apply_updates(p, upd, kp), p)
+        new_s = cast_tree_like(s32, s, ks)
+        new_s = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_s, s)
+        return new_p, new_s, _sum_squares(upd)
+
+    # Which parameter each optimizer-state leaf belongs to (-1: none, e.g. step counts, which
+    # every call advances alike: they are taken from the non-layer call).
+    p_leaves, p_def = jax.tree.flatten(params)
+    g_leaves = jax.tree.leaves(grads)
+    s_leaves, s_def = jax.tree.flatten(opt_state)
+    owner = jax.tree.leaves(
+        optax.tree_map_params(
+            optimizer,
+            lambda _, i: i,
+            opt_state,
+            jax.tree.unflatten(p_def, list(range(len(p_leaves)))),
+            transform_non_params=lambda _: -1,
+        )
+    )
+    stacked = [i for i, m in enumerate(jax.tree.leaves(stacked_mask(params))) if m]
+
+    def trees(pick_g, pick_s, pick_p):
+        """(grads, state, params) trees from per-leaf choices `pick_*(index, [owner,] leaf)`."""
+        pairs = enumerate(zip(owner, s_leaves, strict=True))
+        return (
+            jax.tree.unflatten(p_def, [pick_g(n, x) for n, x in enumerate(g_leaves)]),
+            jax.tree.unflatten(s_def, [pick_s(n, own, x) for n, (own, x) in pairs]),
+            jax.tree.unflatten(p_def, [pick_p(n, x) for n, x in enumerate(p_leaves)]),
+        )
+
+    # the non-layer leaves, as a whole (stacked leaves replaced by empty arrays)
+    rest = trees(
+        lambda n, x: _empty(x) if n in stacked else x,
+        lambda _, own, x: _empty(x) if own in stacked else x,
+        lambda n, x: _empty(x) if n in stacked else x,
+    )
+    rest_p, rest_s, sq = update(*rest, None)
+    new_p, new_s = jax.tree.leaves(rest_p), jax.tree.leaves(rest_s)
+
+    # each stacked leaf [L, ...] -> [p, L/p, ...]: a loop over j updates [:, j] of it alone
+    def split(x):
+        return x.reshape(stages, x.shape[0] // stages, *x.shape[1:])
+
+    for i in stacked:
+        mine = [n for n, o in enumerate(owner) if o == i]  # this leaf's state leaves
+
+        def body(j, carry, i=i, mine=mine):
+            p, states, total = carry
+            take = lambda x: jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False)
+            state_of = {n: take(x) for n, x in zip(mine, states, strict=True)}
+            g, s, q = trees(
+                lambda n, x: take(split(x)) if n == i else _empty(x),
+                lambda n, own, x: state_of[n] if n in state_of else x if own < 0 else _empty(x),
+                lambda n, x: take(p) if n == i else _empty(x),
+            )
+            out_p, out_s, sq_j = update(g, s, q, j)
+            put = lambda full, part: jax.lax.dynamic_update_index_in_dim(full, part, j, axis=1)
+            out_s = jax.tree.leaves(out_s)
+            p = put(p, jax.tree.leaves(out_p)[i])
+            states = [put(x, out_s[n]) for n, x in zip(mine, states, strict=True)]
+            return p, states, total + sq_j
+
+        init = (split(p_leaves[i]), [split(s_leaves[n]) for n in mine], F32(0.0))
+        p_i, states, sq_i = jax.lax.fori_loop(0, p_leaves[i].shape[0] // stages, body, init)
+        sq = sq + sq_i
+        new_p[i] = p_i.reshape(p_leaves[i].shape)
+        for n, x in zip(mine, states, strict=True):
+            new_s[n] = x.reshape(s_leaves[n].shape)
+
+    new_params, new_state = jax.tree.unflatten(p_def, new_p), jax.tree.unflatten(s_def, new_s)
+    new_ls = update_loss_scale(loss_scale, finite, cfg)
+    info = {"finite": finite, "grad_norm": norm, "update_norm": jnp.sqrt(sq)}
+    return new_params, new_state, new_ls, info
