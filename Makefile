@@ -9,6 +9,8 @@ DEMO_LOGDIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 LOGDIR ?= runs
 TB_HOST ?= 127.0.0.1
 TB_PORT ?= 6006
+# pytest-xdist workers (each test file runs whole on one worker: module fixtures are shared)
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint format tensorboard profile runs bench clean
 
@@ -22,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/jaxpod train $(CONFIG) train.logdir=$(DEMO_LOGDIR)
 
 test: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

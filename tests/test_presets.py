@@ -117,10 +117,11 @@ def test_emulated_preset_trains(name, steps, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "devices"),
-    [("bert_large_pod16", 16), ("gpt3_175b_pod256", 256)],
+    [("bert_large_pod16", 16), ("gpt3_175b_pod256", 256), ("efficientnet_b4_g16_pod16", 16)],
 )
 def test_compile_from_abstract_shapes(name, devices):
-    """Lower and compile the train step on the preset's virtual devices, no weights."""
+    """Lower and compile the train step on the preset's virtual devices, no weights. (The
+    EfficientNet POD64/128/256 presets compile too, more slowly: docs/benchmarks.md.)"""
     proc = jaxpod("compile", str(CONFIGS / f"{name}.yaml"), "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
