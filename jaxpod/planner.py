@@ -30,9 +30,9 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   to the reduced grads and their unscaled/clipped copy; the step's activations are dead by
   then, so the peak is max(backward, update) (verified on XLA for float32 + AdamW). With
   16-bit master weights the engine updates the stacked blocks tensor by tensor, one layer
-  per stage at a time (`jaxpod.layerwise`): the update then holds the grads, two 16-bit
-  copies of the largest stacked tensor with its moments (XLA's loop carry) and eight
-  float32 copies of one layer of it (measured in `docs/benchmarks.md`).
+  per stage at a time (`jaxpod.layerwise`): the update then holds the grads, a 16-bit copy
+  of the stacked layer weights (XLA's loop carries) and ~8 float32 copies of one layer of
+  the largest tensor (measured in `docs/benchmarks.md`).
 - gathered: with rts > 1 the weights are all-gathered (params dtype) right before use: the
   non-layer weights for the step, the layers one at a time (remat recomputes the gather in
   the backward pass). With remat `none` every layer's gathered copy is saved, and with
@@ -249,10 +249,10 @@ def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
     if mb < 4 and not cfg.is_vision:  # 16-bit masters: `jaxpod.layerwise`, tensor by tensor
         md = cfg.model
         big = md.d_model * max(3 * md.d_model, md.d_ff) / cfg.mesh.tensor / rts  # one layer
-        stack = big * max(md.layers // cfg.mesh.pipeline, 1) * mb * (1 + MOMENTS[cfg.optim.name])
-        # the grads, two copies of the stacked tensor + its moments (XLA's loop carry), and
-        # the float32 working set of one layer of it (upcasts, moments, update, random bits)
-        updates = 2 * stack * window + big * 4 * 8
+        # the grads, a 16-bit copy of the stacked layer weights (XLA's loop carries), and the
+        # working set of one layer of the largest tensor: float32 upcasts, moments, update and
+        # threefry's random-bit temporaries, ~8 float32 copies (measured)
+        updates = layout["local_layers"] / rts * mb * window + big * 4 * 8
         update_peak = grads_update * window + updates
     device_total = weights + optimizer + inputs + gathered + max(backward_peak, update_peak)
     host_weights = weights_all - weights
