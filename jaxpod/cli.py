@@ -126,7 +126,7 @@ def _runs(args: argparse.Namespace) -> None:
 
 
 def _tensorboard(args: argparse.Namespace) -> None:
-    import subprocess
+    import os
     from pathlib import Path
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -139,7 +139,8 @@ def _tensorboard(args: argparse.Namespace) -> None:
     cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", args.logdir]
     cmd += ["--host", args.host, "--port", str(args.port)]
     print(f"TensorBoard on http://{args.host}:{args.port}/ (Ctrl-C to stop)", flush=True)
-    raise SystemExit(subprocess.call(cmd))
+    sys.stderr.flush()
+    os.execv(sys.executable, cmd)  # TensorBoard replaces this process: signals reach it
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:

@@ -107,12 +107,12 @@ def reference(tmp_path_factory) -> Path:
 
 def test_resume_is_exact_and_a_complete_run_exits_0(reference, tmp_path):
     run = stopped_after(reference, 4, tmp_path / "run")
-    proc = jaxpod_train(run, "train.checkpoint_every=2")
+    proc = jaxpod_train(run, "train.checkpoint_every=2", "train.keep_checkpoints=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed        from step 4" in proc.stdout
     # Bit-identical: same mesh, same data of every step, state restored exactly.
     assert train_records(run) == train_records(reference)
-    assert complete_steps(run) == [2, 4, 6, 8]
+    assert complete_steps(run) == [4, 6, 8]  # keep_checkpoints=3: the oldest one is deleted
 
     before = snapshot(run)
     again = jaxpod_train(run)

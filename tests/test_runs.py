@@ -138,3 +138,56 @@ def test_hparams_event_round_trips_through_tensorboard(tmp_path):
     assert info.hparams["optim.name"].string_value == "adamw"
     assert info.hparams["model.tie"].bool_value is True
     assert acc.Scalars("train/loss")[0].value == 2.5
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(tmp_path: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxpod.cli", "tensorboard", str(tmp_path / "runs"), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.slow
+def test_tensorboard_serves_loopback_only_by_default(tmp_path):
+    """`jaxpod tensorboard` (and so `make tensorboard`) binds 127.0.0.1 without a warning; any
+    other interface is an opt-in that warns about the missing authentication."""
+    import socket
+    import time
+
+    make = subprocess.run(["make", "-n", "tensorboard"], capture_output=True, text=True, cwd=ROOT)
+    assert "jaxpod tensorboard runs --host 127.0.0.1 --port 6006" in make.stdout, make.stdout
+
+    port = _free_port()
+    proc = _serve(tmp_path, "--port", str(port))
+    try:
+        deadline, served = time.monotonic() + 90, False
+        while not served and time.monotonic() < deadline and proc.poll() is None:
+            with socket.socket() as s:
+                served = s.connect_ex(("127.0.0.1", port)) == 0
+            time.sleep(0.5)
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert served, f"TensorBoard did not start listening on 127.0.0.1: {err[-2000:]}"
+    assert f"TensorBoard on http://127.0.0.1:{port}/" in out
+    assert "no authentication" not in err
+
+    proc = _serve(tmp_path, "--host", "0.0.0.0", "--port", str(_free_port()))
+    try:
+        line = proc.stderr.readline()  # the warning comes before TensorBoard starts
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    assert line.startswith("jaxpod: warning: serving TensorBoard on 0.0.0.0")
+    assert "no authentication" in line
