@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpod.config import Config, PrecisionConfig
-from jaxpod.optim import make_optimizer, stacked_mask
+from jaxpod.optim import clip_by_norm, make_optimizer, stacked_mask
 from jaxpod.precision import (
     F32,
     LossScaleState,
@@ -42,7 +42,10 @@ from jaxpod.precision import (
     guarded_update,
     is_half,
     master_dtype,
+    select_tree,
+    sum_squares,
     to_float32,
+    unscale_grads,
     update_loss_scale,
 )
 
@@ -80,18 +83,6 @@ def _rbg(key: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
 
 
-def _unscale_clip(g: jax.Array, scale: jax.Array, norm: jax.Array, max_norm: float):
-    """float32 `g / scale`, clipped like `optax.clip_by_global_norm` with the global `norm`."""
-    g = g.astype(F32) / scale
-    if max_norm <= 0:
-        return g
-    return jax.lax.select(norm < max_norm, g, (g / norm) * max_norm)
-
-
-def _sum_squares(tree) -> jax.Array:
-    return sum((jnp.sum(jnp.square(x.astype(F32))) for x in jax.tree.leaves(tree)), F32(0.0))
-
-
 def layerwise_guarded_update(
     optimizer: optax.GradientTransformation,
     grads,
@@ -113,7 +104,6 @@ def layerwise_guarded_update(
     opt_state, loss_scale, info)` with `info = {"finite": bool[], "grad_norm": f32[] (of the
     unscaled, unclipped grads), "update_norm": f32[]}`; a non-finite step leaves params and
     state bit-identical."""
-    scale = loss_scale.scale
     stacked = [i for i, m in enumerate(jax.tree.leaves(stacked_mask(params))) if m]
 
     def split(x):  # [L, ...] -> [p, L/p, ...]: column j is layer j of every stage
@@ -122,19 +112,19 @@ def layerwise_guarded_update(
     def take(x, j):
         return jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False)
 
-    def sum_squares(g: jax.Array, layered: bool) -> jax.Array:
+    def unscaled_sum_squares(g: jax.Array, layered: bool) -> jax.Array:
         """sum((g / scale)**2) in float32; layer by layer for a stacked leaf (XLA would
         otherwise materialise the float32 upcast of the whole stack first)."""
         if not layered:
-            return jnp.sum(jnp.square(g.astype(F32) / scale))
+            return sum_squares(unscale_grads(g, loss_scale))
         g = split(g)
-        add = lambda j, acc: acc + jnp.sum(jnp.square(take(g, j).astype(F32) / scale))
+        add = lambda j, acc: acc + sum_squares(unscale_grads(take(g, j), loss_scale))
         return jax.lax.fori_loop(0, g.shape[1], add, F32(0.0))
 
     # The step is skipped unless the norm is finite: an inf or NaN anywhere makes the sum of
     # squares non-finite (as does a float32 sum beyond 3.4e38, a gradient norm > 1.8e19).
     g_leaves = jax.tree.leaves(grads)
-    norm = jnp.sqrt(sum(sum_squares(g, n in stacked) for n, g in enumerate(g_leaves)))
+    norm = jnp.sqrt(sum(unscaled_sum_squares(g, n in stacked) for n, g in enumerate(g_leaves)))
     finite = jnp.isfinite(norm)
     k_params, k_state = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
 
@@ -145,12 +135,13 @@ def layerwise_guarded_update(
             kp, ks = _rbg(k_params), _rbg(k_state)
         else:
             kp, ks = jax.random.fold_in(k_params, 1 + j), jax.random.fold_in(k_state, 1 + j)
-        g32 = jax.tree.map(lambda x: _unscale_clip(x, scale, norm, max_norm), g)
+        g32 = unscale_grads(g, loss_scale)
+        if max_norm > 0:  # with the global norm: optax.clip_by_global_norm's arithmetic
+            g32 = clip_by_norm(g32, norm, max_norm)
         upd, s32 = optimizer.update(g32, to_float32(s), to_float32(p))
-        new_p = jax.tree.map(lambda n, o: jnp.where(finite, n, o), apply_updates(p, upd, kp), p)
-        new_s = cast_tree_like(s32, s, ks)
-        new_s = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_s, s)
-        return new_p, new_s, _sum_squares(upd)
+        new_p = select_tree(finite, apply_updates(p, upd, kp), p)
+        new_s = select_tree(finite, cast_tree_like(s32, s, ks), s)
+        return new_p, new_s, sum_squares(upd)
 
     # Which parameter each optimizer-state leaf belongs to (-1: none, e.g. step counts, which
     # every call advances alike: they are taken from the non-layer call).

@@ -45,6 +45,7 @@ __all__ = [
     "scale_loss",
     "select_tree",
     "stochastic_round",
+    "sum_squares",
     "unscale_grads",
     "update_loss_scale",
 ]
@@ -211,6 +212,11 @@ def init_loss_scale(cfg: PrecisionConfig) -> LossScaleState:
     return LossScaleState(
         jnp.asarray(scale, F32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     )
+
+
+def sum_squares(tree) -> jax.Array:
+    """f32[]: the sum of squares of every element of every leaf, in float32."""
+    return sum((jnp.sum(jnp.square(x.astype(F32))) for x in jax.tree.leaves(tree)), F32(0.0))
 
 
 def all_finite(tree) -> jax.Array:

@@ -52,6 +52,7 @@ from jaxpod.precision import (
     master_dtype,
     param_dtype,
     select_tree,
+    sum_squares,
     to_float32,
     update_loss_scale,
 )
@@ -219,10 +220,6 @@ def _local_loss_and_grads(cfg: Config, vm: VisionModel, bubble_fill: float = 0.0
     return forward, loss_and_grads
 
 
-def _sumsq(tree) -> jax.Array:
-    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
-
-
 def _local_step(cfg: Config, vm: VisionModel, optimizer, schedule, bubble_fill: float = 0.0):
     """The whole optimizer step for the inside of `shard_map` (see the module docstring)."""
     stages = vm.packing.num_stages
@@ -242,7 +239,7 @@ def _local_step(cfg: Config, vm: VisionModel, optimizer, schedule, bubble_fill: 
         new_rows = cast_tree_like(new_p32, rows, jax.random.fold_in(key, k))
         new_o_row = vm.opt_packing.pack_row(new_o, k, float_dtype=f32)
         new_opt = cast_tree_like(new_o_row, opt_rows, jax.random.fold_in(key, stages + k))
-        return new_rows, new_opt, _sumsq(u_row), _sumsq(new_rows)
+        return new_rows, new_opt, sum_squares(u_row), sum_squares(new_rows)
 
     def step(state: VisionState, images, labels):
         rows = {k: v[0] for k, v in state.params.items()}
@@ -253,7 +250,7 @@ def _local_step(cfg: Config, vm: VisionModel, optimizer, schedule, bubble_fill: 
         grads = jax.tree.map(lambda g: jax.lax.psum(g, "replica"), grads)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) / ls.scale, grads)
         finite = jax.lax.pmin(all_finite(grads).astype(jnp.int32), "pipeline") > 0
-        grad_norm = jnp.sqrt(jax.lax.psum(_sumsq(grads), "pipeline"))
+        grad_norm = jnp.sqrt(jax.lax.psum(sum_squares(grads), "pipeline"))
         if clip > 0:
             grads = clip_by_norm(grads, grad_norm, clip)
         key = jax.random.fold_in(jax.random.key(cfg.train.seed), state.step)
