@@ -52,6 +52,15 @@ def make_tiny_cfg(*overrides: str, mesh: tuple[int, int, int] | None = None, **k
     return load_config(TINY_YAML, args)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def mesh_for(cfg):
     """The (replica, pipeline, tensor) `Mesh` of `cfg` on the first `cfg.devices` devices."""
     import jax

@@ -7,7 +7,6 @@ three processes run at once (each compiles its own program) to keep the wall tim
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import free_port
 from test_cli import assert_user_error
 
 from jaxpod.metrics import read_metrics
@@ -36,12 +36,6 @@ def _env() -> dict[str, str]:
 
 def _cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "jaxpod.cli", *args]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from jaxpod.config import dump_yaml
 from jaxpod.metrics import MetricsWriter, flat_hparams, hparams_event, write_json_atomic
@@ -140,14 +141,6 @@ def test_hparams_event_round_trips_through_tensorboard(tmp_path):
     assert acc.Scalars("train/loss")[0].value == 2.5
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(tmp_path: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "jaxpod.cli", "tensorboard", str(tmp_path / "runs"), *flags],
@@ -168,7 +161,7 @@ def test_tensorboard_serves_loopback_only_by_default(tmp_path):
     make = subprocess.run(["make", "-n", "tensorboard"], capture_output=True, text=True, cwd=ROOT)
     assert "jaxpod tensorboard runs --host 127.0.0.1 --port 6006" in make.stdout, make.stdout
 
-    port = _free_port()
+    port = free_port()
     proc = _serve(tmp_path, "--port", str(port))
     try:
         deadline, served = time.monotonic() + 90, False
@@ -183,7 +176,7 @@ def test_tensorboard_serves_loopback_only_by_default(tmp_path):
     assert f"TensorBoard on http://127.0.0.1:{port}/" in out
     assert "no authentication" not in err
 
-    proc = _serve(tmp_path, "--host", "0.0.0.0", "--port", str(_free_port()))
+    proc = _serve(tmp_path, "--host", "0.0.0.0", "--port", str(free_port()))
     try:
         line = proc.stderr.readline()  # the warning comes before TensorBoard starts
     finally:
