@@ -35,9 +35,9 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   the largest tensor (measured in `docs/benchmarks.md`).
 - gathered: with rts > 1 the weights are all-gathered (params dtype) right before use: the
   non-layer weights for the step, the layers one at a time (remat recomputes the gather in
-  the backward pass). With remat `none` every layer's gathered copy is saved, and with
-  `pipeline > 1` the gather, the same on every tick, is hoisted out of the GPipe scan:
-  the whole stage (measured).
+  the backward pass; with `pipeline > 1` on every GPipe tick: `layers.tie` keeps XLA from
+  hoisting the stage's gather out of the tick loop). With remat `none` every layer's
+  gathered copy is saved (with `pipeline > 1` once for all ticks: the gather is hoisted).
 - activations: see `_activations`: the saved residuals of every layer and every pipeline tick
   in flight, the pipeline's buffers, and the larger of the loss head and one layer's
   backward working set.
@@ -230,8 +230,8 @@ def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
     grads_update = local / rts * pb
     updates = local / rts * mb * window
     gathered = 0
-    if rts > 1 and (cfg.model.remat == "none" or cfg.mesh.pipeline > 1):
-        gathered = local * pb * window  # saved per layer, or hoisted out of the GPipe ticks
+    if rts > 1 and cfg.model.remat == "none":
+        gathered = local * pb * window  # every layer's gathered copy is saved
     elif rts > 1:  # the non-layer weights, and one layer at a time (recomputed in backward)
         per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
         gathered = (layout["local_other"] + layout["local_layers"] / per_stage) * pb

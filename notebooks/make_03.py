@@ -144,10 +144,11 @@ print(format_plan(plans["GPT-3 175B POD256\np8 x t8 x r4"]))
 """)
 
 md(r"""
-Why: at tensor 8 one layer's float16 weights are `12·d²/8 × 2 B ≈ 453 MB` per device, and phased
-execution keeps two phases on the device (the running one and the prefetched next), so the
-weight window alone is 906 MB — before gradients, the update and activations (sequence
-parallelism and a serialised sequence already cut those from 2.9 GB to 0.66 GB). The same
+Why: at tensor 8 one layer's float16 weights are `12·d²/8 × 2 B ≈ 453 MB` per device once
+all-gathered over the RTS group for use (RTS keeps a quarter of that at rest, and phased
+execution keeps two phases of it on the device), so the layer in use alone is half the
+device — before gradients, the update and activations (sequence parallelism and a serialised
+sequence already cut those from 2.9 GB to 0.66 GB). The same
 mapping fits an 80 GB H100 comfortably:
 """)
 

@@ -184,7 +184,7 @@ def test_phases_needed_is_the_fewest_that_fit():
         "memory.rts=4",
         "memory.offload=[optimizer]",
         "memory.device=ipu-gc200",
-        "memory.device_budget=400MB",
+        "memory.device_budget=300MB",
     ]
     p = plan(cfg_of(*base))
     assert not p["fits"] and p["phases"] is not None

@@ -66,8 +66,8 @@ def test_bert_large_pipeline8_fits_model_and_optimizer_on_chip():
 
 def test_gpt3_175b_pod256_plan():
     """175 B parameters on 8 x 8 x 4 devices; 1/(t·p·rts) = 1/256 of the weights per device.
-    The planner says it does not fit a GC200 with any setting (two phases of one layer each
-    are already 906 MB of float16 weights at tensor 8); it fits an H100."""
+    The planner says it does not fit a GC200 with any setting (one layer's float16 weights,
+    gathered for use, are 453 MB at tensor 8: half the device); it fits an H100."""
     p = plan(preset("gpt3_175b_pod256"))
     assert (p["devices"], p["replica"], p["pipeline"], p["tensor"]) == (256, 4, 8, 8)
     assert abs(p["params"] - 175e9) / 175e9 < 0.01
