@@ -100,37 +100,60 @@ def _layer_norm(x: jax.Array, stacked: bool) -> jax.Array:
     return jnp.sqrt(jnp.sum(jnp.square(x)))
 
 
+def _layer_sum_squares(x: jax.Array, stacked: bool) -> jax.Array:
+    """`_layer_norm(x, stacked) ** 2`, without the square root (partial sums add up)."""
+    if stacked and x.ndim >= 1:
+        return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)), keepdims=True)
+    return jnp.sum(jnp.square(x))
+
+
 def scale_by_layerwise_trust_ratio(
     trust_coefficient: float = 1.0,
     eps: float = 0.0,
     *,
     mask: MaskOrFn = True,
     stacked: MaskOrFn = False,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """`optax.scale_by_trust_ratio` (min_norm 0), masked and per layer for stacked leaves.
 
     For each leaf where `mask` is True: `u * trust_coefficient * |p| / (|u| + eps)`, or `u`
     unchanged when `|p| == 0` or `|u| == 0`. Where `stacked` is True the leaf is `[L, ...]`
     and the norms (and so the ratio) are per layer `l`, over `p[l]` and `u[l]`: the result
     equals applying the unstacked transform to each slice. Leaves where `mask` is False pass
-    through. `mask`/`stacked`: bool, pytree of bools, or a function of the params."""
+    through. `mask`/`stacked`: bool, pytree of bools, or a function of the params.
 
-    def update_fn(updates, state, params=None):
+    Two extra arguments (passed through `optax.chain`) let a caller update a leaf in blocks
+    (`jaxpod.layerwise`), whose ratio needs the norms of the whole leaf: `trust_probe`, a
+    dict the transform fills with `{leaf index: (|p|², |u|²)}` of this call's leaves (flat
+    order of `jax.tree.leaves(params)`, masked leaves only; updates pass through unscaled),
+    and `trust_norms`, `{leaf index: (|p|, |u|)}` to use instead of this call's norms."""
+
+    def update_fn(updates, state, params=None, *, trust_probe=None, trust_norms=None, **_):
         if params is None:
             raise ValueError("scale_by_layerwise_trust_ratio needs params: update(g, s, params)")
         masks, stack = _resolve(mask, params), _resolve(stacked, params)
-
-        def scale(u, p, m, s):
+        given = trust_norms or {}
+        u_leaves, u_def = jax.tree.flatten(updates)
+        rows = zip(
+            u_leaves, jax.tree.leaves(params), jax.tree.leaves(masks), jax.tree.leaves(stack),
+            strict=True,
+        )  # fmt: skip
+        out = []
+        for n, (u, p, m, s) in enumerate(rows):
             if not m:
-                return u
-            p_norm, u_norm = _layer_norm(p, s), _layer_norm(u, s)
+                out.append(u)
+                continue
+            if trust_probe is not None:
+                trust_probe[n] = (_layer_sum_squares(p, s), _layer_sum_squares(u, s))
+                out.append(u)
+                continue
+            p_norm, u_norm = given.get(n) or (_layer_norm(p, s), _layer_norm(u, s))
             ratio = trust_coefficient * p_norm / (u_norm + eps)
             zero = jnp.logical_or(p_norm == 0.0, u_norm == 0.0)
-            return u * jnp.where(zero, jnp.array(1.0, p.dtype), ratio)
+            out.append(u * jnp.where(zero, jnp.array(1.0, p.dtype), ratio))
+        return jax.tree.unflatten(u_def, out), state
 
-        return jax.tree.map(scale, updates, params, masks, stack), state
-
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 
 
 def lars(

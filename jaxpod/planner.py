@@ -31,8 +31,9 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   then, so the peak is max(backward, update) (verified on XLA for float32 + AdamW). With
   16-bit master weights the engine updates the stacked blocks tensor by tensor, one layer
   per stage at a time (`jaxpod.layerwise`): the update then holds the grads, a 16-bit copy
-  of the stacked layer weights (XLA's loop carries) and ~8 float32 copies of one layer of
-  the largest tensor (measured in `docs/benchmarks.md`).
+  of the stacked layer weights (XLA's loop carries) and ~8 float32 copies of the largest
+  block: one layer of the largest tensor or the token embedding, each cut into up to 8
+  blocks (`jaxpod.update_blocks`; measured in `docs/benchmarks.md`).
 - gathered: with rts > 1 the weights are all-gathered (params dtype) right before use: the
   non-layer weights for the step, the layers one at a time (remat recomputes the gather in
   the backward pass; with `pipeline > 1` on every GPipe tick: `layers.tie` keeps XLA from
@@ -64,6 +65,7 @@ from jaxpod.param_counts import (
     param_layout,
 )
 from jaxpod.plan_report import format_bytes, format_plan
+from jaxpod.update_blocks import update_blocks
 
 __all__ = [  # profiles, parameter counts and the report are re-exported from their modules
     "PROFILES",
@@ -247,12 +249,19 @@ def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
     # the update holds the reduced grads, a same-size copy (unscaled/clipped) and the updates
     update_peak = 2 * grads_update * window + updates
     if mb < 4 and not cfg.is_vision:  # 16-bit masters: `jaxpod.layerwise`, tensor by tensor
-        md = cfg.model
-        big = md.d_model * max(3 * md.d_model, md.d_ff) / cfg.mesh.tensor / rts  # one layer
+        md, mesh, devices = cfg.model, cfg.mesh, cfg.devices
+        # the largest stacked tensor (one layer of every stage: `jaxpod.update_blocks`) and
+        # the token embedding, each updated in blocks
+        layer = (mesh.pipeline, md.d_model, max(3 * md.d_model, md.d_ff))
+        table = (md.vocab, md.d_model)
+        block = max(
+            math.prod(layer[1:]) / mesh.tensor / rts / update_blocks(layer, devices, True)[1],
+            math.prod(table) / mesh.tensor / rts / update_blocks(table, devices, False)[1],
+        )
         # the grads, a 16-bit copy of the stacked layer weights (XLA's loop carries), and the
-        # working set of one layer of the largest tensor: float32 upcasts, moments, update and
-        # threefry's random-bit temporaries, ~8 float32 copies (measured)
-        updates = layout["local_layers"] / rts * mb * window + big * 4 * 8
+        # working set of the largest block: float32 upcasts, moments, update and threefry's
+        # random-bit temporaries, ~8 float32 copies (measured)
+        updates = layout["local_layers"] / rts * mb * window + block * 4 * 8
         update_peak = grads_update * window + updates
     device_total = weights + optimizer + inputs + gathered + max(backward_peak, update_peak)
     host_weights = weights_all - weights

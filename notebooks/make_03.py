@@ -199,16 +199,15 @@ for name, p in {**rts_plans, **phase_plans}.items():
 """)
 
 md(r"""
-With nothing offloaded, BERT-Large on 4 stages needs 1.15 GB; `rts 4` brings it to 674 MB: the
+With nothing offloaded, BERT-Large on 4 stages needs 1.14 GB; `rts 4` brings it to 548 MB: the
 weights, the optimizer state and the gradients (reduce-scattered layer by layer as the backward
-pass leaves them) all shrink by 4, and only the all-gathered working copy of the stage's
-weights (216 MB) is paid back. `rts_optimizer` alone shrinks only the LAMB state (826 MB).
-(The preset streams the LAMB state from host memory instead: 718 MB on the device.)
-For GPT-3, phases take the resident layer weights from 1.41 GB to 278 MB per device and the
-RTS-gathered copy from 5.6 GB to 1.1 GB (`K = 12`, one layer per phase; `K = 1` and `K = 2`
-are the same because two phases are always resident), and the device total from 10.4 GB to
-2.5 GB, but the floor of two layers of weights plus their gradients and the activations stays
-far above the GC200's 900 MB.
+pass leaves them) all shrink by 4, and only the all-gathered working copy of one layer and the
+embeddings is paid back. `rts_optimizer` alone shrinks only the LAMB state (816 MB).
+(The preset streams the LAMB state from host memory instead: 708 MB on the device.)
+For GPT-3, phases take the resident layer weights from 1.41 GB to 278 MB per device (`K = 12`,
+one layer per phase; `K = 1` and `K = 2` are the same because two phases are always
+resident) and the device total from 4.9 GB to 1.9 GB, but one gathered layer (453 MB) plus
+the gradients and the activations stays far above the GC200's 900 MB.
 
 ## 3 · An offloaded run: the ledger and the trace
 
