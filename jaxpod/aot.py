@@ -56,6 +56,8 @@ def compile_step(cfg: Config, mesh: Mesh) -> dict:
     if isinstance(cost, list):  # older jax returned one dict per program
         cost = cost[0] if cost else {}
     state_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(state))
+    on_device = [a for a in jax.tree.leaves((state, batch)) if _on_device(a)]
+    device_args = sum(_shard_bytes(a) for a in on_device)
     return {
         "devices": mesh.size,
         "mesh": dict(mesh.shape),
@@ -68,8 +70,14 @@ def compile_step(cfg: Config, mesh: Mesh) -> dict:
         "output_bytes": int(mem.output_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
         "alias_bytes": int(mem.alias_size_in_bytes),
+        # what the planner's device total counts: device-resident arguments + temporaries
+        "device_total_bytes": device_args + int(mem.temp_size_in_bytes),
         "flops_per_device": float(cost.get("flops", 0.0)),
     }
+
+
+def _on_device(a: jax.ShapeDtypeStruct) -> bool:
+    return (a.sharding.memory_kind or "device") == "device"
 
 
 def _shard_bytes(a: jax.ShapeDtypeStruct) -> int:
@@ -90,6 +98,8 @@ def format_compile(r: dict) -> str:
             f"compiled       in {r['compile_s']:.1f} s",
             f"per device     state {mib(r['state_bytes_per_device'])}, arguments "
             f"{mib(r['argument_bytes'])}, temporaries {mib(r['temp_bytes'])}",
+            f"device memory  {mib(r['device_total_bytes'])} (device-resident arguments + "
+            "temporaries: what `jaxpod plan` calls the device total)",
             f"flops          {r['flops_per_device']:.3e} per device per step (loops counted once)",
         ]
     )

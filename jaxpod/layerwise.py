@@ -138,13 +138,18 @@ def layerwise_guarded_update(
     finite = jnp.isfinite(norm)
     k_params, k_state = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
 
-    def update(g, s, p, kp, ks, **extra):
-        """One optimizer application on a (partial) tree; empty leaves are no-ops. `extra`:
-        the trust-ratio arguments of `optim.scale_by_layerwise_trust_ratio`."""
+    def step(g, s, p, **extra):
+        """The optimizer on float32 upcasts of a (partial) tree; empty leaves are no-ops.
+        `extra`: the trust-ratio arguments of `optim.scale_by_layerwise_trust_ratio`."""
         g32 = unscale_grads(g, loss_scale)
         if max_norm > 0:  # with the global norm: optax.clip_by_global_norm's arithmetic
             g32 = clip_by_norm(g32, norm, max_norm)
-        upd, s32 = optimizer.update(g32, to_float32(s), to_float32(p), **extra)
+        return optimizer.update(g32, to_float32(s), to_float32(p), **extra)
+
+    def update(g, s, p, kp, ks, **extra):
+        """`step`, then the new params and state rounded back (kept as they were if the step
+        is not finite), and the sum of squares of the update."""
+        upd, s32 = step(g, s, p, **extra)
         new_p = select_tree(finite, apply_updates(p, upd, kp), p)
         new_s = select_tree(finite, cast_tree_like(s32, s, ks), s)
         return new_p, new_s, sum_squares(upd)
@@ -196,10 +201,7 @@ def layerwise_guarded_update(
         def measure(b, total=None):
             probe = {}
             trees = alone(i, block(gv, b), [block(x, b) for x in sv], block(pv, b))
-            g32 = unscale_grads(trees[0], loss_scale)
-            if max_norm > 0:
-                g32 = clip_by_norm(g32, norm, max_norm)
-            optimizer.update(g32, to_float32(trees[1]), to_float32(trees[2]), trust_probe=probe)
+            step(*trees, trust_probe=probe)
             if i not in probe:
                 return None
             return probe[i] if total is None else jax.tree.map(jnp.add, total, probe[i])

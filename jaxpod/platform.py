@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import os
 
+# XLA's CPU backend schedules for thread parallelism by default: it starts independent work
+# (e.g. every pipeline phase's weight all-gather, or every recomputed layer's) as early as it
+# can and holds all of it at once. A pod's compiler schedules for memory, and so must the
+# emulation that plans it: GPT-3 POD256's temporaries are 20.6 GB with the concurrency
+# scheduler and 7.6 GB without (docs/benchmarks.md).
+MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
 
 def use_virtual_cpu_devices(count: int) -> None:
-    """Ask XLA for `count` virtual CPU devices (ignored by TPU/GPU backends).
+    """Ask XLA for `count` virtual CPU devices (ignored by TPU/GPU backends), scheduled to
+    minimise memory (`MEMORY_SCHEDULER`, unless `XLA_FLAGS` already sets that flag).
 
-    Must run before jax initialises its backend: the flag is read once, at start-up.
+    Must run before jax initialises its backend: the flags are read once, at start-up.
     """
-    flag = f"--xla_force_host_platform_device_count={count}"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, flag])
+    flags.append(f"--xla_force_host_platform_device_count={count}")
+    if not any(f.split("=")[0] == MEMORY_SCHEDULER.split("=")[0] for f in flags):
+        flags.append(MEMORY_SCHEDULER)
+    os.environ["XLA_FLAGS"] = " ".join(flags)

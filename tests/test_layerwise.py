@@ -97,7 +97,7 @@ def test_float16_lamb_update_holds_a_fraction_of_the_whole_tree_temporaries(tiny
     tensor-by-tensor update keeps one layer of one tensor in float32 (8 layers, 4 per stage),
     and in blocks a fraction of that."""
     cfg = tiny_cfg(
-        *FP16, "optim.name=lamb", "model.layers=8", "model.d_model=256", "model.d_ff=1024",
+        *FP16, "optim.name=lamb", "model.layers=8", "model.d_model=512", "model.d_ff=2048",
         "model.heads=4", mesh=(1, 2, 2),
     )  # fmt: skip
     engine, state = abstract_engine(cfg, mesh_for(cfg))
@@ -120,11 +120,13 @@ def test_float16_lamb_update_holds_a_fraction_of_the_whole_tree_temporaries(tiny
         )
     )  # fmt: skip
     blocked, unblocked = lean(MIN_BLOCK), lean(2**62)
-    # measured: whole 53.0 MB; one layer of each tensor at a time 8.5 MB (a 16-bit copy of the
-    # stacked weights for the loop carries + one layer of one tensor in float32); in blocks
-    # (4 of the MLP matrices' 262,144 values) 4.3 MB; 3.3 MB of float16 weights per device
+    print(f"temporaries: whole {whole / 1e6:.1f} MB, layer by layer {unblocked / 1e6:.1f} MB, "
+          f"in blocks {blocked / 1e6:.1f} MB")  # fmt: skip
+    # measured: whole 82.0 MB; one layer of each tensor at a time 14.8 MB (a 16-bit copy of
+    # the stacked weights for the loop carries + one layer of one tensor in float32); in
+    # blocks (8 of each MLP matrix's 1,048,576 values) 3.9 MB; 13 MB of float16 weights/device
     assert unblocked < 0.25 * whole, (unblocked, whole)
-    assert blocked < 0.6 * unblocked, (blocked, unblocked)
+    assert blocked < 0.5 * unblocked, (blocked, unblocked)
 
 
 def test_update_blocks_keep_each_block_inside_its_shard():

@@ -116,14 +116,26 @@ def test_emulated_preset_trains(name, steps, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "devices"),
-    [("bert_large_pod16", 16), ("gpt3_175b_pod256", 256), ("efficientnet_b4_g16_pod16", 16)],
+    ("name", "devices", "planned"),
+    [
+        ("bert_large_pod16", 16, True),
+        ("gpt3_175b_pod256", 256, False),  # not validated: docs/benchmarks.md says why
+        ("efficientnet_b4_g16_pod16", 16, False),  # the CNN activation estimate is rough
+    ],
 )
-def test_compile_from_abstract_shapes(name, devices):
-    """Lower and compile the train step on the preset's virtual devices, no weights. (The
-    EfficientNet POD64/128/256 presets compile too, more slowly: docs/benchmarks.md.)"""
+def test_compile_from_abstract_shapes(name, devices, planned):
+    """Lower and compile the train step on the preset's virtual devices, no weights; for
+    BERT-Large POD16 the planner's device total is within 15 % of XLA's device-resident
+    arguments + temporaries (measured 708 vs 718 MB). (The EfficientNet POD64/128/256
+    presets compile too, more slowly: docs/benchmarks.md.)"""
     proc = jaxpod("compile", str(CONFIGS / f"{name}.yaml"), "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["devices"] == devices
     assert out["temp_bytes"] > 0 and out["argument_bytes"] >= out["state_bytes_per_device"] > 0
+    assert (
+        out["temp_bytes"] < out["device_total_bytes"] <= out["argument_bytes"] + out["temp_bytes"]
+    )
+    if planned:
+        plan_total = plan(preset(name))["bytes_per_device"]["device_total"]
+        assert plan_total == pytest.approx(out["device_total_bytes"], rel=0.15)

@@ -275,20 +275,24 @@ def scan_layers(
 
 
 def tie(weights, x: jax.Array):
-    """`weights` unchanged, but scheduled after `x` exists (an `optimization_barrier` per
-    leaf with one element of `x`): what `prepare` then does with them (the RTS all-gather,
-    the cast to the compute dtype) happens per layer *and per pipeline tick*. Untied, the
-    weights of a stage are the same on every GPipe tick, so XLA hoists their gather out of
-    the tick loop and holds the whole stage gathered (measured: 30.6 -> 22.5 MB on the
-    4x2x1 RTS-4 planner case). A leaf whose varying axes do not cover `x`'s is left
-    untied (the barrier would widen its type)."""
+    """`weights` unchanged (`w + 0 * x[0]`), but now a function of `x`, so what `prepare`
+    does with them next (the RTS all-gather, the cast to the compute dtype) can only run
+    once this layer's input exists: per layer *and per pipeline tick*, one layer's gathered
+    weights alive at a time. Untied, the weights of a stage are the same on every GPipe
+    tick, so XLA hoists their gather out of the tick loop and holds the whole stage gathered
+    (30.6 -> 22.5 MB on the 4x2x1 RTS-4 planner case), and a scheduler is free to start
+    every phase's gather at once. An `optimization_barrier` stops the hoisting but not the
+    scheduler (XLA drops barriers before scheduling: GPT-3 POD256 12.2 GB of temporaries,
+    7.6 GB with this tie; docs/benchmarks.md). A leaf whose varying axes do not cover `x`'s
+    is left untied (the sum would widen its type)."""
     token = x.reshape(-1)[0]
     vma = lambda a: getattr(jax.typeof(a), "vma", frozenset())
+    zero = jnp.nan_to_num(token) * 0  # finite, so the sum is exact
 
     def one(w):
         if not vma(token) <= vma(w):
             return w
-        return jax.lax.optimization_barrier((w, token))[0]
+        return w + zero.astype(w.dtype)
 
     return jax.tree.map(one, weights)
 
