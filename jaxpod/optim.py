@@ -92,19 +92,17 @@ def _resolve(mask: MaskOrFn, params) -> Any:
     return jax.tree.map(lambda m, p: jax.tree.map(lambda _: m, p), mask, params)
 
 
-def _layer_norm(x: jax.Array, stacked: bool) -> jax.Array:
-    """L2 norm over all axes (a scalar), or over all but the leading one (`[L, 1, ..., 1]`)."""
-    if stacked and x.ndim >= 1:
-        axes = tuple(range(1, x.ndim))
-        return jnp.sqrt(jnp.sum(jnp.square(x), axis=axes, keepdims=True))
-    return jnp.sqrt(jnp.sum(jnp.square(x)))
-
-
 def _layer_sum_squares(x: jax.Array, stacked: bool) -> jax.Array:
-    """`_layer_norm(x, stacked) ** 2`, without the square root (partial sums add up)."""
+    """Sum of squares over all axes (a scalar), or over all but the leading one
+    (`[L, 1, ..., 1]`): partial sums over blocks of a tensor add up."""
     if stacked and x.ndim >= 1:
         return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)), keepdims=True)
     return jnp.sum(jnp.square(x))
+
+
+def _layer_norm(x: jax.Array, stacked: bool) -> jax.Array:
+    """L2 norm over all axes (a scalar), or over all but the leading one (`[L, 1, ..., 1]`)."""
+    return jnp.sqrt(_layer_sum_squares(x, stacked))
 
 
 def scale_by_layerwise_trust_ratio(
