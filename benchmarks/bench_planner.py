@@ -64,6 +64,9 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((1, 1, 1), "full", 1, [*WEIGHTS, "optim.name=lamb"]),
     ((1, 1, 1), "full", 1, [*WEIGHTS, "optim.name=lamb", *FP16_SR]),
     ((1, 2, 1), "full", 4, [*WEIGHTS, "model.layers=8", "optim.name=lamb", *FP16_SR]),
+    # GPipe in passes: 8 micro-batches in one pass, then in four passes of 2
+    ((1, 2, 1), "full", 8, []),
+    ((1, 2, 1), "full", 8, ["train.pipeline_group=2"]),
 ]
 
 

@@ -100,6 +100,9 @@ class TrainConfig:
     micro_batch: int = 4
     grad_accum: int | None = None
     global_batch: int | None = None
+    # micro-batches per GPipe pass (pipeline > 1): the step runs grad_accum / pipeline_group
+    # pipeline passes and sums their gradients; null: one pass of all grad_accum
+    pipeline_group: int | None = None
     seed: int = 0
     logdir: str = "runs/default"
     log_every: int = 10
@@ -185,6 +188,11 @@ class Config:
         if self.train.global_batch is None:
             raise ValueError("config is not resolved; build it with load_config/config_from_dict")
         return self.train.global_batch
+
+    @property
+    def pipeline_group(self) -> int:
+        """Micro-batches per GPipe pass: `train.pipeline_group`, or all of `grad_accum`."""
+        return self.train.pipeline_group or self.train.grad_accum
 
     @property
     def tokens_per_step(self) -> int:

@@ -62,6 +62,7 @@ _AT_LEAST_1 = (
     "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff model.seq_len "
     "model.sequence_chunks "
     "model.vocab train.steps train.micro_batch train.grad_accum train.global_batch "
+    "train.pipeline_group "
     "train.log_every train.eval_batches train.keep_checkpoints model.norm_groups "
     "model.image_size model.num_classes precision.loss_scale_period memory.rts "
     "memory.rts_optimizer memory.phases"
@@ -309,11 +310,18 @@ def validate_and_resolve(cfg: Config) -> Config:
     _check_model(cfg)
     _check_memory(cfg, replica)
     grad_accum, global_batch = _resolve_batch(cfg, replica)
-    tokens = cfg.train.micro_batch * grad_accum * cfg.model.seq_len
-    if not cfg.is_vision and tokens % cfg.mesh.pipeline:
+    group = cfg.train.pipeline_group or grad_accum
+    if grad_accum % group:
         fail(
-            f"train.micro_batch*train.grad_accum*model.seq_len = {cfg.train.micro_batch}*"
-            f"{grad_accum}*{cfg.model.seq_len} = {tokens} output tokens per replica is not "
+            f"train.pipeline_group={group} does not divide train.grad_accum={grad_accum}; "
+            f"use a divisor of {grad_accum}"
+        )
+    tokens = cfg.train.micro_batch * group * cfg.model.seq_len
+    if not cfg.is_vision and tokens % cfg.mesh.pipeline:
+        name = "train.pipeline_group" if cfg.train.pipeline_group else "train.grad_accum"
+        fail(
+            f"train.micro_batch*{name}*model.seq_len = {cfg.train.micro_batch}*"
+            f"{group}*{cfg.model.seq_len} = {tokens} output tokens per pipeline pass is not "
             f"divisible by mesh.pipeline={cfg.mesh.pipeline}; change one of them"
         )
     _check_data(cfg)

@@ -27,7 +27,12 @@ def format_plan(p: dict) -> str:
         (
             "global batch",
             f"{p['global_batch']} = micro_batch {p['micro_batch']} x replica {p['replica']} "
-            f"x grad_accum {p['grad_accum']}",
+            f"x grad_accum {p['grad_accum']}"
+            + (
+                f" (GPipe passes of {p['pipeline_group']})"
+                if p["pipeline"] > 1 and p["pipeline_group"] < p["grad_accum"]
+                else ""
+            ),
         ),
         (
             "weights/device",

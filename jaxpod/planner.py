@@ -23,7 +23,8 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   16-bit working copy (P_local x 2) when params are 16-bit and the master is float32.
 - grads: in the params' dtype (autodiff returns the params' dtype), 1/rts: each layer's
   gradient is reduce-scattered as the backward pass leaves it (the transpose of its
-  all-gather); with `pipeline == 1` and `grad_accum > 1` the accumulator doubles it.
+  all-gather); the accumulator doubles it when the step sums several backward passes
+  (`pipeline == 1` and `grad_accum > 1`, or more than one GPipe pass).
 - optimizer: moments (adamw/lamb 2, sgd/lars 1) in the master dtype, sharded like the weights
   but over `memory.rts_optimizer` replicas.
 - updates: optax materialises the update tree (master dtype, 1/rts) before applying it, next
@@ -150,7 +151,8 @@ def _activations(cfg: Config) -> dict:
     - `saved`: residuals kept for the backward pass. pipeline == 1: the micro-batches run one
       after another (forward and backward inside the accumulation loop), so one micro-batch's
       layers are in flight. pipeline > 1 (GPipe as one scan, differentiated as a whole): every
-      one of the M + S - 1 ticks saves its stage's layers, bubble ticks included.
+      one of the M + S - 1 ticks saves its stage's layers, bubble ticks included, where M is
+      the micro-batches of one pass (`train.pipeline_group`; the passes run in turn).
     - `pipeline_buffers`: the embedded micro-batches [M, mb, T, D], the last stage's outputs
       and their gradient, the carry, and one tick's layer stack before it joins the scan's.
     - `head`: the loss head: float32 logits over this device's tokens (mb·T; M·mb·T/S when the
@@ -166,7 +168,7 @@ def _activations(cfg: Config) -> dict:
         per_image = EFFICIENTNET_ACT_PER_PIXEL * width * depth * md.image_size**2 * cb
         if md.remat != "none":
             per_image *= 0.25
-        in_flight = tr.grad_accum + mesh.pipeline - 1 if mesh.pipeline > 1 else 1
+        in_flight = cfg.pipeline_group + mesh.pipeline - 1 if mesh.pipeline > 1 else 1
         saved = int(per_image * tr.micro_batch * in_flight / mesh.pipeline)
         return {
             "saved": saved,
@@ -178,7 +180,8 @@ def _activations(cfg: Config) -> dict:
             "estimated": True,
         }
     sets = _layer_sets(cfg)
-    stages, micro, per_stage = mesh.pipeline, tr.grad_accum, md.layers // mesh.pipeline
+    # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)
+    stages, micro, per_stage = mesh.pipeline, cfg.pipeline_group, md.layers // mesh.pipeline
     ticks = 1 if stages == 1 else micro + stages - 1
     saved = ticks * per_stage * sets["saved"]
     buffers = 0 if stages == 1 else (3 * micro + 1) * sets["btd"] + per_stage * sets["saved"]
@@ -227,7 +230,8 @@ def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
 
     weights_all = local / rts * mb + (local / rts * pb if mb != pb else 0)
     optimizer_all = local / rts_opt * MOMENTS[cfg.optim.name] * mb
-    accumulated = cfg.mesh.pipeline == 1 and cfg.train.grad_accum > 1
+    passes = cfg.train.grad_accum // cfg.pipeline_group  # GPipe passes (pipeline > 1)
+    accumulated = cfg.train.grad_accum > 1 if cfg.mesh.pipeline == 1 else passes > 1
     grads_stage = local / rts * pb * (2 if accumulated else 1)
     grads_update = local / rts * pb
     updates = local / rts * mb * window
@@ -346,6 +350,15 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
         option("model.sequence_chunks=8", _with_model(cfg, sequence_chunks=8))
     if md.remat not in ("full",):
         option("model.remat=full", _with_model(cfg, remat="full"))
+    if mesh.pipeline > 1:  # fewer micro-batches in flight: the largest GPipe pass that fits
+        tr = cfg.train
+        for group in sorted(_divisors(tr.grad_accum), reverse=True):
+            tokens_ok = cfg.is_vision or tr.micro_batch * group * md.seq_len % mesh.pipeline == 0
+            trial = dataclasses.replace(cfg, train=dataclasses.replace(tr, pipeline_group=group))
+            if group < cfg.pipeline_group and tokens_ok:
+                if _device_total(trial, params_override) <= limit:
+                    option(f"train.pipeline_group={group}", trial)
+                    break
     p2 = mesh.pipeline * 2
     if mesh.replica % 2 == 0 and md.layers % p2 == 0 and not cfg.is_vision:
         trial = dataclasses.replace(
@@ -392,6 +405,7 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         "tensor": mesh.tensor,
         "micro_batch": tr.micro_batch,
         "grad_accum": tr.grad_accum,
+        "pipeline_group": cfg.pipeline_group,
         "global_batch": tr.global_batch,
         "params": layout["total"],
         "params_estimated": layout["estimated"],

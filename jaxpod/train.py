@@ -7,9 +7,10 @@ Data flow of one optimizer step (global batch G = micro_batch * replica * grad_a
         params: pcast to varying over their reduction axes (once); fetched from host and
                 all-gathered over the RTS group right before use; cast to precision.compute
         pipeline == 1: scan over grad_accum micro-batches, value_and_grad each, accumulate
-        pipeline  > 1: embed all micro-batches, GPipe scan (ppermute between stages),
-                       reduce-scatter the last stage's outputs so each stage computes 1/S of
-                       the final norm + vocab-parallel loss; one value_and_grad over it all
+        pipeline  > 1: per pass of train.pipeline_group micro-batches (default: all), embed
+                       them, GPipe scan (ppermute between stages), reduce-scatter the last
+                       stage's outputs so each stage computes 1/S of the final norm +
+                       vocab-parallel loss; value_and_grad per pass, accumulated
         the loss is multiplied by the loss scale before differentiation
         grads: one psum over the reduction axes   -> grads with the params' shardings
     -> under GSPMD (whole-parameter norms): unscale in float32, skip the step if any gradient
@@ -186,6 +187,7 @@ def _local_functions(
         cfg.train.grad_accum,
         cfg.train.micro_batch,
     )
+    passes = micro // cfg.pipeline_group  # GPipe passes per step (pipeline > 1)
     total_tokens = cfg.train.global_batch * cfg.model.seq_len
     dtype = compute_dtype(cfg.precision)
     scaling = cfg.precision.loss_scale != "none"
@@ -243,11 +245,7 @@ def _local_functions(
         h = model.layers(model.embed(inputs, tp), tp, unroll, **hooks)
         if sp:  # the head's vocab-parallel loss needs every position on every tensor shard
             h = gather_sequence(h, tp)
-        return summed(
-            head(model, h, targets),
-            weights,
-            denominator,
-        )
+        return summed(head(model, h, targets), weights, denominator)
 
     def pipeline_loss(params, inputs, targets, weights, denominator):
         if blocks_host:  # see the module docstring: fetched once per step before the ticks
@@ -274,11 +272,7 @@ def _local_functions(
         targets, weights = share(targets), share(weights)
         if sp:  # every tensor shard needs every token for the vocab-parallel head
             h = gather_sequence(h, tp, dim=0)
-        return summed(
-            head(model, h, targets),
-            weights,
-            denominator,
-        )
+        return summed(head(model, h, targets), weights, denominator)
 
     def value_and_grad(fn, scale, *args):
         """(loss, grads of loss * scale), grads on the device."""
@@ -289,9 +283,12 @@ def _local_functions(
             loss, grads = jax.value_and_grad(fn)(*args)
         return loss, offload.to_device(grads) if any_host else grads
 
-    def accumulate(params, scale, inputs, targets, weights, denominator):
-        def body(acc, mb):
-            loss, grads = value_and_grad(micro_loss, scale, params, *mb, denominator)
+    def accumulate(fn, params, scale, batches, denominator):
+        """Sum `value_and_grad(fn)` over the leading axis of `batches` (one micro-batch,
+        or one pipeline pass of `cfg.pipeline_group` micro-batches, per iteration)."""
+
+        def body(acc, batch):
+            loss, grads = value_and_grad(fn, scale, params, *batch, denominator)
             return jax.tree.map(jnp.add, acc, grads), loss
 
         def zero(p):
@@ -299,7 +296,7 @@ def _local_functions(
             return vary_like(z, p)
 
         zeros = jax.tree.map(zero, params)
-        grads, losses = jax.lax.scan(body, zeros, (inputs, targets, weights), unroll=unroll)
+        grads, losses = jax.lax.scan(body, zeros, batches, unroll=unroll)
         return jnp.sum(losses), grads
 
     def loss(params, tokens, scale, step):
@@ -317,12 +314,14 @@ def _local_functions(
     def loss_and_grads(params, tokens, scale, step):
         inputs, targets, weights, denominator = examples(params, tokens, step, mlm.TRAIN_STREAM)
         params = vary_params(params, lay.store, lay.data_axes)
+        batches = (inputs, targets, weights)
         if stages == 1:
-            loss, grads = accumulate(params, scale, inputs, targets, weights, denominator)
-        else:
-            loss, grads = value_and_grad(
-                pipeline_loss, scale, params, inputs, targets, weights, denominator
-            )
+            loss, grads = accumulate(micro_loss, params, scale, batches, denominator)
+        elif passes == 1:
+            loss, grads = value_and_grad(pipeline_loss, scale, params, *batches, denominator)
+        else:  # [M, ...] -> [passes, M / passes, ...]: one GPipe schedule per pass
+            batches = jax.tree.map(lambda a: a.reshape(passes, -1, *a.shape[1:]), batches)
+            loss, grads = accumulate(pipeline_loss, params, scale, batches, denominator)
         return jax.lax.psum(loss, lay.data_axes), reduce_grads(grads, lay.store, lay.data_axes)
 
     return loss, loss_and_grads

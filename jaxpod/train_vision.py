@@ -9,7 +9,8 @@ transformer's. Instead (see `jaxpod.parallel.stages`):
     labels  int32[G]             P("replica")
 
     shard_map over the mesh, per device (stage s = axis_index("pipeline")):
-      loss: GPipe over the grad_accum micro-batches; each tick runs
+      loss: GPipe over the grad_accum micro-batches (in passes of train.pipeline_group,
+            gradients summed over the passes); each tick runs
             lax.switch(s, [stage_0, ..., stage_S-1]) on a float32 carry [mb, A]
             (A = the largest per-image activation crossing a stage boundary, or the image);
             the last stage's logits give the cross-entropy; with S == 1 an accumulation loop
@@ -160,18 +161,19 @@ def _local_loss_and_grads(cfg: Config, vm: VisionModel, bubble_fill: float = 0.0
     Also returns the forward-only `(loss, correct)` function for evaluation."""
     stages, fns = vm.packing.num_stages, _stage_fns(cfg, vm)
     micro, mb = cfg.train.grad_accum, cfg.train.micro_batch
+    passes = micro // cfg.pipeline_group  # GPipe passes per step (pipeline > 1)
     classes, total = cfg.model.num_classes, cfg.global_batch
 
     def head(logits, labels):  # logits f32[..., C]
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return jnp.sum(ce) / total, jnp.sum(jnp.argmax(logits, -1) == labels)
 
-    def inputs(images):  # uint8 [B, H, W, 3] -> f32 [M, mb, A]
-        x = normalize(images, jnp.float32).reshape(micro, mb, -1)
+    def inputs(images):  # uint8 [B, H, W, 3] -> f32 [B / mb, mb, A]
+        x = normalize(images, jnp.float32).reshape(-1, mb, images[0].size)
         return jnp.pad(x, ((0, 0), (0, 0), (0, vm.carry_size - x.shape[-1])))
 
     def forward(rows, images, labels):  # -> (loss share, correct share)
-        labels = labels.reshape(micro, mb)
+        labels = labels.reshape(-1, mb)
         if stages == 1:
             losses, correct = jax.lax.map(
                 lambda xl: head(fns[0](rows, xl[0])[:, :classes], xl[1]), (inputs(images), labels)
@@ -198,7 +200,7 @@ def _local_loss_and_grads(cfg: Config, vm: VisionModel, bubble_fill: float = 0.0
         return f
 
     def loss_and_grads(rows, images, labels, scale):
-        if stages > 1:
+        if stages > 1 and passes == 1:
             (_, aux), grads = jax.value_and_grad(scaled(forward, scale), has_aux=True)(
                 rows, images, labels
             )
@@ -207,14 +209,17 @@ def _local_loss_and_grads(cfg: Config, vm: VisionModel, bubble_fill: float = 0.0
         def micro_loss(r, x, y):
             return head(fns[0](r, x)[:, :classes], y)
 
-        def body(acc, xl):
-            (_, aux), g = jax.value_and_grad(scaled(micro_loss, scale), has_aux=True)(rows, *xl)
+        def body(acc, xl):  # one micro-batch, or one GPipe pass of `group` micro-batches
+            (_, aux), g = jax.value_and_grad(scaled(fn, scale), has_aux=True)(rows, *xl)
             return jax.tree.map(jnp.add, acc, g), aux
 
+        if stages == 1:
+            fn, batches = micro_loss, (inputs(images), labels.reshape(micro, mb))
+        else:  # the local batch in `passes` contiguous groups of micro-batches
+            fn = forward
+            batches = (images.reshape(passes, -1, *images.shape[1:]), labels.reshape(passes, -1))
         zeros = jax.tree.map(lambda r: vary_like(jnp.zeros_like(r), r), rows)
-        grads, (losses, correct) = jax.lax.scan(
-            body, zeros, (inputs(images), labels.reshape(micro, mb))
-        )
+        grads, (losses, correct) = jax.lax.scan(body, zeros, batches)
         return (jnp.sum(losses), jnp.sum(correct)), grads
 
     return forward, loss_and_grads

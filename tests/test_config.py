@@ -266,7 +266,8 @@ BAD_OVERRIDES = [
         for key in (
             "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff "
             "model.seq_len model.vocab train.steps train.micro_batch train.grad_accum "
-            "train.global_batch train.log_every train.eval_batches train.keep_checkpoints"
+            "train.global_batch train.log_every train.eval_batches train.keep_checkpoints "
+            "train.pipeline_group"
         ).split()
     ],
     (["train.eval_every=-1"], ("train.eval_every=-1 must be >= 0",)),
@@ -324,6 +325,15 @@ BAD_OVERRIDES = [
     (
         ["train.global_batch=64", "train.grad_accum=3"],
         ("train.grad_accum=3", "train.global_batch=64", "grad_accum=2"),
+    ),
+    (
+        ["train.grad_accum=4", "train.pipeline_group=3"],
+        ("train.pipeline_group=3 does not divide train.grad_accum=4; use a divisor of 4",),
+    ),
+    (
+        ["devices=3", "mesh.pipeline=3", "model.layers=3", "train.micro_batch=1"]
+        + ["train.grad_accum=3", "train.pipeline_group=1", "model.seq_len=64"],
+        ("train.micro_batch*train.pipeline_group*model.seq_len = 1*1*64", "mesh.pipeline=3"),
     ),
     (
         ["devices=3", "mesh.pipeline=3", "model.layers=3", "train.micro_batch=1"],

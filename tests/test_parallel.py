@@ -485,18 +485,24 @@ def sharded_loss_and_grads(lab, cfg, *, bubble_fill=0.0):
 
 
 def test_pipeline_microbatches_equal_accumulation(lab):
-    """GPipe over 4 micro-batches on 2 stages == the 4-step accumulation loop on 1 device ==
-    the plain full-batch gradient."""
+    """GPipe over 4 micro-batches on 2 stages == two GPipe passes of 2 micro-batches
+    (`train.pipeline_group=2`, gradients summed) == the 4-step accumulation loop on 1 device
+    == the plain full-batch gradient."""
+    runs = {
+        "pipeline": ((1, 2, 1), []),
+        "pipeline, 2 passes": ((1, 2, 1), ["train.pipeline_group=2"]),
+        "accumulation": ((1, 1, 1), []),
+    }
     out = {}
-    for shape in [(1, 2, 1), (1, 1, 1)]:
-        cfg = lab.cfg(shape, "adamw", "train.micro_batch=4")
+    for name, (shape, extra) in runs.items():
+        cfg = lab.cfg(shape, "adamw", "train.micro_batch=4", *extra)
         assert (cfg.train.grad_accum, cfg.global_batch) == (4, GLOBAL_BATCH)
-        out[shape] = sharded_loss_and_grads(lab, cfg)[:2]
+        out[name] = sharded_loss_and_grads(lab, cfg)[:2]
     ref = lab.ref_steps("adamw")[0]
-    (pipe_loss, pipe_grads), (acc_loss, acc_grads) = out[(1, 2, 1)], out[(1, 1, 1)]
+    (pipe_loss, pipe_grads), (acc_loss, acc_grads) = out["pipeline"], out["accumulation"]
     assert_loss_close(pipe_loss, acc_loss, "pipeline vs accumulation")
     assert_trees_close(pipe_grads, acc_grads, GRAD_TOL, "grads pipeline vs accumulation")
-    for name, (loss, grads) in [("pipeline", out[(1, 2, 1)]), ("accumulation", out[(1, 1, 1)])]:
+    for name, (loss, grads) in out.items():
         assert_loss_close(loss, ref["loss"], f"{name} vs reference")
         assert_trees_close(grads, ref["grads"], GRAD_TOL, f"grads {name} vs reference")
 

@@ -230,6 +230,21 @@ def test_efficientnet_b4_g16_pod_presets(pod, replica, grad_accum):
     assert p["flops_per_example"] == flops_per_image("b4", 380, 1000, g16=True)
 
 
+def test_a_smaller_gpipe_pass_is_suggested_and_fits():
+    """EfficientNet-B4 G16 on a POD16 runs 256 micro-batches through one GPipe pass: 257
+    ticks of saved stage inputs do not fit a GC200. The planner suggests the largest
+    `train.pipeline_group` that fits, and with it the activations shrink by (16+1)/(256+1)."""
+    from conftest import ROOT
+
+    path = ROOT / "configs" / "efficientnet_b4_g16_pod16.yaml"
+    p = plan(load_config(path))
+    assert not p["fits"] and "train.pipeline_group=16 (" in p["suggestion"]
+    q = plan(load_config(path, ["train.pipeline_group=16"]))
+    assert q["fits"] and q["pipeline_group"] == 16
+    ratio = q["activations_breakdown"]["saved"] / p["activations_breakdown"]["saved"]
+    assert ratio == pytest.approx(17 / 257, rel=1e-3)
+
+
 def test_param_layout_matches_the_model():
     """The formula's count equals the GPT's own parameter count (no weights: eval_shape)."""
     import jax
@@ -262,6 +277,8 @@ XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, more overrides
     "4x1x1-full-ga2-rts4": ((4, 1, 1), "full", 2, RTS4),
     # weights dominate (seq 16, d 256, 8 layers): the gathered stage is the difference
     "4x2x1-full-ga4-rts4-weights": ((4, 2, 1), "full", 4, [*RTS4, *WEIGHTS, "model.layers=8"]),
+    # four GPipe passes of 2 micro-batches (train.pipeline_group): 3 ticks in flight, not 9
+    "1x2x1-full-ga8-group2": ((1, 2, 1), "full", 8, ["train.pipeline_group=2"]),
     # the FP16 + stochastic rounding + LAMB update, tensor by tensor (jaxpod.layerwise)
     "1x2x1-full-ga4-fp16-lamb-weights": (
         (1, 2, 1),

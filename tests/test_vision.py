@@ -144,12 +144,15 @@ def test_step_matches_single_device_reference(tiny_cfg, mesh_for, digits, shape,
 
 
 def test_two_stage_losses_equal_one_stage(tiny_cfg, mesh_for, digits):
-    """Same seed, same network (parameters are drawn in network order): S=2 == S=1."""
+    """Same seed, same network (parameters are drawn in network order): S=2 == S=1. The
+    two-stage run takes its 2 micro-batches in two GPipe passes (`train.pipeline_group=1`,
+    gradients summed); `test_step_matches_single_device_reference` covers one pass."""
     from jaxpod.train_vision import build_vision_engine
 
     losses = {}
     for shape in [(2, 1, 1), (2, 2, 1)]:
-        cfg = vision_cfg(tiny_cfg, shape, *LARS_GA2)
+        passes = ["train.pipeline_group=1"] if shape[1] == 2 else []
+        cfg = vision_cfg(tiny_cfg, shape, *LARS_GA2, *passes)
         engine, state = build_vision_engine(cfg, mesh_for(cfg))
         run = []
         for step in range(3):
