@@ -195,6 +195,11 @@ class Config:
         return self.train.pipeline_group or self.train.grad_accum
 
     @property
+    def pipeline_passes(self) -> int:
+        """GPipe passes per optimizer step: `grad_accum / pipeline_group` (pipeline > 1)."""
+        return self.train.grad_accum // self.pipeline_group
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens per optimizer step: global_batch * model.seq_len."""
         return self.global_batch * self.model.seq_len

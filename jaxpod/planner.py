@@ -230,8 +230,7 @@ def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
 
     weights_all = local / rts * mb + (local / rts * pb if mb != pb else 0)
     optimizer_all = local / rts_opt * MOMENTS[cfg.optim.name] * mb
-    passes = cfg.train.grad_accum // cfg.pipeline_group  # GPipe passes (pipeline > 1)
-    accumulated = cfg.train.grad_accum > 1 if cfg.mesh.pipeline == 1 else passes > 1
+    accumulated = cfg.train.grad_accum > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
     grads_stage = local / rts * pb * (2 if accumulated else 1)
     grads_update = local / rts * pb
     updates = local / rts * mb * window
@@ -352,13 +351,14 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
         option("model.remat=full", _with_model(cfg, remat="full"))
     if mesh.pipeline > 1:  # fewer micro-batches in flight: the largest GPipe pass that fits
         tr = cfg.train
-        for group in sorted(_divisors(tr.grad_accum), reverse=True):
-            tokens_ok = cfg.is_vision or tr.micro_batch * group * md.seq_len % mesh.pipeline == 0
+        smaller = [g for g in _divisors(tr.grad_accum) if g < cfg.pipeline_group]
+        for group in reversed(smaller):
+            if not cfg.is_vision and tr.micro_batch * group * md.seq_len % mesh.pipeline:
+                continue  # a pass's tokens must split over the stages
             trial = dataclasses.replace(cfg, train=dataclasses.replace(tr, pipeline_group=group))
-            if group < cfg.pipeline_group and tokens_ok:
-                if _device_total(trial, params_override) <= limit:
-                    option(f"train.pipeline_group={group}", trial)
-                    break
+            if _device_total(trial, params_override) <= limit:
+                option(f"train.pipeline_group={group}", trial)
+                break
     p2 = mesh.pipeline * 2
     if mesh.replica % 2 == 0 and md.layers % p2 == 0 and not cfg.is_vision:
         trial = dataclasses.replace(

@@ -187,7 +187,7 @@ def _local_functions(
         cfg.train.grad_accum,
         cfg.train.micro_batch,
     )
-    passes = micro // cfg.pipeline_group  # GPipe passes per step (pipeline > 1)
+    passes = cfg.pipeline_passes  # GPipe passes per step (pipeline > 1)
     total_tokens = cfg.train.global_batch * cfg.model.seq_len
     dtype = compute_dtype(cfg.precision)
     scaling = cfg.precision.loss_scale != "none"

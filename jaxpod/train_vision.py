@@ -161,7 +161,7 @@ def _local_loss_and_grads(cfg: Config, vm: VisionModel, bubble_fill: float = 0.0
     Also returns the forward-only `(loss, correct)` function for evaluation."""
     stages, fns = vm.packing.num_stages, _stage_fns(cfg, vm)
     micro, mb = cfg.train.grad_accum, cfg.train.micro_batch
-    passes = micro // cfg.pipeline_group  # GPipe passes per step (pipeline > 1)
+    passes = cfg.pipeline_passes  # GPipe passes per step (pipeline > 1)
     classes, total = cfg.model.num_classes, cfg.global_batch
 
     def head(logits, labels):  # logits f32[..., C]
