@@ -166,6 +166,7 @@ class MemoryConfig:
     rts_optimizer: int | None = None  # optimizer state sharded over this many (None: = rts)
     offload: tuple[str, ...] = ()  # of optimizer, params, activations
     phases: int = 1  # the layers of a stage run in this many phases, streamed from host
+    stream: str = "layer"  # unit a weight is prepared (fetched/gathered) in: layer or matrix
     device_budget: str | None = None  # e.g. 900MB, 16GiB: refuse mappings that exceed it
 
 

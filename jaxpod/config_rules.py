@@ -37,6 +37,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "precision.master": ("float32", "same-as-params"),
     "precision.loss_scale": ("none", "static", "dynamic"),
     "memory.device": ("cpu", "ipu-gc200", "h100-80gb", "tpu-v5e"),
+    "memory.stream": ("layer", "matrix"),
 }
 LIST_CHOICES: dict[str, tuple[str, ...]] = {  # list fields: every element must be one of these
     "memory.offload": ("optimizer", "params", "activations"),
@@ -178,10 +179,11 @@ def _check_vision(cfg: Config) -> None:
         )
     if md.image_size < 32:
         fail(f"model.image_size={md.image_size} must be >= 32 (five stride-2 stages)")
-    if cfg.memory.phases != 1 or cfg.memory.rts != 1 or cfg.memory.offload:
+    mem = cfg.memory
+    if mem.phases != 1 or mem.rts != 1 or mem.offload or mem.stream != "layer":
         fail(
-            "memory.phases/memory.rts/memory.offload are for transformer models; "
-            "leave them at 1/1/[] for model.name=efficientnet"
+            "memory.phases/memory.rts/memory.offload/memory.stream are for transformer models; "
+            "leave them at 1/1/[]/layer for model.name=efficientnet"
         )
 
 
@@ -201,6 +203,11 @@ def _check_memory(cfg: Config, replica: int) -> None:
         )
     if mem.phases > md.layers:
         fail(f"memory.phases={mem.phases} is more than model.layers={md.layers}; use fewer")
+    if mem.stream == "matrix" and md.remat == "none":
+        fail(
+            "memory.stream=matrix makes each weight matrix a remat unit, gathered again in the "
+            "backward pass; it needs a remat policy: set model.remat=full (or minimal, ...)"
+        )
     per_stage = md.layers // cfg.mesh.pipeline
     if per_stage % mem.phases:
         fail(

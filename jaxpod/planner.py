@@ -40,6 +40,10 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   the backward pass; with `pipeline > 1` on every GPipe tick: `layers.tie` keeps XLA from
   hoisting the stage's gather out of the tick loop). With remat `none` every layer's
   gathered copy is saved (with `pipeline > 1` once for all ticks: the gather is hoisted).
+  With `memory.stream = matrix` one weight matrix is gathered at a time instead of a layer:
+  the largest (`W_qkv` or `W_in`) and, in the backward pass, its full-size gradient before
+  the reduce-scatter, 2 x max(3·D², D·F) of the layer's parameters; the backward pass
+  recomputes one step at a time (`_layer_sets`).
 - activations: see `_activations`: the saved residuals of every layer and every pipeline tick
   in flight, the pipeline's buffers, and the larger of the loss head and one layer's
   backward working set.
@@ -137,11 +141,20 @@ def _layer_sets(cfg: Config) -> dict:
         "attention": (res + 4 * btd // t) * cb,
         "comms": (res + psums) * cb,
     }[md.remat]
+    # Recomputing one layer: everything it would have saved (`every`, split into its attention
+    # and MLP halves), less what the policy keeps. memory.stream=matrix recomputes one step
+    # at a time: the larger half, plus the steps' inputs (x, o[T, HD/t], h[T, F/t]).
+    attention = (4 * res + gathered // 2 + 4 * btd // t) * cb + (3 * cb + 1) * kept_scores
+    attention += (btd // t * cb if chunked else 0) + attention_work
+    mlp = (4 * res + gathered // 2 + 6 * kept_hidden) * cb + (btd * cb if chunked else 0)
+    mlp += 6 * (btf - kept_hidden) * cb
+    kept = saved - res * cb
     if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
         work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
-    else:  # recompute one layer: everything it would have saved, less what is kept
-        work = max(every + 6 * (btf - kept_hidden) * cb - (saved - res * cb), 0)
-        work += attention_work
+    elif cfg.memory.stream == "matrix":
+        work = max(max(attention, mlp) + (res + btd // t + btf) * cb - kept, 0)
+    else:
+        work = max(attention + mlp - attention_work - kept, 0) + attention_work
     return {"all": every, "saved": saved, "work": work, "btd": res * cb}
 
 
@@ -239,7 +252,11 @@ def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
         gathered = local * pb * window  # every layer's gathered copy is saved
     elif rts > 1:  # the non-layer weights, and one layer at a time (recomputed in backward)
         per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
-        gathered = (layout["local_other"] + layout["local_layers"] / per_stage) * pb
+        layer = layout["local_layers"] / per_stage
+        if mem.stream == "matrix":  # the largest matrix and its gradient before the scatter
+            d, f = cfg.model.d_model, cfg.model.d_ff
+            layer *= 2 * max(3 * d * d, d * f) / sum(block_params(d, f))
+        gathered = (layout["local_other"] + layer) * pb
 
     weights = weights_all * window
     grads = grads_stage * window
@@ -334,6 +351,8 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
             f"memory.phases={phases} memory.offload=[{','.join(offload)}]",
             _with_memory(cfg, phases=phases, offload=tuple(offload)),
         )
+    if not cfg.is_vision and mem.rts > 1 and mem.stream == "layer" and md.remat != "none":
+        option("memory.stream=matrix", _with_memory(cfg, stream="matrix"))
     if not cfg.is_vision and mesh.replica > mem.rts:
         option(
             f"memory.rts={mesh.replica} memory.rts_optimizer={mesh.replica}",

@@ -50,14 +50,18 @@ OFFLOAD_POLICIES: dict[str, Callable] = {
 }
 
 
-def remat(fn: Callable, policy: str, *, offload: bool = False) -> Callable:
+def remat(
+    fn: Callable, policy: str, *, offload: bool = False, prevent_cse: bool = False
+) -> Callable:
     """Wrap `fn` (one layer's forward) with the named recomputation policy; `offload=True`
-    keeps the saved values in host memory (`OFFLOAD_POLICIES`)."""
+    keeps the saved values in host memory (`OFFLOAD_POLICIES`); `prevent_cse=True` keeps
+    XLA from merging the recomputation with an identical computation outside it (needed
+    when `fn` runs inside another remat unit: see `jaxpod.models.layers.apply_stack`)."""
     if policy not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {policy!r}; choose from {list(REMAT_POLICIES)}")
     if offload:
-        return jax.checkpoint(fn, policy=OFFLOAD_POLICIES[policy], prevent_cse=False)
+        return jax.checkpoint(fn, policy=OFFLOAD_POLICIES[policy], prevent_cse=prevent_cse)
     saveable = REMAT_POLICIES[policy]
     if policy == "none":
         return fn
-    return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
+    return jax.checkpoint(fn, policy=saveable, prevent_cse=prevent_cse)

@@ -210,6 +210,8 @@ def _local_functions(
         hooks.update(phases=lay.phases, fetch=offload.to_device if blocks_host else None)
     if lay.offload_activations:
         hooks["offload_activations"] = True
+    if cfg.memory.stream != "layer":
+        hooks["stream"] = cfg.memory.stream
 
     def model_of(params):  # stored local params -> the model, non-layer weights ready
         rest = {k: v for k, v in params.items() if k != STACKED_KEY}

@@ -238,6 +238,11 @@ BAD_OVERRIDES = [
     ),
     (["memory.phases=5"], ("memory.phases=5 is more than model.layers=4; use fewer",)),
     (["memory.phases=3"], ("memory.phases=3 does not divide the 4 layers of each pipeline",)),
+    (
+        ["memory.stream=matrix", "model.remat=none"],
+        ("memory.stream=matrix", "it needs a remat policy: set model.remat=full"),
+    ),
+    (["memory.stream=tensor"], ("memory.stream='tensor' is not one of layer, matrix",)),
     (["train.profile_steps=[5]"], ("train.profile_steps=[5] must be [start, stop] with",)),
     (["train.profile_steps=[5,2]"], ("train.profile_steps=[5, 2] must be [start, stop]",)),
     (["train.profile_steps=[a,b]"], ("train.profile_steps[0]='a' must be an integer",)),
@@ -253,7 +258,7 @@ BAD_OVERRIDES = [
             (["data.name=stdlib-code"], ("data.name=stdlib-code is text but model.name=eff",)),
             (["model.image_size=16"], ("model.image_size=16 must be >= 32",)),
             (["model.width_mult=0"], ("model.width_mult=0.0 must be > 0",)),
-            (["memory.phases=2"], ("memory.phases/memory.rts/memory.offload are for trans",)),
+            (["memory.phases=2"], ("memory.phases/memory.rts/memory.offload/memory.stream",)),
         ]
     ],
     # ranges

@@ -78,14 +78,23 @@ def assert_same_training(a, b, what: str) -> None:
 RTS_CASES = {  # name: (mesh, overrides, weight factor, optimizer factor)
     "rts2-2x2x2": ((2, 2, 2), ("memory.rts=2",), 2, 2),
     "rts1-opt2-2x1x4": ((2, 1, 4), ("memory.rts=1", "memory.rts_optimizer=2"), 1, 2),
+    # one matrix gathered at a time, each step a remat unit nested in the layer's
+    "rts2-matrix-2x2x2": (
+        (2, 2, 2),
+        ("memory.rts=2", "memory.stream=matrix")
+        + ("model.remat=full", "model.sequence_parallel=true"),
+        2,
+        2,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(RTS_CASES))
 def test_replicated_tensor_sharding(tiny_cfg, mesh_for, name):
-    """RTS trains exactly like the plain engine on the same mesh, and every device's bytes of
-    params and of the optimizer's per-parameter state drop by exactly the RTS factors (every
-    leaf of this model has a dimension the group divides)."""
+    """RTS trains exactly like the plain engine on the same mesh (gathering a layer or, with
+    `memory.stream=matrix`, one matrix at a time), and every device's bytes of params and of
+    the optimizer's per-parameter state drop by exactly the RTS factors (every leaf of this
+    model has a dimension the group divides)."""
     shape, extra, k_w, k_o = RTS_CASES[name]
     plain, rts = run(tiny_cfg, mesh_for, shape), run(tiny_cfg, mesh_for, shape, *extra)
     assert_same_training(rts, plain, name)

@@ -125,6 +125,11 @@ class SelfAttention(nnx.Module):
         self.b_o = _param(None, (d_model,), ("embed",), layers, fill=0.0)
 
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
+        return self.project(self.mix(x, tp), tp)
+
+    def mix(self, x: jax.Array, tp: str | None) -> jax.Array:
+        """The attention before its output projection (reads `W_qkv`, `b_qkv` only):
+        `x[B, T, D]` (`[B, T_tensor, D]` sequence-parallel) -> `o[B, T, HD_tensor]`."""
         if self.sequence_parallel:
             x = gather_sequence(x, tp)
         b, t, _ = x.shape
@@ -134,8 +139,12 @@ class SelfAttention(nnx.Module):
         n = t // self.chunks  # queries per block
         attend_block = lambda qb, i: attend(qb, k, v, self.causal, i * n)
         out = serialize(attend_block, q, self.chunks, axis=1)
-        out = checkpoint_name(out.reshape(b, t, -1), "attn_out")
-        return row_dense(out, self.w_o[...], self.b_o[...], tp, self.sequence_parallel)
+        return checkpoint_name(out.reshape(b, t, -1), "attn_out")
+
+    def project(self, o: jax.Array, tp: str | None) -> jax.Array:
+        """The output projection (reads `W_o`, `b_o` only): `o[B, T, HD_tensor]` ->
+        `[B, T, D]` (`[B, T_tensor, D]` sequence-parallel), summed over `tp`."""
+        return row_dense(o, self.w_o[...], self.b_o[...], tp, self.sequence_parallel)
 
 
 def attend(
@@ -178,13 +187,28 @@ class Mlp(nnx.Module):
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
         if self.sequence_parallel:
             x = gather_sequence(x, tp)
-        w_in, b_in, w_out = self.w_in[...], self.b_in[...], self.w_out[...]
-
-        def partial_sums(xb, _):  # [B, n, D] -> [B, n, D], this shard's F columns only
-            h = jax.nn.gelu(column_dense(xb, w_in, b_in), approximate=True)
-            return jnp.tensordot(h, w_out, axes=1)
-
+        # both matmuls per token block: one block's hidden activations alive at a time
+        partial_sums = lambda xb, _: self._partial_sums(self._gelu(xb))
         y = serialize(partial_sums, x, self.chunks, axis=1)
+        return reduce_rows(y, self.b_out[...], tp, self.sequence_parallel)
+
+    def _gelu(self, x: jax.Array) -> jax.Array:  # [B, n, D] -> [B, n, F_tensor]
+        return jax.nn.gelu(column_dense(x, self.w_in[...], self.b_in[...]), approximate=True)
+
+    def _partial_sums(self, h: jax.Array) -> jax.Array:  # [B, n, F_tensor] -> [B, n, D]
+        return jnp.tensordot(h, self.w_out[...], axes=1)  # this shard's F rows only
+
+    def hidden(self, x: jax.Array, tp: str | None) -> jax.Array:
+        """The first half (reads `W_in`, `b_in` only): `x[B, T, D]` (`[B, T_tensor, D]`
+        sequence-parallel) -> `h[B, T, F_tensor]`, in token blocks."""
+        if self.sequence_parallel:
+            x = gather_sequence(x, tp)
+        return serialize(lambda xb, _: self._gelu(xb), x, self.chunks, axis=1)
+
+    def project(self, h: jax.Array, tp: str | None) -> jax.Array:
+        """The second half (reads `W_out`, `b_out` only): `h[B, T, F_tensor]` -> `[B, T, D]`
+        (`[B, T_tensor, D]` sequence-parallel), summed over `tp`."""
+        y = serialize(lambda hb, _: self._partial_sums(hb), h, self.chunks, axis=1)
         return reduce_rows(y, self.b_out[...], tp, self.sequence_parallel)
 
 
@@ -233,6 +257,39 @@ class Block(nnx.Module):
             return self.ln2(x + self.mlp(x, tp))
         x = x + self.attn(self.ln1(x), tp)
         return x + self.mlp(self.ln2(x), tp)
+
+    def steps(self, tp: str | None) -> list[tuple[tuple[str, ...], Callable]]:
+        """The block as four steps of one weight matrix each (`W_qkv`, `W_o`, `W_in`,
+        `W_out`), in order: `(reads, step)` with `reads` the parameters the step uses
+        (`"attn/w_qkv"`, `"ln1"`: a sub-module's all) and `step(block, carry) -> carry`, a
+        function of the block it is given (not of `self`). The carry starts as `(x,)` and
+        ends as `(y,)`, with `y = self(x, tp)`; between steps it also holds the attention
+        output `o[B, T, HD_tensor]` or the MLP's hidden `h[B, T, F_tensor]`."""
+        if self.post_norm:
+            return [
+                (("attn/w_qkv", "attn/b_qkv"), lambda m, c: (c[0], m.attn.mix(c[0], tp))),
+                (
+                    ("attn/w_o", "attn/b_o", "ln1"),
+                    lambda m, c: (m.ln1(c[0] + m.attn.project(c[1], tp)),),
+                ),
+                (("mlp/w_in", "mlp/b_in"), lambda m, c: (c[0], m.mlp.hidden(c[0], tp))),
+                (
+                    ("mlp/w_out", "mlp/b_out", "ln2"),
+                    lambda m, c: (m.ln2(c[0] + m.mlp.project(c[1], tp)),),
+                ),
+            ]
+        return [
+            (
+                ("ln1", "attn/w_qkv", "attn/b_qkv"),
+                lambda m, c: (c[0], m.attn.mix(m.ln1(c[0]), tp)),
+            ),
+            (("attn/w_o", "attn/b_o"), lambda m, c: (c[0] + m.attn.project(c[1], tp),)),
+            (
+                ("ln2", "mlp/w_in", "mlp/b_in"),
+                lambda m, c: (c[0], m.mlp.hidden(m.ln2(c[0]), tp)),
+            ),
+            (("mlp/w_out", "mlp/b_out"), lambda m, c: (c[0] + m.mlp.project(c[1], tp),)),
+        ]
 
 
 def scan_layers(
@@ -297,6 +354,26 @@ def tie(weights, x: jax.Array):
     return jax.tree.map(one, weights)
 
 
+def _select(tree: dict, reads: tuple[str, ...]) -> dict:
+    """The entries of the nested dict `tree` named by `reads` (paths like `"attn/w_o"`)."""
+    out: dict = {}
+    for path in reads:
+        *parents, leaf = path.split("/")
+        src, dst = tree, out
+        for key in parents:
+            src, dst = src[key], dst.setdefault(key, {})
+        dst[leaf] = src[leaf]
+    return out
+
+
+def _overlay(base: dict, top: dict) -> dict:
+    """`base` with the entries of `top` (a `_select` of it) replaced."""
+    return {
+        k: (_overlay(v, top[k]) if isinstance(v, dict) else top[k]) if k in top else v
+        for k, v in base.items()
+    }
+
+
 def apply_stack(
     blocks: Block,
     remat_policy: str,
@@ -308,23 +385,51 @@ def apply_stack(
     fetch: Callable | None = None,
     prepare: Callable | None = None,
     offload_activations: bool = False,
+    stream: str = "layer",
 ) -> jax.Array:
     """Run a stacked `Block` (`[L, ...]` params) over `x[B, T, D]`, one layer at a time.
 
-    `prepare` is applied to each layer's params right before that layer runs (the engine's
-    hook, e.g. gathering replicated-tensor-sharded weights); `phases`/`fetch`: see
-    `scan_layers`; `offload_activations`: the remat policy's saved values go to host memory
-    (`jaxpod.remat`). `unroll=True` unrolls the layer scan (FLOP accounting only).
+    `prepare` is applied to the params right before they are used (the engine's hook, e.g.
+    gathering replicated-tensor-sharded weights): with `stream="layer"` to each layer's
+    params before the layer runs, the layer being one remat unit; with `stream="matrix"` to
+    the params of each of the layer's four steps (`Block.steps`: one weight matrix each)
+    before that step runs, each step a remat unit nested in the layer's, so one matrix is
+    prepared (and its gradient reduce-scattered) at a time, forward and backward: the
+    backward pass recomputes the layer (saving the steps' inputs, for this layer only), then
+    each step again (gathering its matrix again). `phases`/`fetch`: see `scan_layers`;
+    `offload_activations`: the remat
+    policy's saved values go to host memory (`jaxpod.remat`). `unroll=True` unrolls the
+    layer scan (FLOP accounting only).
     """
+    if stream not in ("layer", "matrix"):
+        raise ValueError(f"stream={stream!r} must be 'layer' or 'matrix'")
     graphdef, stacked = nnx.split(blocks)
 
-    def one_layer(x, layer_params):
-        if prepare is not None:
-            if remat_policy != "none":  # recomputed in the backward pass: gather it per tick
-                layer_params = tie(layer_params, x)
-            layer_params = prepare(layer_params)
-        return nnx.merge(graphdef, layer_params)(x, tp)
+    def ready(params, x):  # stored params -> what the computation uses
+        if prepare is None:
+            return params
+        if remat_policy != "none":  # recomputed in the backward pass: gather it per tick
+            params = tie(params, x)
+        return prepare(params)
 
-    layer_fn = remat(one_layer, remat_policy, offload=offload_activations)
+    def one_layer(x, layer_params):
+        return nnx.merge(graphdef, ready(layer_params, x))(x, tp)
+
+    def one_step(step, carry, used, layer_params):
+        block = nnx.merge(graphdef, _overlay(layer_params, ready(used, carry[0])))
+        return step(block, carry)
+
+    def matrix_by_matrix(x, layer_params):
+        carry = (x,)
+        for reads, step in nnx.merge(graphdef, layer_params).steps(tp):
+            run = lambda c, used, step=step: one_step(step, c, used, layer_params)
+            run = remat(run, remat_policy, prevent_cse=True)
+            carry = run(carry, _select(layer_params, reads))
+        return carry[0]
+
+    # the layer is the outer remat unit either way: only its input is saved per layer (and per
+    # pipeline tick); the steps' inputs live only while that layer's backward pass runs
+    layer = matrix_by_matrix if stream == "matrix" else one_layer
+    layer_fn = remat(layer, remat_policy, offload=offload_activations)
     stacked = nnx.to_pure_dict(stacked)
     return scan_layers(layer_fn, x, stacked, unroll=unroll, phases=phases, fetch=fetch)

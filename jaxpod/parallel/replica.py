@@ -105,8 +105,9 @@ def with_rts(specs, plan, axes: tuple[str, ...]):
 
 def gather(tree, plan, axes: tuple[str, ...], leading: int = 0):
     """Inside `shard_map`: all-gather each planned leaf over `axes` along its planned
-    dimension (shifted by `leading` for slices of stacked leaves). Its transpose, in the
-    backward pass, is the reduce-scatter of the gradients."""
+    dimension (shifted by `leading` for slices of stacked leaves). `tree` may hold a subset
+    of `plan`'s entries (one step's matrices of a layer). Its transpose, in the backward
+    pass, is the reduce-scatter of the gradients."""
     if not axes:
         return tree
 
@@ -115,4 +116,11 @@ def gather(tree, plan, axes: tuple[str, ...], leading: int = 0):
             return x
         return jax.lax.all_gather(x, axes, axis=dim - leading, tiled=True)
 
-    return jax.tree.map(one, tree, plan)
+    return jax.tree.map(one, tree, _like(plan, tree))
+
+
+def _like(plan, tree):
+    """The entries of the nested-dict `plan` that `tree` (a subset of its keys) has."""
+    if isinstance(tree, dict) and isinstance(plan, dict):
+        return {k: _like(plan[k], v) for k, v in tree.items()}
+    return plan
