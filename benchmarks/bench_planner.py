@@ -27,6 +27,9 @@ FP16_SR = [
     "precision.master=same-as-params",
     "precision.loss_scale=dynamic",
 ]
+MATRIX = ["memory.stream=matrix"]
+D512 = ["model.d_model=512", "model.d_ff=2048", "model.seq_len=16", "train.micro_batch=1"]
+D512 += ["optim.name=sgd"]
 CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((1, 1, 1), "none", 1, []),
     ((1, 1, 1), "full", 1, []),
@@ -67,6 +70,14 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     # GPipe in passes: 8 micro-batches in one pass, then in four passes of 2
     ((1, 2, 1), "full", 8, []),
     ((1, 2, 1), "full", 8, ["train.pipeline_group=2"]),
+    # streamed matrix by matrix (memory.stream=matrix), the MLP in 2 or 4 blocks; the d 512
+    # case is tests/test_planner.py::test_matrix_stream_shrinks_compiled_memory's
+    ((4, 1, 1), "full", 2, [*RTS4, *MATRIX, "memory.mlp_blocks=2"]),
+    ((4, 2, 1), "full", 4, [*WEIGHTS, "model.layers=8", *RTS4, *MATRIX, "memory.mlp_blocks=2"]),
+    ((1, 2, 4), "full", 4, ["model.sequence_parallel=true", "model.sequence_chunks=8", *MATRIX]),
+    ((4, 2, 1), "full", 4, [*D512, *RTS4]),
+    ((4, 2, 1), "full", 4, [*D512, *RTS4, *MATRIX, "memory.mlp_blocks=2"]),
+    ((4, 2, 1), "full", 4, [*D512, *RTS4, *MATRIX, "memory.mlp_blocks=4"]),
 ]
 
 

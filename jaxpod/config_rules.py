@@ -66,7 +66,7 @@ _AT_LEAST_1 = (
     "train.pipeline_group "
     "train.log_every train.eval_batches train.keep_checkpoints model.norm_groups "
     "model.image_size model.num_classes precision.loss_scale_period memory.rts "
-    "memory.rts_optimizer memory.phases"
+    "memory.rts_optimizer memory.phases memory.mlp_blocks"
 ).split()
 _AT_LEAST_0 = (
     "data.prefetch",
@@ -180,7 +180,13 @@ def _check_vision(cfg: Config) -> None:
     if md.image_size < 32:
         fail(f"model.image_size={md.image_size} must be >= 32 (five stride-2 stages)")
     mem = cfg.memory
-    if mem.phases != 1 or mem.rts != 1 or mem.offload or mem.stream != "layer":
+    if (
+        mem.phases != 1
+        or mem.rts != 1
+        or mem.offload
+        or mem.stream != "layer"
+        or mem.mlp_blocks > 1
+    ):
         fail(
             "memory.phases/memory.rts/memory.offload/memory.stream are for transformer models; "
             "leave them at 1/1/[]/layer for model.name=efficientnet"
@@ -203,6 +209,17 @@ def _check_memory(cfg: Config, replica: int) -> None:
         )
     if mem.phases > md.layers:
         fail(f"memory.phases={mem.phases} is more than model.layers={md.layers}; use fewer")
+    if mem.mlp_blocks > 1 and mem.stream != "matrix":
+        fail(
+            f"memory.mlp_blocks={mem.mlp_blocks} streams the MLP's matrices in blocks, which "
+            "only memory.stream=matrix does; set memory.stream=matrix or memory.mlp_blocks=1"
+        )
+    local_ff = md.d_ff // cfg.mesh.tensor
+    if local_ff % mem.mlp_blocks:
+        fail(
+            f"memory.mlp_blocks={mem.mlp_blocks} does not divide the {local_ff} hidden units "
+            "per tensor shard (model.d_ff/mesh.tensor); use a divisor of it"
+        )
     if mem.stream == "matrix" and md.remat == "none":
         fail(
             "memory.stream=matrix makes each weight matrix a remat unit, gathered again in the "

@@ -22,6 +22,7 @@ LOGICAL_TO_MESH: dict[str, str] = {
     "vocab": "tensor",  # vocab-parallel embedding / output projection
     "heads": "tensor",  # attention heads
     "mlp": "tensor",  # MLP hidden units
+    "positions": "tensor",  # the position table of sequence-parallel models, split along T
 }
 
 

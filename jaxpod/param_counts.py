@@ -68,7 +68,11 @@ def param_layout(cfg: Config, params_override: int | None = None) -> dict:
     d, v, s = md.d_model, md.vocab, md.seq_len
     sharded, replicated = block_params(d, md.d_ff)
     vocab_sharded = v * d  # token embedding (vocab-parallel)
-    other_replicated = s * d + 2 * d  # positions, final (gpt) / embedding (bert) LN
+    other_replicated = 2 * d  # final (gpt) / embedding (bert) LN
+    if md.sequence_parallel:  # positions split over tensor along T
+        vocab_sharded += s * d
+    else:
+        other_replicated += s * d
     if md.name == "gpt" and not md.tie_embeddings:
         vocab_sharded += v * d
     if md.name == "bert":

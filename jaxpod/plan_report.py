@@ -43,7 +43,8 @@ def format_plan(p: dict) -> str:
         (
             "memory",
             f"{p['device_profile']}: remat {p['remat']}, offload {offload}, "
-            f"phases {p['configured_phases']}",
+            f"phases {p['configured_phases']}, stream {p['configured_stream']}"
+            + (f" (mlp_blocks {p['mlp_blocks']})" if p["configured_stream"] == "matrix" else ""),
         ),
     ]
     rows = [

@@ -15,7 +15,8 @@ Parameter counts (D = d_model, F = d_ff, V = vocab, T = seq_len, L = layers):
 
 Pre- or post-LN blocks have the same parameters. Per device, the block weights split over
 `pipeline` (layers) and `tensor` (heads/MLP columns; LN and the D-sized biases are
-replicated), the vocabulary-sized tables over `tensor` only, positions and LNs are replicated.
+replicated), the vocabulary-sized tables over `tensor` only, positions and LNs are replicated
+(positions split over `tensor` along T with sequence parallelism).
 
 Bytes per device (P_local = parameters this device holds, divided by `memory.rts`):
 
@@ -40,9 +41,10 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   the backward pass; with `pipeline > 1` on every GPipe tick: `layers.tie` keeps XLA from
   hoisting the stage's gather out of the tick loop). With remat `none` every layer's
   gathered copy is saved (with `pipeline > 1` once for all ticks: the gather is hoisted).
-  With `memory.stream = matrix` one weight matrix is gathered at a time instead of a layer:
-  the largest (`W_qkv` or `W_in`) and, in the backward pass, its full-size gradient before
-  the reduce-scatter, 2 x max(3·D², D·F) of the layer's parameters; the backward pass
+  With `memory.stream = matrix` one step's weights are gathered at a time instead of a
+  layer's: the largest (a third of `W_qkv`, `W_o`, or a block of `W_in` and `W_out`,
+  `memory.mlp_blocks`) and, in the backward pass, their full-size gradient before the
+  reduce-scatter: 2 x max(D², 2·D·F/k) of the layer's parameters; the backward pass
   recomputes one step at a time (`_layer_sets`).
 - activations: see `_activations`: the saved residuals of every layer and every pipeline tick
   in flight, the pipeline's buffers, and the larger of the loss head and one layer's
@@ -143,16 +145,19 @@ def _layer_sets(cfg: Config) -> dict:
     }[md.remat]
     # Recomputing one layer: everything it would have saved (`every`, split into its attention
     # and MLP halves), less what the policy keeps. memory.stream=matrix recomputes one step
-    # at a time: the larger half, plus the steps' inputs (x, o[T, HD/t], h[T, F/t]).
+    # at a time: the attention half, or one of the k MLP blocks (1/k of the hidden units, and
+    # the block's partial sums [b, T, D]), plus the steps' inputs (x, q, k, v, o, x1, y).
     attention = (4 * res + gathered // 2 + 4 * btd // t) * cb + (3 * cb + 1) * kept_scores
     attention += (btd // t * cb if chunked else 0) + attention_work
-    mlp = (4 * res + gathered // 2 + 6 * kept_hidden) * cb + (btd * cb if chunked else 0)
-    mlp += 6 * (btf - kept_hidden) * cb
+    mlp_in = (4 * res + gathered // 2) * cb + (btd * cb if chunked else 0)
+    mlp = mlp_in + 6 * kept_hidden * cb + 6 * (btf - kept_hidden) * cb
     kept = saved - res * cb
     if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
         work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
     elif cfg.memory.stream == "matrix":
-        work = max(max(attention, mlp) + (res + btd // t + btf) * cb - kept, 0)
+        k = cfg.memory.mlp_blocks
+        mlp_block = mlp_in + btd * cb + 6 * btf // k * cb
+        work = max(max(attention, mlp_block) + (3 * res + 4 * btd // t) * cb - kept, 0)
     else:
         work = max(attention + mlp - attention_work - kept, 0) + attention_work
     return {"all": every, "saved": saved, "work": work, "btd": res * cb}
@@ -253,9 +258,9 @@ def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
     elif rts > 1:  # the non-layer weights, and one layer at a time (recomputed in backward)
         per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
         layer = layout["local_layers"] / per_stage
-        if mem.stream == "matrix":  # the largest matrix and its gradient before the scatter
+        if mem.stream == "matrix":  # the largest step's weights and their full-size grads
             d, f = cfg.model.d_model, cfg.model.d_ff
-            layer *= 2 * max(3 * d * d, d * f) / sum(block_params(d, f))
+            layer *= 2 * max(d * d, 2 * d * f / mem.mlp_blocks) / sum(block_params(d, f))
         gathered = (layout["local_other"] + layer) * pb
 
     weights = weights_all * window
@@ -435,6 +440,8 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         "rts_optimizer": mem.rts_optimizer or rts,
         "offload": list(mem.offload),
         "configured_phases": mem.phases,
+        "configured_stream": mem.stream,
+        "mlp_blocks": mem.mlp_blocks,
         "remat": cfg.model.remat,
         "optimizer": cfg.optim.name,
         "dtype_bytes": {

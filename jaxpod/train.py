@@ -198,9 +198,9 @@ def _local_functions(
     sp = cfg.model.sequence_parallel
     head = lambda m, h, y: token_loss_in_chunks(m, h, y, tp, cfg.model.sequence_chunks)
 
-    def prepare_layer(layer_params):  # one layer's stored slice -> what the layer computes with
+    def prepare_layer(layer_params, blocks=None):  # a layer's stored slice -> computed with
         layer_params = cast(layer_params)
-        return gather(layer_params, lay.plan[STACKED_KEY], lay.rts_axes, leading=1)
+        return gather(layer_params, lay.plan[STACKED_KEY], lay.rts_axes, leading=1, blocks=blocks)
 
     layer_prepare = lay.rts_axes or dtype != master_dtype(cfg.precision)
     hooks = {}
@@ -211,7 +211,7 @@ def _local_functions(
     if lay.offload_activations:
         hooks["offload_activations"] = True
     if cfg.memory.stream != "layer":
-        hooks["stream"] = cfg.memory.stream
+        hooks.update(stream=cfg.memory.stream, mlp_blocks=cfg.memory.mlp_blocks)
 
     def model_of(params):  # stored local params -> the model, non-layer weights ready
         rest = {k: v for k, v in params.items() if k != STACKED_KEY}

@@ -145,11 +145,13 @@ print(format_plan(plans["GPT-3 175B POD256\np8 x t8 x r4"]))
 
 md(r"""
 Why: at tensor 8 one layer's float16 weights are `12·d²/8 × 2 B ≈ 453 MB` per device once
-all-gathered over the RTS group for use (RTS keeps a quarter of that at rest, and phased
-execution keeps two phases of it on the device), so the layer in use alone is half the
-device — before gradients, the update and activations (sequence parallelism and a serialised
-sequence already cut those from 2.9 GB to 0.66 GB). The same
-mapping fits an 80 GB H100 comfortably:
+all-gathered over the RTS group for use. The preset therefore streams each layer matrix by
+matrix (`memory.stream=matrix`, the MLP in `memory.mlp_blocks=8` blocks): one 38 MB block is
+gathered at a time, which takes the device total from 1.88 GB to 1.32 GB. What remains is the
+stage's weights and gradients held per phase (RTS keeps a quarter of a layer at rest, and
+phased execution keeps two phases of it on the device), the embedding tables gathered whole,
+and the activations (sequence parallelism and a serialised sequence already cut those from
+2.9 GB to 0.48 GB). The same mapping fits an 80 GB H100 comfortably:
 """)
 
 code(r"""
@@ -206,9 +208,32 @@ embeddings is paid back. `rts_optimizer` alone shrinks only the LAMB state (816 
 (The preset streams the LAMB state from host memory instead: 708 MB on the device.)
 For GPT-3, phases take the resident layer weights from 1.41 GB to 278 MB per device (`K = 12`,
 one layer per phase; `K = 1` and `K = 2` are the same because two phases are always
-resident) and the device total from 4.9 GB to 1.9 GB, but one gathered layer (453 MB) plus
-the gradients and the activations stays far above the GC200's 900 MB.
+resident) and the device total from 4.5 GB to 1.3 GB, still well above the GC200's 900 MB.
 
+**Streaming finer than a layer** (`memory.stream=matrix`): each layer runs as steps of one
+weight matrix each — queries, keys, values, `W_o`, and the MLP in `memory.mlp_blocks` blocks of
+hidden units — and only the step's matrix is gathered (its gradient reduce-scattered as soon
+as the step's backward pass produces it). The price: the backward pass recomputes the layer's
+forward once more, and `k` MLP blocks move the MLP's activations over the tensor axis `k`
+times. XLA agrees on small configs (`tests/test_planner.py`) and on GPT-3 itself its
+temporaries fall from 7.6 to 6.2 GB (`docs/benchmarks.md`).
+""")
+
+code(r"""
+fig, ax = plt.subplots(figsize=(7, 4.2))
+stream_plans = {"layer": plan(load_config(gpt3, ["memory.stream=layer", "memory.mlp_blocks=1"]))}
+for k in (1, 2, 4, 8):
+    stream_plans[f"matrix\nmlp_blocks {k}"] = plan(load_config(gpt3, [f"memory.mlp_blocks={k}"]))
+bars(ax, stream_plans, "GPT-3 175B p8 x t8 x r4: streaming unit")
+plt.tight_layout()
+for name, p in stream_plans.items():
+    b = p["bytes_per_device"]
+    print(f"{name.replace(chr(10), ' '):<20} gathered {format_bytes(b['gathered']):>9}  "
+          f"activations {format_bytes(b['activations']):>9}  "
+          f"device {format_bytes(b['device_total']):>9}")
+""")
+
+md(r"""
 ## 3 · An offloaded run: the ledger and the trace
 
 A tiny GPT (4 layers, d 64, the `tiny.yaml` preset) on 2 × 2 × 2 = 8 virtual devices, with its

@@ -52,23 +52,28 @@ def reference(cfg, step: int = 0):
 
 
 # Every axis sharded at once (2x2x2), tensor-heavy and pipeline-heavy meshes, post-LN on the
-# full mesh, and post-LN with sequence parallelism (the embedding LayerNorm and the MLM
-# targets/weights on split positions): each case is one XLA compile, so the list is kept to
-# what adds evidence.
-CASES = [((2, 2, 2), "pre", False), ((1, 2, 4), "pre", False), ((2, 2, 2), "post", False)]
-CASES += [((1, 2, 4), "post", True)]
+# full mesh, sequence-parallel and streamed matrix by matrix (RTS 2, the MLP in 2 blocks:
+# `Block.steps`' post-LN order), and post-LN with sequence parallelism (the embedding
+# LayerNorm, the position table split over tensor and the MLM targets/weights on split
+# positions): each case is one XLA compile, so the list is kept to what adds evidence.
+MATRIX = "model.remat=full memory.rts=2 memory.stream=matrix memory.mlp_blocks=2"
+CASES = [((2, 2, 2), "pre", False, ""), ((1, 2, 4), "pre", False, "")]
+CASES += [((2, 2, 2), "post", True, MATRIX), ((1, 2, 4), "post", True, "")]
 
 
 @pytest.mark.parametrize(
-    ("shape", "norm", "sp"),
+    ("shape", "norm", "sp", "more"),
     CASES,
-    ids=["x".join(map(str, s)) + f"-{n}" + "-sp" * sp for s, n, sp in CASES],
+    ids=[
+        "x".join(map(str, s)) + f"-{n}" + "-sp" * sp + "-matrix" * bool(m) for s, n, sp, m in CASES
+    ],
 )
-def test_sharded_mlm_loss_and_grads_match_reference(tiny_cfg, mesh_for, shape, norm, sp):
+def test_sharded_mlm_loss_and_grads_match_reference(tiny_cfg, mesh_for, shape, norm, sp, more):
     """`make_loss_and_grads` for BERT on replica/pipeline/tensor meshes == the plain model:
     loss (mean over the masked positions of the global batch) and every gradient leaf
     (post-LN on two meshes: the same kernels in another order)."""
-    cfg = tiny_cfg(*BERT, f"model.norm={norm}", f"model.sequence_parallel={sp}", mesh=shape)
+    extra = more.split()
+    cfg = tiny_cfg(*BERT, f"model.norm={norm}", f"model.sequence_parallel={sp}", *extra, mesh=shape)
     mesh = mesh_for(cfg)
     graphdef, params, specs = init_params(cfg.model, cfg.train.seed, mesh)
     fn = jax.jit(make_loss_and_grads(graphdef, specs, cfg, mesh))

@@ -62,6 +62,7 @@ def test_choices_table_matches_defaults():
         "precision.master",
         "precision.loss_scale",
         "memory.device",
+        "memory.stream",
     }
     default = Config()
     for key, options in CHOICES.items():
@@ -243,6 +244,11 @@ BAD_OVERRIDES = [
         ("memory.stream=matrix", "it needs a remat policy: set model.remat=full"),
     ),
     (["memory.stream=tensor"], ("memory.stream='tensor' is not one of layer, matrix",)),
+    (["memory.mlp_blocks=2"], ("memory.mlp_blocks=2 streams the MLP's matrices in blocks",)),
+    (
+        ["memory.stream=matrix", "model.remat=full", "memory.mlp_blocks=3"],
+        ("memory.mlp_blocks=3 does not divide the 256 hidden units per tensor shard",),
+    ),
     (["train.profile_steps=[5]"], ("train.profile_steps=[5] must be [start, stop] with",)),
     (["train.profile_steps=[5,2]"], ("train.profile_steps=[5, 2] must be [start, stop]",)),
     (["train.profile_steps=[a,b]"], ("train.profile_steps[0]='a' must be an integer",)),

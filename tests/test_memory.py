@@ -78,11 +78,11 @@ def assert_same_training(a, b, what: str) -> None:
 RTS_CASES = {  # name: (mesh, overrides, weight factor, optimizer factor)
     "rts2-2x2x2": ((2, 2, 2), ("memory.rts=2",), 2, 2),
     "rts1-opt2-2x1x4": ((2, 1, 4), ("memory.rts=1", "memory.rts_optimizer=2"), 1, 2),
-    # one matrix gathered at a time, each step a remat unit nested in the layer's
+    # one matrix (the MLP's in 2 blocks) gathered at a time, each step a remat unit nested in
+    # the layer's
     "rts2-matrix-2x2x2": (
         (2, 2, 2),
-        ("memory.rts=2", "memory.stream=matrix")
-        + ("model.remat=full", "model.sequence_parallel=true"),
+        ("memory.rts=2", "memory.stream=matrix", "memory.mlp_blocks=2", "model.remat=full"),
         2,
         2,
     ),

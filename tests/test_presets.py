@@ -3,9 +3,9 @@ their `_emulated` variants.
 
 The planner checks are analytic and instant. The rest run the CLI in subprocesses (each sets
 its own device count) and are marked slow; measured on 2 shared cores: `jaxpod compile` of the
-full-size presets from abstract shapes 16 s (BERT-Large, 16 devices) and 22 s (GPT-3 175B,
-256 devices); `jaxpod train` of bert_large_pod16_emulated 26 s (16 devices) and of
-gpt3_175b_pod256_emulated 43 s (256 devices, 12 s of it compiling).
+full-size presets from abstract shapes 16 s (BERT-Large, 16 devices) and 54 s (GPT-3 175B,
+256 devices, streamed matrix by matrix); `jaxpod train` of bert_large_pod16_emulated 26 s (16
+devices) and of gpt3_175b_pod256_emulated 65 s (256 devices, 16 s of it compiling).
 """
 
 from __future__ import annotations
@@ -66,16 +66,22 @@ def test_bert_large_pipeline8_fits_model_and_optimizer_on_chip():
 
 def test_gpt3_175b_pod256_plan():
     """175 B parameters on 8 x 8 x 4 devices; 1/(t·p·rts) = 1/256 of the weights per device.
-    The planner says it does not fit a GC200 with any setting (one layer's float16 weights,
-    gathered for use, are 453 MB at tensor 8: half the device); it fits an H100."""
+    Streamed matrix by matrix (one 38 MB block gathered at a time, not a 453 MB layer) it
+    needs 1.32 GB rather than 1.88; the planner says it does not fit a GC200 with any
+    setting; it fits an H100."""
     p = plan(preset("gpt3_175b_pod256"))
     assert (p["devices"], p["replica"], p["pipeline"], p["tensor"]) == (256, 4, 8, 8)
     assert abs(p["params"] - 175e9) / 175e9 < 0.01
     assert p["weight_fraction_per_device"] == pytest.approx(1 / (8 * 8 * 4))
     assert (p["rts"], p["configured_phases"]) == (4, 12)
     assert set(p["offload"]) == {"params", "optimizer", "activations"}
+    assert (p["configured_stream"], p["mlp_blocks"]) == ("matrix", 8)
+    layer = plan(preset("gpt3_175b_pod256", "memory.stream=layer", "memory.mlp_blocks=1"))
+    streamed, whole = p["bytes_per_device"], layer["bytes_per_device"]
+    assert whole["gathered"] - streamed["gathered"] == pytest.approx(378e6, rel=0.01)
+    assert streamed["device_total"] < 0.71 * whole["device_total"]
     assert not p["fits"] and p["phases"] is None
-    assert p["host_fits"]  # 9.8 GB of the 64 GB streaming memory
+    assert p["host_fits"]  # 6.4 GB of the 64 GB streaming memory
     assert plan(preset("gpt3_175b_pod256", "memory.device=h100-80gb"))["fits"]
 
 
@@ -96,6 +102,7 @@ def test_emulated_keeps_the_topology_and_recipe(emulated, full):
     assert recipe(e) == recipe(f)
     assert set(e.memory.offload) == set(f.memory.offload)
     assert (e.memory.rts, e.memory.rts_optimizer) == (f.memory.rts, f.memory.rts_optimizer)
+    assert e.memory.stream == f.memory.stream  # the MLP in 2 blocks, not 8: 3 steps in 65 s
 
 
 # ----------------------------------------------------------------------------- subprocesses

@@ -19,7 +19,7 @@ from jaxpod.mlm import check_vocab, mask_tokens
 from jaxpod.models.layers import INIT_STD, Block, LayerNorm, apply_stack
 from jaxpod.parallel.tensor import (
     column_dense,
-    local_sequence,
+    position_rows,
     vocab_cross_entropy,
     vocab_embed,
 )
@@ -39,7 +39,8 @@ class BERT(nnx.Module):
         d, v = cfg.d_model, cfg.vocab
         normal = lambda shape: INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
         self.wte = nnx.Param(normal((v, d)), axes=("vocab", "embed"))
-        self.wpe = nnx.Param(normal((cfg.seq_len, d)), axes=(None, "embed"))
+        rows = "positions" if cfg.sequence_parallel else None  # split over tensor with SP
+        self.wpe = nnx.Param(normal((cfg.seq_len, d)), axes=(rows, "embed"))
         self.wtt = nnx.Param(normal((TOKEN_TYPES, d)), axes=(None, "embed"))
         self.ln_emb = LayerNorm(d)
         self.blocks = Block(
@@ -72,9 +73,7 @@ class BERT(nnx.Module):
     def embed(self, tokens: jax.Array, tp: str | None = None) -> jax.Array:
         """`tokens[..., T] -> x[..., T, D]`: LayerNorm(token + position + token type 0)."""
         t, sp = tokens.shape[-1], self.sequence_parallel
-        positions = self.wpe[...][:t]
-        if sp:  # this shard's positions only: x[..., T_tensor, D]
-            positions = local_sequence(positions, tp, dim=0)
+        positions = position_rows(self.wpe[...], t, tp, sp)  # SP: this shard's, [T_tensor, D]
         x = vocab_embed(tokens, self.wte[...], tp, scatter=sp) + positions + self.wtt[...][0]
         return self.ln_emb(x)
 

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxpod.config import ModelConfig
 from jaxpod.models.layers import INIT_STD, Block, LayerNorm, apply_stack
-from jaxpod.parallel.tensor import local_sequence, vocab_cross_entropy, vocab_embed
+from jaxpod.parallel.tensor import position_rows, vocab_cross_entropy, vocab_embed
 
 
 class GPT(nnx.Module):
@@ -29,7 +29,8 @@ class GPT(nnx.Module):
         d, v = cfg.d_model, cfg.vocab
         normal = lambda shape: INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
         self.wte = nnx.Param(normal((v, d)), axes=("vocab", "embed"))
-        self.wpe = nnx.Param(normal((cfg.seq_len, d)), axes=(None, "embed"))
+        rows = "positions" if cfg.sequence_parallel else None  # split over tensor with SP
+        self.wpe = nnx.Param(normal((cfg.seq_len, d)), axes=(rows, "embed"))
         self.blocks = Block(
             d,
             cfg.heads,
@@ -50,9 +51,7 @@ class GPT(nnx.Module):
         """`tokens[..., T] int32 -> x[..., T, D]` (token + position embedding); with
         sequence parallelism this shard's positions only, `x[..., T_tensor, D]`."""
         t, sp = tokens.shape[-1], self.sequence_parallel
-        positions = self.wpe[...][:t]
-        if sp:
-            positions = local_sequence(positions, tp, dim=0)
+        positions = position_rows(self.wpe[...], t, tp, sp)
         return vocab_embed(tokens, self.wte[...], tp, scatter=sp) + positions
 
     def inputs_and_targets(self, tokens: jax.Array, keys=None):

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpod.parallel.replica import take_block
 from jaxpod.parallel.tensor import column_dense, gather_sequence, reduce_rows, row_dense
 from jaxpod.remat import remat
 
@@ -31,6 +33,16 @@ INIT_STD = 0.02
 F32 = jnp.float32
 # Weights a phase fetched (see `scan_layers`): never saved for the backward pass, fetched again.
 PHASE_WEIGHTS = "phase_weights"
+
+
+class Slice(NamedTuple):
+    """Block `index` of `count` equal blocks of the parameter at `path` (e.g. `"mlp/w_in"`)
+    along `axis` of one layer's array."""
+
+    path: str
+    axis: int
+    index: int
+    count: int
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, layers: int | None, fill: float | None = None):
@@ -130,10 +142,20 @@ class SelfAttention(nnx.Module):
     def mix(self, x: jax.Array, tp: str | None) -> jax.Array:
         """The attention before its output projection (reads `W_qkv`, `b_qkv` only):
         `x[B, T, D]` (`[B, T_tensor, D]` sequence-parallel) -> `o[B, T, HD_tensor]`."""
-        if self.sequence_parallel:
-            x = gather_sequence(x, tp)
-        b, t, _ = x.shape
-        qkv = checkpoint_name(column_dense(x, self.w_qkv[...], self.b_qkv[...]), "qkv")
+        return self.attend_qkv(self.qkv(self.gather_input(x, tp)))
+
+    def gather_input(self, x: jax.Array, tp: str | None) -> jax.Array:
+        """`x[B, T, D]` as the matmul needs it (sequence-parallel: all-gathered over T)."""
+        return gather_sequence(x, tp) if self.sequence_parallel else x
+
+    def qkv(self, x: jax.Array) -> jax.Array:
+        """`x[B, T, D] @ W_qkv -> [B, T, n, HD_tensor]` (`n` = 3, or 1 for a block of
+        `W_qkv[D, 1, HD_tensor]`: queries, keys or values alone)."""
+        return checkpoint_name(column_dense(x, self.w_qkv[...], self.b_qkv[...]), "qkv")
+
+    def attend_qkv(self, qkv: jax.Array) -> jax.Array:
+        """`qkv[B, T, 3, HD_tensor] -> o[B, T, HD_tensor]`, the queries in `chunks` blocks."""
+        b, t = qkv.shape[:2]
         qkv = qkv.reshape(b, t, 3, -1, self.head_dim)  # [B, T, 3, H_tensor, hd]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         n = t // self.chunks  # queries per block
@@ -185,12 +207,22 @@ class Mlp(nnx.Module):
         self.b_out = _param(None, (d_model,), ("embed",), layers, fill=0.0)
 
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
-        if self.sequence_parallel:
-            x = gather_sequence(x, tp)
-        # both matmuls per token block: one block's hidden activations alive at a time
-        partial_sums = lambda xb, _: self._partial_sums(self._gelu(xb))
-        y = serialize(partial_sums, x, self.chunks, axis=1)
-        return reduce_rows(y, self.b_out[...], tp, self.sequence_parallel)
+        return self.reduce(self.partial(self.gather_input(x, tp)), tp)
+
+    def gather_input(self, x: jax.Array, tp: str | None) -> jax.Array:
+        """`x[B, T, D]` as the matmul needs it (sequence-parallel: all-gathered over T)."""
+        return gather_sequence(x, tp) if self.sequence_parallel else x
+
+    def partial(self, x: jax.Array) -> jax.Array:
+        """`x[B, T, D] -> [B, T, D]`, this shard's hidden units only (reads `W_in`, `b_in`,
+        `W_out`, or one block of each): both matmuls per token block, one block's hidden
+        activations alive at a time."""
+        return serialize(lambda xb, _: self._partial_sums(self._gelu(xb)), x, self.chunks, axis=1)
+
+    def reduce(self, y: jax.Array, tp: str | None, bias: bool = True) -> jax.Array:
+        """Sum the partial sums `y[B, T, D]` over `tp` (reduce-scatter over T when
+        sequence-parallel) and add `b_out` (unless `bias=False`)."""
+        return reduce_rows(y, self.b_out[...] if bias else None, tp, self.sequence_parallel)
 
     def _gelu(self, x: jax.Array) -> jax.Array:  # [B, n, D] -> [B, n, F_tensor]
         return jax.nn.gelu(column_dense(x, self.w_in[...], self.b_in[...]), approximate=True)
@@ -258,38 +290,49 @@ class Block(nnx.Module):
         x = x + self.attn(self.ln1(x), tp)
         return x + self.mlp(self.ln2(x), tp)
 
-    def steps(self, tp: str | None) -> list[tuple[tuple[str, ...], Callable]]:
-        """The block as four steps of one weight matrix each (`W_qkv`, `W_o`, `W_in`,
-        `W_out`), in order: `(reads, step)` with `reads` the parameters the step uses
-        (`"attn/w_qkv"`, `"ln1"`: a sub-module's all) and `step(block, carry) -> carry`, a
-        function of the block it is given (not of `self`). The carry starts as `(x,)` and
-        ends as `(y,)`, with `y = self(x, tp)`; between steps it also holds the attention
-        output `o[B, T, HD_tensor]` or the MLP's hidden `h[B, T, F_tensor]`."""
-        if self.post_norm:
-            return [
-                (("attn/w_qkv", "attn/b_qkv"), lambda m, c: (c[0], m.attn.mix(c[0], tp))),
-                (
-                    ("attn/w_o", "attn/b_o", "ln1"),
-                    lambda m, c: (m.ln1(c[0] + m.attn.project(c[1], tp)),),
-                ),
-                (("mlp/w_in", "mlp/b_in"), lambda m, c: (c[0], m.mlp.hidden(c[0], tp))),
-                (
-                    ("mlp/w_out", "mlp/b_out", "ln2"),
-                    lambda m, c: (m.ln2(c[0] + m.mlp.project(c[1], tp)),),
-                ),
-            ]
-        return [
-            (
-                ("ln1", "attn/w_qkv", "attn/b_qkv"),
-                lambda m, c: (c[0], m.attn.mix(m.ln1(c[0]), tp)),
-            ),
-            (("attn/w_o", "attn/b_o"), lambda m, c: (c[0] + m.attn.project(c[1], tp),)),
-            (
-                ("ln2", "mlp/w_in", "mlp/b_in"),
-                lambda m, c: (c[0], m.mlp.hidden(m.ln2(c[0]), tp)),
-            ),
-            (("mlp/w_out", "mlp/b_out"), lambda m, c: (c[0] + m.mlp.project(c[1], tp),)),
-        ]
+    def steps(
+        self, tp: str | None, mlp_blocks: int = 1
+    ) -> list[tuple[tuple[str | Slice, ...], Callable]]:
+        """The block as a sequence of steps that each read at most one weight matrix, or one
+        block of one: `(reads, step)`, with `reads` the parameters the step uses (`"ln1"`: a
+        sub-module's all; `Slice("attn/w_qkv", 1, j, 3)`: block j of 3 along axis 1) and
+        `step(block, carry) -> carry` a function of the block it is given (whose parameters
+        are the `reads`, already sliced), not of `self`. The carry starts as `(x,)` and ends
+        as `(y,)` with `y = self(x, tp)`; in between it holds only residual-stream-sized
+        values (x, q, k, v, the attention output, the MLP's partial sums), so that what a
+        layer's backward pass keeps of its steps' inputs stays small.
+
+        Attention: queries, keys and values, one `W_qkv` block each (each step makes its
+        input ready again: LayerNorm, sequence all-gather), the attention itself (no
+        weights), `W_o`. MLP: `mlp_blocks` blocks of the hidden units (a column block of
+        `W_in`, `b_in` and the matching row block of `W_out` each; the input made ready and
+        the partial sums reduced over `tp` per block, so k blocks cost k times the MLP's
+        activation traffic), then `b_out`. The same math as `__call__`, summed in another
+        order."""
+        pre = not self.post_norm
+        norm = lambda m, name, x: getattr(m, name)(x) if pre else x
+        # the residual connection with the sub-block's output u
+        post = lambda m, name, x, u: x + u if pre else getattr(m, name)(x + u)
+        ln1, ln2 = (("ln1",), ("ln2",)) if pre else ((), ())
+        out: list = []
+        for j in range(3):  # carry (x[, q[, k]]) -> + this block's [B, T, 1, HD_tensor]
+            reads = (*ln1, Slice("attn/w_qkv", 1, j, 3), Slice("attn/b_qkv", 0, j, 3))
+            ready = lambda m, x: m.attn.gather_input(norm(m, "ln1", x), tp)
+            out.append((reads, lambda m, c, r=ready: (*c, m.attn.qkv(r(m, c[0])))))
+        out.append(((), lambda m, c: (c[0], m.attn.attend_qkv(jnp.concatenate(c[1:], 2)))))
+        reads = ("attn/w_o", "attn/b_o", *(() if pre else ("ln1",)))
+        out.append((reads, lambda m, c: (post(m, "ln1", c[0], m.attn.project(c[1], tp)),)))
+        k = mlp_blocks
+        ready = lambda m, x: m.mlp.gather_input(norm(m, "ln2", x), tp)
+        partial = lambda m, x: m.mlp.reduce(m.mlp.partial(ready(m, x)), tp, bias=False)
+        add = lambda c, y: y if len(c) == 1 else c[1] + y
+        for j in range(k):  # carry (x[, the reduced partial sums so far])
+            reads = (*ln2, Slice("mlp/w_in", 1, j, k), Slice("mlp/b_in", 0, j, k))
+            reads += (Slice("mlp/w_out", 0, j, k),)
+            out.append((reads, lambda m, c: (c[0], add(c, partial(m, c[0])))))
+        reads = ("mlp/b_out", *(() if pre else ("ln2",)))
+        out.append((reads, lambda m, c: (post(m, "ln2", c[0], c[1] + m.mlp.b_out[...]),)))
+        return out
 
 
 def scan_layers(
@@ -354,16 +397,26 @@ def tie(weights, x: jax.Array):
     return jax.tree.map(one, weights)
 
 
-def _select(tree: dict, reads: tuple[str, ...]) -> dict:
-    """The entries of the nested dict `tree` named by `reads` (paths like `"attn/w_o"`)."""
+def _select(tree: dict, reads: tuple[str | Slice, ...]) -> tuple[dict, dict]:
+    """The entries of the nested dict `tree` named by `reads` (paths like `"attn/w_o"`, or
+    `Slice`s), and a dict of the same structure holding each entry's `Slice` (or None)."""
     out: dict = {}
-    for path in reads:
+    blocks: dict = {}
+    for read in reads:
+        path, block = (read.path, read) if isinstance(read, Slice) else (read, None)
         *parents, leaf = path.split("/")
-        src, dst = tree, out
+        src, dst, bdst = tree, out, blocks
         for key in parents:
-            src, dst = src[key], dst.setdefault(key, {})
+            src, dst, bdst = src[key], dst.setdefault(key, {}), bdst.setdefault(key, {})
         dst[leaf] = src[leaf]
-    return out
+        bdst[leaf] = jax.tree.map(lambda _, b=block: b, src[leaf])
+    return out, blocks
+
+
+def take_blocks(tree, blocks):
+    """`take_block` of each leaf of `tree` with a `Slice` in `blocks` (see `_select`)."""
+    one = lambda a, b: a if b is None else take_block(a, b.axis, b.index, b.count)
+    return jax.tree.map(one, tree, blocks, is_leaf=lambda x: x is None)
 
 
 def _overlay(base: dict, top: dict) -> dict:
@@ -386,45 +439,49 @@ def apply_stack(
     prepare: Callable | None = None,
     offload_activations: bool = False,
     stream: str = "layer",
+    mlp_blocks: int = 1,
 ) -> jax.Array:
     """Run a stacked `Block` (`[L, ...]` params) over `x[B, T, D]`, one layer at a time.
 
-    `prepare` is applied to the params right before they are used (the engine's hook, e.g.
-    gathering replicated-tensor-sharded weights): with `stream="layer"` to each layer's
+    `prepare(params, blocks)` is applied to the params right before they are used (the
+    engine's hook, e.g. gathering replicated-tensor-sharded weights; `blocks`: `_select`'s,
+    the `Slice` to take of each leaf, or None): with `stream="layer"` to each layer's
     params before the layer runs, the layer being one remat unit; with `stream="matrix"` to
-    the params of each of the layer's four steps (`Block.steps`: one weight matrix each)
-    before that step runs, each step a remat unit nested in the layer's, so one matrix is
-    prepared (and its gradient reduce-scattered) at a time, forward and backward: the
-    backward pass recomputes the layer (saving the steps' inputs, for this layer only), then
-    each step again (gathering its matrix again). `phases`/`fetch`: see `scan_layers`;
-    `offload_activations`: the remat
-    policy's saved values go to host memory (`jaxpod.remat`). `unroll=True` unrolls the
-    layer scan (FLOP accounting only).
+    the params of each of the layer's steps (`Block.steps`: at most one weight matrix, or
+    one of `mlp_blocks` blocks of the MLP's, each) before that step runs, each step a remat
+    unit nested in the layer's, so one matrix is prepared (and its gradient
+    reduce-scattered) at a time, forward and backward: the backward pass recomputes the
+    layer (saving the steps' inputs, for this layer only), then each step again (gathering
+    its matrix again). `phases`/`fetch`: see `scan_layers`; `offload_activations`: the
+    remat policy's saved values go to host memory (`jaxpod.remat`). `unroll=True` unrolls
+    the layer scan (FLOP accounting only).
     """
     if stream not in ("layer", "matrix"):
         raise ValueError(f"stream={stream!r} must be 'layer' or 'matrix'")
     graphdef, stacked = nnx.split(blocks)
 
-    def ready(params, x):  # stored params -> what the computation uses
+    def ready(params, x, blocks=None):  # stored params -> what the computation uses
+        if blocks is None:
+            blocks = jax.tree.map(lambda _: None, params)
         if prepare is None:
-            return params
+            return take_blocks(params, blocks)
         if remat_policy != "none":  # recomputed in the backward pass: gather it per tick
             params = tie(params, x)
-        return prepare(params)
+        return prepare(params, blocks)
 
     def one_layer(x, layer_params):
         return nnx.merge(graphdef, ready(layer_params, x))(x, tp)
 
-    def one_step(step, carry, used, layer_params):
-        block = nnx.merge(graphdef, _overlay(layer_params, ready(used, carry[0])))
+    def one_step(step, carry, used, blocks, layer_params):
+        block = nnx.merge(graphdef, _overlay(layer_params, ready(used, carry[0], blocks)))
         return step(block, carry)
 
     def matrix_by_matrix(x, layer_params):
         carry = (x,)
-        for reads, step in nnx.merge(graphdef, layer_params).steps(tp):
-            run = lambda c, used, step=step: one_step(step, c, used, layer_params)
-            run = remat(run, remat_policy, prevent_cse=True)
-            carry = run(carry, _select(layer_params, reads))
+        for reads, step in nnx.merge(graphdef, layer_params).steps(tp, mlp_blocks):
+            used, blocks = _select(layer_params, reads)
+            run = lambda c, u, step=step, b=blocks: one_step(step, c, u, b, layer_params)
+            carry = remat(run, remat_policy, prevent_cse=True)(carry, used)
         return carry[0]
 
     # the layer is the outer remat unit either way: only its input is saved per layer (and per

@@ -103,20 +103,37 @@ def with_rts(specs, plan, axes: tuple[str, ...]):
     return jax.tree.map(one, specs, plan, is_leaf=lambda x: isinstance(x, P))
 
 
-def gather(tree, plan, axes: tuple[str, ...], leading: int = 0):
+def gather(tree, plan, axes: tuple[str, ...], leading: int = 0, blocks=None):
     """Inside `shard_map`: all-gather each planned leaf over `axes` along its planned
     dimension (shifted by `leading` for slices of stacked leaves). `tree` may hold a subset
-    of `plan`'s entries (one step's matrices of a layer). Its transpose, in the backward
-    pass, is the reduce-scatter of the gradients."""
-    if not axes:
-        return tree
+    of `plan`'s entries (one step's matrices of a layer). `blocks` (same structure as
+    `tree`, entries `jaxpod.models.layers.Slice` or None) asks for one block of a leaf along
+    a dimension of the gathered array: sliced from the local shard before the gather when
+    the gathered dimension is another one (only the block is gathered), after it otherwise.
+    Its transpose, in the backward pass, is the reduce-scatter of the gradients."""
+    if blocks is None:
+        blocks = jax.tree.map(lambda _: None, tree)
+    gathered = lambda x, d: jax.lax.all_gather(x, axes, axis=d, tiled=True) if axes else x
+    take = lambda x, b: take_block(x, b.axis, b.index, b.count)
 
-    def one(x, dim):
-        if dim == NO_GATHER:
-            return x
-        return jax.lax.all_gather(x, axes, axis=dim - leading, tiled=True)
+    def one(x, dim, block):
+        if dim == NO_GATHER or not axes:
+            return x if block is None else take(x, block)
+        d = dim - leading
+        if block is None:
+            return gathered(x, d)
+        if block.axis == d:
+            return take(gathered(x, d), block)
+        return gathered(take(x, block), d)
 
-    return jax.tree.map(one, tree, _like(plan, tree))
+    is_leaf = lambda x: x is None
+    return jax.tree.map(one, tree, _like(plan, tree), blocks, is_leaf=is_leaf)
+
+
+def take_block(a: jax.Array, axis: int, index: int, count: int) -> jax.Array:
+    """Block `index` of `count` equal blocks of `a` along `axis` (a static slice)."""
+    n = a.shape[axis] // count
+    return jax.lax.slice_in_dim(a, index * n, (index + 1) * n, axis=axis)
 
 
 def _like(plan, tree):

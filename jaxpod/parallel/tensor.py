@@ -86,6 +86,18 @@ def local_sequence(x: jax.Array, axis: str | None, dim: int = -2) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * n, n, dim)
 
 
+def position_rows(table: jax.Array, t: int, axis: str | None, sequence_parallel: bool):
+    """The rows of the position table `table[T, D]` that this shard adds to a `t`-token
+    sequence: `table[:t]`; sequence-parallel inside `shard_map`, this shard's block
+    `[t / |axis|, D]`, which is the table's stored shard (sequence-parallel models split it
+    over `axis` along T: logical axis `"positions"`), so no shard holds the whole table."""
+    if not sequence_parallel or axis is None:
+        return table[:t]
+    if table.shape[0] * jax.lax.axis_size(axis) != t:
+        raise ValueError(f"sequence-parallel positions need t = seq_len; got t={t}")
+    return table
+
+
 def _vocab_range(table: jax.Array, axis: str | None) -> tuple[jax.Array | int, int]:
     """First vocabulary id held by this shard and the shard's size (`table[V_tensor, D]`)."""
     size = table.shape[0]
