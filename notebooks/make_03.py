@@ -147,7 +147,7 @@ md(r"""
 Why: at tensor 8 one layer's float16 weights are `12·d²/8 × 2 B ≈ 453 MB` per device once
 all-gathered over the RTS group for use. The preset therefore streams each layer matrix by
 matrix (`memory.stream=matrix`, the MLP in `memory.mlp_blocks=8` blocks): one 38 MB block is
-gathered at a time, which takes the device total from 1.88 GB to 1.32 GB. What remains is the
+gathered at a time, which takes the device total from 1.81 GB to 1.25 GB. What remains is the
 stage's weights and gradients held per phase (RTS keeps a quarter of a layer at rest, and
 phased execution keeps two phases of it on the device), the embedding tables gathered whole,
 and the activations (sequence parallelism and a serialised sequence already cut those from
@@ -206,9 +206,9 @@ weights, the optimizer state and the gradients (reduce-scattered layer by layer 
 pass leaves them) all shrink by 4, and only the all-gathered working copy of one layer and the
 embeddings is paid back. `rts_optimizer` alone shrinks only the LAMB state (816 MB).
 (The preset streams the LAMB state from host memory instead: 708 MB on the device.)
-For GPT-3, phases take the resident layer weights from 1.41 GB to 278 MB per device (`K = 12`,
+For GPT-3, phases take the resident layer weights from 1.40 GB to 267 MB per device (`K = 12`,
 one layer per phase; `K = 1` and `K = 2` are the same because two phases are always
-resident) and the device total from 4.5 GB to 1.3 GB, still well above the GC200's 900 MB.
+resident) and the device total from 4.5 GB to 1.25 GB, still well above the GC200's 900 MB.
 
 **Streaming finer than a layer** (`memory.stream=matrix`): each layer runs as steps of one
 weight matrix each — queries, keys, values, `W_o`, and the MLP in `memory.mlp_blocks` blocks of
