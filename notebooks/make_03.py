@@ -120,6 +120,13 @@ def bars(ax, plans, title, limit=900e6):
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
+def table(plans, *parts):  # one line per plan: the named entries of its bytes_per_device
+    for name, p in plans.items():
+        b = p["bytes_per_device"]
+        cols = "  ".join(f"{part} {format_bytes(b[part]):>9}" for part in parts)
+        print(f"{name.replace(chr(10), ' '):<20} {cols}")
+
+
 plans = {name: plan(load_config(CONFIGS / f)) for name, f in PRESETS.items()}
 fig, ax = plt.subplots(figsize=(11, 4.5))
 bars(ax, plans, "planned bytes per device on ipu-gc200")
@@ -193,11 +200,8 @@ phase_plans = {
 }
 bars(axes[1], phase_plans, "GPT-3 175B p8 x t8 x r4: phases")
 plt.tight_layout()
-for name, p in {**rts_plans, **phase_plans}.items():
-    b = p["bytes_per_device"]
-    print(f"{name.replace(chr(10), ' '):<20} weights {format_bytes(b['weights']):>9}  "
-          f"optimizer {format_bytes(b['optimizer']):>9}  gathered {format_bytes(b['gathered']):>9}"
-          f"  device {format_bytes(b['device_total']):>9}  host {format_bytes(b['host_total']):>9}")
+table({**rts_plans, **phase_plans}, "weights", "optimizer", "gathered", "device_total",
+      "host_total")
 """)
 
 md(r"""
@@ -226,11 +230,7 @@ for k in (1, 2, 4, 8):
     stream_plans[f"matrix\nmlp_blocks {k}"] = plan(load_config(gpt3, [f"memory.mlp_blocks={k}"]))
 bars(ax, stream_plans, "GPT-3 175B p8 x t8 x r4: streaming unit")
 plt.tight_layout()
-for name, p in stream_plans.items():
-    b = p["bytes_per_device"]
-    print(f"{name.replace(chr(10), ' '):<20} gathered {format_bytes(b['gathered']):>9}  "
-          f"activations {format_bytes(b['activations']):>9}  "
-          f"device {format_bytes(b['device_total']):>9}")
+table(stream_plans, "gathered", "activations", "device_total")
 """)
 
 md(r"""

@@ -217,31 +217,18 @@ class Mlp(nnx.Module):
         """`x[B, T, D] -> [B, T, D]`, this shard's hidden units only (reads `W_in`, `b_in`,
         `W_out`, or one block of each): both matmuls per token block, one block's hidden
         activations alive at a time."""
-        return serialize(lambda xb, _: self._partial_sums(self._gelu(xb)), x, self.chunks, axis=1)
+        w_in, b_in, w_out = self.w_in[...], self.b_in[...], self.w_out[...]
+
+        def partial_sums(xb, _):  # [B, n, D] -> [B, n, D], this shard's F columns only
+            h = jax.nn.gelu(column_dense(xb, w_in, b_in), approximate=True)
+            return jnp.tensordot(h, w_out, axes=1)
+
+        return serialize(partial_sums, x, self.chunks, axis=1)
 
     def reduce(self, y: jax.Array, tp: str | None, bias: bool = True) -> jax.Array:
         """Sum the partial sums `y[B, T, D]` over `tp` (reduce-scatter over T when
         sequence-parallel) and add `b_out` (unless `bias=False`)."""
         return reduce_rows(y, self.b_out[...] if bias else None, tp, self.sequence_parallel)
-
-    def _gelu(self, x: jax.Array) -> jax.Array:  # [B, n, D] -> [B, n, F_tensor]
-        return jax.nn.gelu(column_dense(x, self.w_in[...], self.b_in[...]), approximate=True)
-
-    def _partial_sums(self, h: jax.Array) -> jax.Array:  # [B, n, F_tensor] -> [B, n, D]
-        return jnp.tensordot(h, self.w_out[...], axes=1)  # this shard's F rows only
-
-    def hidden(self, x: jax.Array, tp: str | None) -> jax.Array:
-        """The first half (reads `W_in`, `b_in` only): `x[B, T, D]` (`[B, T_tensor, D]`
-        sequence-parallel) -> `h[B, T, F_tensor]`, in token blocks."""
-        if self.sequence_parallel:
-            x = gather_sequence(x, tp)
-        return serialize(lambda xb, _: self._gelu(xb), x, self.chunks, axis=1)
-
-    def project(self, h: jax.Array, tp: str | None) -> jax.Array:
-        """The second half (reads `W_out`, `b_out` only): `h[B, T, F_tensor]` -> `[B, T, D]`
-        (`[B, T_tensor, D]` sequence-parallel), summed over `tp`."""
-        y = serialize(lambda hb, _: self._partial_sums(hb), h, self.chunks, axis=1)
-        return reduce_rows(y, self.b_out[...], tp, self.sequence_parallel)
 
 
 class Block(nnx.Module):
