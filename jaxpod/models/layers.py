@@ -37,11 +37,12 @@ PHASE_WEIGHTS = "phase_weights"
 
 class Slice(NamedTuple):
     """Block `index` of `count` equal blocks of the parameter at `path` (e.g. `"mlp/w_in"`)
-    along `axis` of one layer's array."""
+    along `axis` of one layer's array; `index=None`: each block in turn (the step runs
+    `count` times, a loop over the blocks)."""
 
     path: str
     axis: int
-    index: int
+    index: int | None
     count: int
 
 
@@ -313,10 +314,10 @@ class Block(nnx.Module):
         ready = lambda m, x: m.mlp.gather_input(norm(m, "ln2", x), tp)
         partial = lambda m, x: m.mlp.reduce(m.mlp.partial(ready(m, x)), tp, bias=False)
         add = lambda c, y: y if len(c) == 1 else c[1] + y
-        for j in range(k):  # carry (x[, the reduced partial sums so far])
-            reads = (*ln2, Slice("mlp/w_in", 1, j, k), Slice("mlp/b_in", 0, j, k))
-            reads += (Slice("mlp/w_out", 0, j, k),)
-            out.append((reads, lambda m, c: (c[0], add(c, partial(m, c[0])))))
+        # carry (x[, the reduced partial sums so far]), once per block (index None: a loop)
+        reads = (*ln2, Slice("mlp/w_in", 1, None, k), Slice("mlp/b_in", 0, None, k))
+        reads += (Slice("mlp/w_out", 0, None, k),)
+        out.append((reads, lambda m, c: (c[0], add(c, partial(m, c[0])))))
         reads = ("mlp/b_out", *(() if pre else ("ln2",)))
         out.append((reads, lambda m, c: (post(m, "ln2", c[0], c[1] + m.mlp.b_out[...]),)))
         return out
@@ -467,8 +468,19 @@ def apply_stack(
         carry = (x,)
         for reads, step in nnx.merge(graphdef, layer_params).steps(tp, mlp_blocks):
             used, blocks = _select(layer_params, reads)
-            run = lambda c, u, step=step, b=blocks: one_step(step, c, u, b, layer_params)
-            carry = remat(run, remat_policy, prevent_cse=True)(carry, used)
+
+            def run(c, index, step=step, used=used, blocks=blocks):  # the step, remat unit
+                at = lambda b: b if b is None or b.index is not None else b._replace(index=index)
+                b = jax.tree.map(at, blocks, is_leaf=lambda b: b is None or isinstance(b, Slice))
+                fn = lambda c, u: one_step(step, c, u, b, layer_params)
+                return remat(fn, remat_policy, prevent_cse=True)(c, used)
+
+            count = [r.count for r in reads if isinstance(r, Slice) and r.index is None]
+            carry = run(carry, 0)
+            if count and count[0] > 1:  # the other blocks in a loop: one block's weights
+                # gathered at a time, their gradients summed into one buffer
+                body = lambda c, j: (run(c, j), None)
+                carry = jax.lax.scan(body, carry, jnp.arange(1, count[0]))[0]
         return carry[0]
 
     # the layer is the outer remat unit either way: only its input is saved per layer (and per

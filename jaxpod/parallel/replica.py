@@ -130,10 +130,13 @@ def gather(tree, plan, axes: tuple[str, ...], leading: int = 0, blocks=None):
     return jax.tree.map(one, tree, _like(plan, tree), blocks, is_leaf=is_leaf)
 
 
-def take_block(a: jax.Array, axis: int, index: int, count: int) -> jax.Array:
-    """Block `index` of `count` equal blocks of `a` along `axis` (a static slice)."""
+def take_block(a: jax.Array, axis: int, index, count: int) -> jax.Array:
+    """Block `index` (an int, or a traced index inside a loop) of `count` equal blocks of `a`
+    along `axis`."""
     n = a.shape[axis] // count
-    return jax.lax.slice_in_dim(a, index * n, (index + 1) * n, axis=axis)
+    if isinstance(index, int):
+        return jax.lax.slice_in_dim(a, index * n, (index + 1) * n, axis=axis)
+    return jax.lax.dynamic_slice_in_dim(a, index * n, n, axis=axis)
 
 
 def _like(plan, tree):
