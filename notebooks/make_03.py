@@ -220,7 +220,7 @@ hidden units — and only the step's matrix is gathered (its gradient reduce-sca
 as the step's backward pass produces it). The price: the backward pass recomputes the layer's
 forward once more, and `k` MLP blocks move the MLP's activations over the tensor axis `k`
 times. XLA agrees on small configs (`tests/test_planner.py`) and on GPT-3 itself its
-temporaries fall from 7.6 to 6.2 GB (`docs/benchmarks.md`).
+temporaries fall from 7.6 to 6.4 GB (`docs/benchmarks.md`).
 """)
 
 code(r"""

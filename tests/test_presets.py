@@ -3,7 +3,7 @@ their `_emulated` variants.
 
 The planner checks are analytic and instant. The rest run the CLI in subprocesses (each sets
 its own device count) and are marked slow; measured on 2 shared cores: `jaxpod compile` of the
-full-size presets from abstract shapes 16 s (BERT-Large, 16 devices) and 54 s (GPT-3 175B,
+full-size presets from abstract shapes 16 s (BERT-Large, 16 devices) and 35 s (GPT-3 175B,
 256 devices, streamed matrix by matrix); `jaxpod train` of bert_large_pod16_emulated 26 s (16
 devices) and of gpt3_175b_pod256_emulated 65 s (256 devices, 16 s of it compiling).
 """

@@ -292,10 +292,11 @@ class Block(nnx.Module):
 
         Attention: queries, keys and values, one `W_qkv` block each (each step makes its
         input ready again: LayerNorm, sequence all-gather), the attention itself (no
-        weights), `W_o`. MLP: `mlp_blocks` blocks of the hidden units (a column block of
-        `W_in`, `b_in` and the matching row block of `W_out` each; the input made ready and
-        the partial sums reduced over `tp` per block, so k blocks cost k times the MLP's
-        activation traffic), then `b_out`. The same math as `__call__`, summed in another
+        weights), `W_o`. MLP: one step run once per block of the hidden units (`Slice`
+        index None; `mlp_blocks` blocks: a column block of `W_in`, `b_in` and the matching
+        row block of `W_out` each; the input made ready and the partial sums reduced over
+        `tp` per block, so k blocks cost k times the MLP's activation traffic), then
+        `b_out`. The same math as `__call__`, summed in another
         order."""
         pre = not self.post_norm
         norm = lambda m, name, x: getattr(m, name)(x) if pre else x
@@ -436,13 +437,15 @@ def apply_stack(
     the `Slice` to take of each leaf, or None): with `stream="layer"` to each layer's
     params before the layer runs, the layer being one remat unit; with `stream="matrix"` to
     the params of each of the layer's steps (`Block.steps`: at most one weight matrix, or
-    one of `mlp_blocks` blocks of the MLP's, each) before that step runs, each step a remat
-    unit nested in the layer's, so one matrix is prepared (and its gradient
-    reduce-scattered) at a time, forward and backward: the backward pass recomputes the
-    layer (saving the steps' inputs, for this layer only), then each step again (gathering
-    its matrix again). `phases`/`fetch`: see `scan_layers`; `offload_activations`: the
-    remat policy's saved values go to host memory (`jaxpod.remat`). `unroll=True` unrolls
-    the layer scan (FLOP accounting only).
+    one of `mlp_blocks` blocks of the MLP's, each; a step reading `Slice(index=None)` runs
+    once per block, the first block and then a `lax.scan` over the others, so one block is
+    gathered at a time and the blocks' gradients add into one buffer) before that step
+    runs, each step a remat unit nested in the layer's, so one matrix is prepared (and its
+    gradient reduce-scattered) at a time, forward and backward: the backward pass
+    recomputes the layer (saving the steps' inputs, for this layer only), then each step
+    again (gathering its matrix again). `phases`/`fetch`: see `scan_layers`;
+    `offload_activations`: the remat policy's saved values go to host memory
+    (`jaxpod.remat`). `unroll=True` unrolls the layer scan (FLOP accounting only).
     """
     if stream not in ("layer", "matrix"):
         raise ValueError(f"stream={stream!r} must be 'layer' or 'matrix'")
