@@ -297,13 +297,6 @@ XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, more overrides
     "4x1x1-full-ga2-rts4": ((4, 1, 1), "full", 2, RTS4),
     # weights dominate (seq 16, d 256, 8 layers): the gathered stage is the difference
     "4x2x1-full-ga4-rts4-weights": ((4, 2, 1), "full", 4, [*RTS4, *WEIGHTS, "model.layers=8"]),
-    # the same, one matrix (the MLP's in 2 blocks) gathered at a time: 21.56 -> 20.50 MB
-    "4x2x1-full-ga4-rts4-weights-matrix": (
-        (4, 2, 1),
-        "full",
-        4,
-        [*RTS4, *WEIGHTS, "model.layers=8", "memory.stream=matrix", "memory.mlp_blocks=2"],
-    ),
     # four GPipe passes of 2 micro-batches (train.pipeline_group): 3 ticks in flight, not 9
     "1x2x1-full-ga8-group2": ((1, 2, 1), "full", 8, ["train.pipeline_group=2"]),
     # the FP16 + stochastic rounding + LAMB update, tensor by tensor (jaxpod.layerwise)
@@ -362,7 +355,8 @@ def test_sequence_parallel_shrinks_compiled_memory(tiny_cfg, mesh_for):
 def test_matrix_stream_shrinks_compiled_memory(tiny_cfg, mesh_for):
     """Gathering one matrix at a time (`memory.stream=matrix`, the MLP in 2 blocks) instead
     of a layer, where the weights dominate (4x2x1, RTS 4, d 512, seq 16): XLA's bytes drop by
-    4.26 MB (45.06 -> 40.80 MB) and the planner predicts the drop (4.22)."""
+    4.26 MB (45.06 -> 40.80 MB), the planner predicts the drop (4.22), and both totals are
+    within 15 % like the XLA_CASES (41.18 planned for 40.80)."""
     shape = ["model.d_model=512", "model.d_ff=2048", "model.seq_len=16", "train.micro_batch=1"]
     shape += ["train.grad_accum=4", "optim.name=sgd", "model.remat=full", *RTS4]
     out = {}
@@ -377,6 +371,8 @@ def test_matrix_stream_shrinks_compiled_memory(tiny_cfg, mesh_for):
     print(f"layer - matrix: planned {planned / 1e6:.2f} MB, compiled {measured / 1e6:.2f} MB")
     assert measured > 0.08 * c_layer
     assert planned == pytest.approx(measured, rel=0.25)
+    assert p_layer == pytest.approx(c_layer, rel=0.15)
+    assert p_matrix == pytest.approx(c_matrix, rel=0.15)
 
 
 def test_suggestions_name_sequence_parallelism_and_chunks_with_their_bytes():
