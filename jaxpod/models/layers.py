@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpod.parallel.replica import take_block
+from jaxpod.parallel.replica import take_blocks
 from jaxpod.parallel.tensor import column_dense, gather_sequence, reduce_rows, row_dense
 from jaxpod.remat import remat
 
@@ -402,12 +402,6 @@ def _select(tree: dict, reads: tuple[str | Slice, ...]) -> tuple[dict, dict]:
     return out, blocks
 
 
-def take_blocks(tree, blocks):
-    """`take_block` of each leaf of `tree` with a `Slice` in `blocks` (see `_select`)."""
-    one = lambda a, b: a if b is None else take_block(a, b.axis, b.index, b.count)
-    return jax.tree.map(one, tree, blocks, is_leaf=lambda x: x is None)
-
-
 def _overlay(base: dict, top: dict) -> dict:
     """`base` with the entries of `top` (a `_select` of it) replaced."""
     return {
@@ -452,8 +446,6 @@ def apply_stack(
     graphdef, stacked = nnx.split(blocks)
 
     def ready(params, x, blocks=None):  # stored params -> what the computation uses
-        if blocks is None:
-            blocks = jax.tree.map(lambda _: None, params)
         if prepare is None:
             return take_blocks(params, blocks)
         if remat_policy != "none":  # recomputed in the backward pass: gather it per tick

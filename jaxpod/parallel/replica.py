@@ -111,13 +111,15 @@ def gather(tree, plan, axes: tuple[str, ...], leading: int = 0, blocks=None):
     a dimension of the gathered array: sliced from the local shard before the gather when
     the gathered dimension is another one (only the block is gathered), after it otherwise.
     Its transpose, in the backward pass, is the reduce-scatter of the gradients."""
+    if not axes:
+        return take_blocks(tree, blocks)
     if blocks is None:
         blocks = jax.tree.map(lambda _: None, tree)
-    gathered = lambda x, d: jax.lax.all_gather(x, axes, axis=d, tiled=True) if axes else x
+    gathered = lambda x, d: jax.lax.all_gather(x, axes, axis=d, tiled=True)
     take = lambda x, b: take_block(x, b.axis, b.index, b.count)
 
     def one(x, dim, block):
-        if dim == NO_GATHER or not axes:
+        if dim == NO_GATHER:
             return x if block is None else take(x, block)
         d = dim - leading
         if block is None:
@@ -128,6 +130,15 @@ def gather(tree, plan, axes: tuple[str, ...], leading: int = 0, blocks=None):
 
     is_leaf = lambda x: x is None
     return jax.tree.map(one, tree, _like(plan, tree), blocks, is_leaf=is_leaf)
+
+
+def take_blocks(tree, blocks=None):
+    """`take_block` of each leaf of `tree` with a `Slice` in `blocks` (same structure as
+    `tree`, entries a `jaxpod.models.layers.Slice` or None; `blocks=None`: `tree` whole)."""
+    if blocks is None:
+        return tree
+    one = lambda a, b: a if b is None else take_block(a, b.axis, b.index, b.count)
+    return jax.tree.map(one, tree, blocks, is_leaf=lambda x: x is None)
 
 
 def take_block(a: jax.Array, axis: int, index, count: int) -> jax.Array:
