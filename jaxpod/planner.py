@@ -38,7 +38,7 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   blocks (`jaxpod.update_blocks`; measured in `docs/benchmarks.md`).
 - gathered: with rts > 1 the weights are all-gathered (params dtype) right before use: the
   non-layer weights for the step, the layers one at a time (remat recomputes the gather in
-  the backward pass; with `pipeline > 1` on every GPipe tick: `layers.tie` keeps XLA from
+  the backward pass; with `pipeline > 1` on every GPipe tick: `stack.tie` keeps XLA from
   hoisting the stage's gather out of the tick loop). With remat `none` every layer's
   gathered copy is saved (with `pipeline > 1` once for all ticks: the gather is hoisted).
   With `memory.stream = matrix` one step's weights are gathered at a time instead of a
@@ -52,9 +52,14 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
 
 Offload (`memory.offload`) and phases (`memory.phases = K`): offloaded `params` keep only two
 phases of the stage's layer weights on the device (current + prefetched next: min(1, 2/K) of
-them; grads, update and gathered copy follow); the host holds all of the stage's layer
-weights. Offloaded `optimizer` state lives on the host entirely. Offloaded `activations`
-move the saved residuals to the host (two layers' worth stay for the stream).
+them; grads, update and gathered copy follow); with `memory.stream = matrix` each step fetches
+the blocks it reads, so two steps' weights instead, 2 x max(D², 2·D·F/k) of a layer's
+parameters, whatever K. The host holds all of the stage's layer weights. This is the program's
+schedule; on jax 0.10.2 XLA brings host weights to the device at the `shard_map` boundary,
+once per step (`jaxpod.parallel.offload`), and a pipelined stage fetches its stack before the
+GPipe ticks (`jaxpod.train`). Offloaded `optimizer` state lives on the host entirely.
+Offloaded `activations` move the saved residuals to the host (two layers' worth stay for the
+stream).
 """
 
 from __future__ import annotations
@@ -226,12 +231,23 @@ def _activations(cfg: Config) -> dict:
 
 
 # ----------------------------------------------------------------------------- the plan
+def _step_share(cfg: Config) -> float:
+    """With `memory.stream=matrix`: the largest step's share of a layer's parameters (a third
+    of `W_qkv`, `W_o`, or one of the `mlp_blocks` blocks of `W_in` and `W_out`)."""
+    d, f = cfg.model.d_model, cfg.model.d_ff
+    return max(d * d, 2 * d * f / cfg.memory.mlp_blocks) / sum(block_params(d, f))
+
+
 def _window(cfg: Config, layout: dict) -> float:
     """Fraction of a stage's weights resident on the device: all of them, or with params
-    offloaded the non-layer weights plus two of the K phases' layers."""
+    offloaded the non-layer weights plus two of the K phases' layers (current + prefetched
+    next), or with `memory.stream=matrix` two steps' weights (each step fetches its own)."""
     if "params" not in cfg.memory.offload:
         return 1.0
     share = min(1.0, 2 / cfg.memory.phases)
+    if cfg.memory.stream == "matrix":
+        per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
+        share = min(share, 2 * _step_share(cfg) / per_stage)
     local = max(layout["local"], 1)
     return (layout["local_other"] + layout["local_layers"] * share) / local
 
@@ -259,8 +275,7 @@ def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
         per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
         layer = layout["local_layers"] / per_stage
         if mem.stream == "matrix":  # the largest step's weights and their full-size grads
-            d, f = cfg.model.d_model, cfg.model.d_ff
-            layer *= 2 * max(d * d, 2 * d * f / mem.mlp_blocks) / sum(block_params(d, f))
+            layer *= 2 * _step_share(cfg)
         gathered = (layout["local_other"] + layer) * pb
 
     weights = weights_all * window
@@ -356,7 +371,8 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
             f"memory.phases={phases} memory.offload=[{','.join(offload)}]",
             _with_memory(cfg, phases=phases, offload=tuple(offload)),
         )
-    if not cfg.is_vision and mem.rts > 1 and mem.stream == "layer" and md.remat != "none":
+    streamed = mem.rts > 1 or "params" in mem.offload  # gathered or fetched per matrix
+    if not cfg.is_vision and streamed and mem.stream == "layer" and md.remat != "none":
         option("memory.stream=matrix", _with_memory(cfg, stream="matrix"))
     if not cfg.is_vision and mesh.replica > mem.rts:
         option(

@@ -25,7 +25,9 @@ float32); the float32 defaults are bit-identical to an engine without any of thi
 Memory (`jaxpod.parallel.replica`, `jaxpod.parallel.offload`): `memory.rts`/`rts_optimizer`
 split weights/optimizer state over replica groups; `memory.offload` and `memory.phases`
 (which implies host-resident layers) keep state in host memory and stream it — with
-`pipeline == 1` each phase's weights right before it runs, forward and backward; with
+`pipeline == 1` each phase's weights right before it runs, forward and backward (with
+`memory.stream=matrix` each step's blocks right before the step: the RTS plan then never
+splits the dimension a block is taken along, so blocks are taken before the gather); with
 `pipeline > 1` once per step before the GPipe ticks (a transfer inside the tick scan makes
 its transpose accumulate host-typed cotangents, which jax 0.10.2 rejects). Sequence
 parallelism and `model.sequence_chunks` live in the model (`jaxpod.models.layers`); the
@@ -49,12 +51,13 @@ from jax.sharding import PartitionSpec as P
 from jaxpod import mlm
 from jaxpod.config import Config, ModelConfig
 from jaxpod.layerwise import make_update
-from jaxpod.mesh import param_specs, shardings, split_replica
+from jaxpod.layout import Layout, make_layout
+from jaxpod.mesh import param_specs, shardings
 from jaxpod.models.layers import token_loss_in_chunks
-from jaxpod.optim import STACKED_KEY, make_optimizer, stacked_mask
+from jaxpod.optim import STACKED_KEY, make_optimizer
 from jaxpod.parallel import offload
 from jaxpod.parallel.pipeline import gpipe, spread_over_stages, vary_like
-from jaxpod.parallel.replica import gather, reduce_grads, rts_plan, vary_params, with_rts
+from jaxpod.parallel.replica import gather, reduce_grads, vary_params
 from jaxpod.parallel.tensor import gather_sequence
 from jaxpod.precision import LossScaleState, compute_dtype, init_loss_scale, master_dtype
 
@@ -117,66 +120,6 @@ def init_params(
     return graphdef, jax.jit(make, out_shardings=out)(), specs
 
 
-class Layout(NamedTuple):
-    """Where everything lives: the engine's mesh and the specs inside/outside `shard_map`."""
-
-    mesh: Mesh  # the caller's mesh, or with the replica axis split for RTS
-    batch_axes: tuple[str, ...]  # mesh axes the batch rows are split over
-    specs: dict  # the model's layout: what `shard_map` computes with (after gathering)
-    store: dict  # params as stored: specs + the RTS axes on the planned dimension
-    plan: dict  # per param: the dimension gathered over `rts_axes`, or -1
-    rts_axes: tuple[str, ...]
-    opt_store: dict  # per-parameter optimizer leaves: specs + the rts_optimizer axes
-    host: dict  # per param: True if it lives in pinned_host memory
-    host_optimizer: bool
-    phases: int
-    offload_activations: bool
-
-    @property
-    def data_axes(self) -> tuple[str, ...]:
-        """Axes over which gradients are summed: the batch axes and `pipeline`."""
-        return (*self.batch_axes, "pipeline")
-
-    @property
-    def batch_spec(self) -> P:
-        axes = self.batch_axes
-        return P(axes[0] if len(axes) == 1 else axes, None)
-
-    def param_shardings(self) -> dict:
-        return jax.tree.map(
-            lambda s, h: NamedSharding(self.mesh, s, memory_kind=offload.HOST if h else None),
-            self.store,
-            self.host,
-            is_leaf=lambda x: isinstance(x, P),
-        )
-
-
-def make_layout(cfg: Config, mesh: Mesh, params: dict, specs: dict) -> Layout:
-    """The layout of `cfg.memory` for abstract `params` with model specs `specs`."""
-    mem = cfg.memory
-    k_opt = mem.rts if mem.rts_optimizer is None else mem.rts_optimizer
-    emesh, w_axes, o_axes = split_replica(mesh, mem.rts, k_opt)
-    batch_axes = tuple(a for a in emesh.axis_names if a not in ("pipeline", "tensor"))
-    stacked = stacked_mask(params)
-    plan = rts_plan(params, specs, stacked, emesh.shape, w_axes)
-    opt_plan = rts_plan(params, specs, stacked, emesh.shape, o_axes)
-    everything = "params" in mem.offload
-    host = jax.tree.map(lambda s: everything or (s and mem.phases > 1), stacked)
-    return Layout(
-        emesh,
-        batch_axes,
-        specs,
-        with_rts(specs, plan, w_axes),
-        plan,
-        w_axes,
-        with_rts(specs, opt_plan, o_axes),
-        host,
-        "optimizer" in mem.offload,
-        mem.phases,
-        "activations" in mem.offload,
-    )
-
-
 def _local_functions(
     graphdef: nnx.GraphDef, lay: Layout, cfg: Config, bubble_fill: float, unroll: bool
 ):
@@ -198,20 +141,25 @@ def _local_functions(
     sp = cfg.model.sequence_parallel
     head = lambda m, h, y: token_loss_in_chunks(m, h, y, tp, cfg.model.sequence_chunks)
 
-    def prepare_layer(layer_params, blocks=None):  # a layer's stored slice -> computed with
-        layer_params = cast(layer_params)
-        return gather(layer_params, lay.plan[STACKED_KEY], lay.rts_axes, leading=1, blocks=blocks)
+    def layer_hooks(fetched: bool) -> dict:
+        """`model.layers` hooks; `fetched`: the stack is already on the device (pipelined)."""
 
-    layer_prepare = lay.rts_axes or dtype != master_dtype(cfg.precision)
-    hooks = {}
-    if layer_prepare:
-        hooks["prepare"] = prepare_layer
-    if lay.phases > 1 or blocks_host:
-        hooks.update(phases=lay.phases, fetch=offload.to_device if blocks_host else None)
-    if lay.offload_activations:
-        hooks["offload_activations"] = True
-    if cfg.memory.stream != "layer":
-        hooks.update(stream=cfg.memory.stream, mlp_blocks=cfg.memory.mlp_blocks)
+        def prepare_layer(layer_params, blocks=None):  # a layer's stored slice -> computed with
+            layer_params = cast(layer_params)
+            plan = lay.plan[STACKED_KEY]
+            return gather(layer_params, plan, lay.rts_axes, leading=1, blocks=blocks)
+
+        hooks = {}
+        if lay.rts_axes or dtype != master_dtype(cfg.precision):
+            hooks["prepare"] = prepare_layer
+        if lay.phases > 1 or blocks_host:  # stream=matrix: each step fetches its own weights
+            fetch = offload.to_device if blocks_host and not fetched else None
+            hooks.update(phases=lay.phases, fetch=fetch)
+        if lay.offload_activations:
+            hooks["offload_activations"] = True
+        if cfg.memory.stream != "layer":
+            hooks.update(stream=cfg.memory.stream, mlp_blocks=cfg.memory.mlp_blocks)
+        return hooks
 
     def model_of(params):  # stored local params -> the model, non-layer weights ready
         rest = {k: v for k, v in params.items() if k != STACKED_KEY}
@@ -244,7 +192,7 @@ def _local_functions(
 
     def micro_loss(params, inputs, targets, weights, denominator):
         model = model_of(params)
-        h = model.layers(model.embed(inputs, tp), tp, unroll, **hooks)
+        h = model.layers(model.embed(inputs, tp), tp, unroll, **layer_hooks(fetched=False))
         if sp:  # the head's vocab-parallel loss needs every position on every tensor shard
             h = gather_sequence(h, tp)
         return summed(head(model, h, targets), weights, denominator)
@@ -254,7 +202,7 @@ def _local_functions(
             params = {**params, STACKED_KEY: offload.to_device(params[STACKED_KEY])}
         model = model_of(params)
         x = model.embed(inputs, tp)  # [M, mb, T, D]; sequence-parallel: [M, mb, T_tensor, D]
-        tick_hooks = {**hooks, "fetch": None} if "fetch" in hooks else hooks
+        tick_hooks = layer_hooks(fetched=True)
         layers = lambda a: model.layers(a, tp, unroll, **tick_hooks)
         ys = gpipe(layers, x, bubble_fill=bubble_fill, unroll=unroll)
         h = spread_over_stages(ys.reshape(-1, x.shape[-1]))  # [M*mb*T / S, D] (/t with SP)

@@ -142,8 +142,8 @@ for name, p in plans.items():
 md(r"""
 The two BERT-Large mappings fit: on 4 stages only because the LAMB moments live in streaming
 memory, on 8 stages with everything on chip (FP16 master weights with stochastic rounding and
-FP16 moments are what make it fit). **GPT-3 does not fit a GC200 under any setting of jaxpod's
-memory knobs** — the planner is honest about it. The full table of the GPT-3 preset:
+FP16 moments are what make it fit). **GPT-3 fits a GC200 only just** (839 MB of 900 MB), and
+only with every memory knob turned: the full table of the GPT-3 preset:
 """)
 
 code(r"""
@@ -151,14 +151,15 @@ print(format_plan(plans["GPT-3 175B POD256\np8 x t8 x r4"]))
 """)
 
 md(r"""
-Why: at tensor 8 one layer's float16 weights are `12·d²/8 × 2 B ≈ 453 MB` per device once
-all-gathered over the RTS group for use. The preset therefore streams each layer matrix by
-matrix (`memory.stream=matrix`, the MLP in `memory.mlp_blocks=8` blocks): one 38 MB block is
-gathered at a time, which takes the device total from 1.81 GB to 1.25 GB. What remains is the
-stage's weights and gradients held per phase (RTS keeps a quarter of a layer at rest, and
-phased execution keeps two phases of it on the device), the embedding tables gathered whole,
-and the activations (sequence parallelism and a serialised sequence already cut those from
-2.9 GB to 0.48 GB). The same mapping fits an 80 GB H100 comfortably:
+Why it is tight: at tensor 8 one layer's float16 weights are `12·d²/8 × 2 B ≈ 453 MB` per
+device once all-gathered over the RTS group for use, and 113 MB at rest (RTS 4). The preset
+therefore streams each layer matrix by matrix (`memory.stream=matrix`, the MLP in
+`memory.mlp_blocks=8` blocks): each step fetches only the blocks it reads from streaming
+memory and gathers them, so two steps' blocks (19 MB), not two layers (226 MB), are on the
+device, and one 38 MB block is gathered at a time. What remains: the embedding tables
+(gathered whole: 161 MB), the activations (sequence parallelism and a serialised sequence
+already cut those from 2.9 GB to 0.48 GB, half of them the pipeline's buffers) and the
+gathered block with its gradient. The same mapping fits an 80 GB H100 comfortably:
 """)
 
 code(r"""
@@ -180,7 +181,8 @@ but the gathered working copy of the stage's weights is added back while it runs
 **Phases** (`memory.phases = K`, with `memory.offload=[params]`) keep the stage's layer stack in
 host memory and bring it in `K` pieces; two pieces are on the device at a time (the running one
 and the prefetched next), so the resident layer weights fall as `min(1, 2/K)`. Below: GPT-3
-175B on its POD256 mesh for every divisor `K` of its 12 layers per stage.
+175B on its POD256 mesh, streamed layer by layer, for every divisor `K` of its 12 layers per
+stage.
 """)
 
 code(r"""
@@ -195,8 +197,10 @@ rts_plans["rts 1\nrts_opt 4"] = plan(load_config(bert, [
     "memory.offload=[]", "memory.rts=1", "memory.rts_optimizer=4"]))
 bars(axes[0], rts_plans, "BERT-Large p4 x r4, nothing offloaded: RTS")
 gpt3 = CONFIGS / "gpt3_175b_pod256.yaml"
+LAYER_BY_LAYER = ["memory.stream=layer", "memory.mlp_blocks=1"]
 phase_plans = {
-    f"K={k}": plan(load_config(gpt3, [f"memory.phases={k}"])) for k in (1, 2, 3, 4, 6, 12)
+    f"K={k}": plan(load_config(gpt3, [f"memory.phases={k}", *LAYER_BY_LAYER]))
+    for k in (1, 2, 3, 4, 6, 12)
 }
 bars(axes[1], phase_plans, "GPT-3 175B p8 x t8 x r4: phases")
 plt.tight_layout()
@@ -210,17 +214,22 @@ weights, the optimizer state and the gradients (reduce-scattered layer by layer 
 pass leaves them) all shrink by 4, and only the all-gathered working copy of one layer and the
 embeddings is paid back. `rts_optimizer` alone shrinks only the LAMB state (816 MB).
 (The preset streams the LAMB state from host memory instead: 708 MB on the device.)
-For GPT-3, phases take the resident layer weights from 1.40 GB to 267 MB per device (`K = 12`,
-one layer per phase; `K = 1` and `K = 2` are the same because two phases are always
-resident) and the device total from 4.5 GB to 1.25 GB, still well above the GC200's 900 MB.
+For GPT-3 streamed layer by layer, phases take the resident layer weights from 1.40 GB to
+267 MB per device (`K = 12`, one layer per phase; `K = 1` and `K = 2` are the same because two
+phases are always resident) and the device total from 4.85 GB to 1.81 GB, still well above the
+GC200's 900 MB.
 
 **Streaming finer than a layer** (`memory.stream=matrix`): each layer runs as steps of one
 weight matrix each — queries, keys, values, `W_o`, and the MLP in `memory.mlp_blocks` blocks of
-hidden units — and only the step's matrix is gathered (its gradient reduce-scattered as soon
-as the step's backward pass produces it). The price: the backward pass recomputes the layer's
-forward once more, and `k` MLP blocks move the MLP's activations over the tensor axis `k`
-times. XLA agrees on small configs (`tests/test_planner.py`) and on GPT-3 itself its
-temporaries fall from 7.6 to 6.4 GB (`docs/benchmarks.md`).
+hidden units. A step fetches only its blocks from streaming memory (the phase becomes the
+step: two steps' blocks resident, whatever `K`) and gathers only them (its gradient
+reduce-scattered and written back as soon as the step's backward pass produces it). The
+price: the backward pass recomputes the layer's forward once more, and `k` MLP blocks move the
+MLP's activations over the tensor axis `k` times. XLA agrees on small configs
+(`tests/test_planner.py`) and on GPT-3 itself its temporaries fall from 7.6 to 6.4 GB
+(`docs/benchmarks.md`); that the fetches happen step by step is checked in the program
+(`tests/test_memory.py`), but jax 0.10.2 executes host transfers once per step (see the
+README).
 """)
 
 code(r"""
@@ -230,7 +239,7 @@ for k in (1, 2, 4, 8):
     stream_plans[f"matrix\nmlp_blocks {k}"] = plan(load_config(gpt3, [f"memory.mlp_blocks={k}"]))
 bars(ax, stream_plans, "GPT-3 175B p8 x t8 x r4: streaming unit")
 plt.tight_layout()
-table(stream_plans, "gathered", "activations", "device_total")
+table(stream_plans, "weights", "grads", "gathered", "activations", "device_total")
 """)
 
 md(r"""

@@ -16,6 +16,7 @@ from jaxpod.config import load_config
 from jaxpod.errors import UserError
 from jaxpod.models.efficientnet import flops_per_image
 from jaxpod.planner import (
+    block_params,
     check_budget,
     efficientnet_stage_params,
     format_plan,
@@ -156,6 +157,15 @@ def test_rts_and_offload_move_bytes():
     assert off["optimizer"] == 0 and off["host_total"] == p1["optimizer"]
     ph = plan(cfg_of(*base, "memory.offload=[params]", "memory.phases=6"))["bytes_per_device"]
     assert ph["weights"] < 0.6 * p1["weights"] and ph["host_total"] > 0  # embeddings stay
+    # streamed matrix by matrix, each step fetches its own blocks: two steps' blocks on the
+    # device instead of two layers (the largest step: 2·D·F/k = 2 x 1024 x 4096 / 4 params),
+    # whatever the phases
+    steps = [*base, "memory.offload=[params]", "memory.stream=matrix", "memory.mlp_blocks=4"]
+    for phases in (1, 6):
+        st = plan(cfg_of(*steps, f"memory.phases={phases}"))
+        width = st["dtype_bytes"]["master"]
+        saved = 2 * (sum(block_params(1024, 4096)) - 2 * 1024 * 4096 / 4) * width
+        assert ph["weights"] - st["bytes_per_device"]["weights"] == pytest.approx(saved, abs=2)
 
 
 def test_not_fitting_plan_suggests_and_budget_refuses():

@@ -16,7 +16,8 @@ from flax import nnx
 
 from jaxpod.config import ModelConfig
 from jaxpod.mlm import check_vocab, mask_tokens
-from jaxpod.models.layers import INIT_STD, Block, LayerNorm, apply_stack
+from jaxpod.models.layers import INIT_STD, Block, LayerNorm
+from jaxpod.models.stack import apply_stack
 from jaxpod.parallel.tensor import (
     column_dense,
     position_rows,

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpod.config import ModelConfig
-from jaxpod.models.layers import INIT_STD, Block, LayerNorm, apply_stack
+from jaxpod.models.layers import INIT_STD, Block, LayerNorm
+from jaxpod.models.stack import apply_stack
 from jaxpod.parallel.tensor import position_rows, vocab_cross_entropy, vocab_embed
 
 
@@ -64,7 +65,7 @@ class GPT(nnx.Module):
 
         `unroll=True` unrolls the layer scan (for FLOP accounting only: XLA's cost analysis
         counts a loop body once, whatever its trip count). `hooks`: the engine's
-        `phases`/`fetch`/`prepare`/`offload_activations` (see `layers.apply_stack`)."""
+        `phases`/`fetch`/`prepare`/`offload_activations` (see `stack.apply_stack`)."""
         return apply_stack(self.blocks, self.remat_policy, x, tp, unroll, **hooks)
 
     def token_loss(self, h: jax.Array, targets: jax.Array, tp: str | None = None) -> jax.Array:

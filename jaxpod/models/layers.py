@@ -25,14 +25,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpod.parallel.replica import take_blocks
 from jaxpod.parallel.tensor import column_dense, gather_sequence, reduce_rows, row_dense
-from jaxpod.remat import remat
 
 INIT_STD = 0.02
 F32 = jnp.float32
-# Weights a phase fetched (see `scan_layers`): never saved for the backward pass, fetched again.
-PHASE_WEIGHTS = "phase_weights"
+# The axis of one layer's array along which `Block.steps` takes its blocks (`Slice`s).
+BLOCK_AXES = {"attn/w_qkv": 1, "attn/b_qkv": 0, "mlp/w_in": 1, "mlp/b_in": 0, "mlp/w_out": 0}
 
 
 class Slice(NamedTuple):
@@ -304,8 +302,9 @@ class Block(nnx.Module):
         post = lambda m, name, x, u: x + u if pre else getattr(m, name)(x + u)
         ln1, ln2 = (("ln1",), ("ln2",)) if pre else ((), ())
         out: list = []
+        cut = lambda path, index, count: Slice(path, BLOCK_AXES[path], index, count)
         for j in range(3):  # carry (x[, q[, k]]) -> + this block's [B, T, 1, HD_tensor]
-            reads = (*ln1, Slice("attn/w_qkv", 1, j, 3), Slice("attn/b_qkv", 0, j, 3))
+            reads = (*ln1, cut("attn/w_qkv", j, 3), cut("attn/b_qkv", j, 3))
             ready = lambda m, x: m.attn.gather_input(norm(m, "ln1", x), tp)
             out.append((reads, lambda m, c, r=ready: (*c, m.attn.qkv(r(m, c[0])))))
         out.append(((), lambda m, c: (c[0], m.attn.attend_qkv(jnp.concatenate(c[1:], 2)))))
@@ -316,171 +315,9 @@ class Block(nnx.Module):
         partial = lambda m, x: m.mlp.reduce(m.mlp.partial(ready(m, x)), tp, bias=False)
         add = lambda c, y: y if len(c) == 1 else c[1] + y
         # carry (x[, the reduced partial sums so far]), once per block (index None: a loop)
-        reads = (*ln2, Slice("mlp/w_in", 1, None, k), Slice("mlp/b_in", 0, None, k))
-        reads += (Slice("mlp/w_out", 0, None, k),)
+        reads = (*ln2, cut("mlp/w_in", None, k), cut("mlp/b_in", None, k))
+        reads += (cut("mlp/w_out", None, k),)
         out.append((reads, lambda m, c: (c[0], add(c, partial(m, c[0])))))
         reads = ("mlp/b_out", *(() if pre else ("ln2",)))
         out.append((reads, lambda m, c: (post(m, "ln2", c[0], c[1] + m.mlp.b_out[...]),)))
         return out
-
-
-def scan_layers(
-    layer_fn: Callable,
-    x: jax.Array,
-    stacked: dict,
-    *,
-    unroll: bool = False,
-    phases: int = 1,
-    fetch: Callable | None = None,
-) -> jax.Array:
-    """Apply `layer_fn(x, one_layer_params) -> x` to every layer of `stacked` (`[L, ...]`).
-
-    One `lax.scan` over the layers; with `phases=K` the stack is cut into K contiguous
-    phases of L/K layers, each its own scan, and `fetch` (if given) is applied to a phase's
-    `[L/K, ...]` weights right before that phase runs (the caller's hook: e.g. moving them
-    from host to device memory). A fetching phase is a `jax.checkpoint` that saves everything
-    but the fetched weights (`PHASE_WEIGHTS`): the backward pass fetches each phase's weights
-    again instead of keeping every phase's copy alive. Math only: the result does not
-    depend on K.
-    """
-    if phases == 1 and fetch is None:
-        return jax.lax.scan(lambda c, p: (layer_fn(c, p), None), x, stacked, unroll=unroll)[0]
-    size = jax.tree.leaves(stacked)[0].shape[0]
-    if size % phases:
-        raise ValueError(f"{size} layers do not split into phases={phases}")
-    n = size // phases
-
-    def phase(x, chunk):
-        if fetch is not None:
-            chunk = jax.tree.map(lambda a: checkpoint_name(a, PHASE_WEIGHTS), fetch(chunk))
-        return jax.lax.scan(lambda c, p: (layer_fn(c, p), None), x, chunk, unroll=unroll)[0]
-
-    if fetch is not None:
-        keep = jax.checkpoint_policies.save_anything_except_these_names(PHASE_WEIGHTS)
-        phase = jax.checkpoint(phase, policy=keep, prevent_cse=False)
-    for i in range(phases):
-        x = phase(x, jax.tree.map(lambda a, i=i: a[i * n : (i + 1) * n], stacked))
-    return x
-
-
-def tie(weights, x: jax.Array):
-    """`weights` unchanged (`w + 0 * x[0]`), but now a function of `x`, so what `prepare`
-    does with them next (the RTS all-gather, the cast to the compute dtype) can only run
-    once this layer's input exists: per layer *and per pipeline tick*, one layer's gathered
-    weights alive at a time. Untied, the weights of a stage are the same on every GPipe
-    tick, so XLA hoists their gather out of the tick loop and holds the whole stage gathered
-    (30.6 -> 22.5 MB on the 4x2x1 RTS-4 planner case), and a scheduler is free to start
-    every phase's gather at once. An `optimization_barrier` stops the hoisting but not the
-    scheduler (XLA drops barriers before scheduling: GPT-3 POD256 12.2 GB of temporaries,
-    7.6 GB with this tie; docs/benchmarks.md). A leaf whose varying axes do not cover `x`'s
-    is left untied (the sum would widen its type)."""
-    token = x.reshape(-1)[0]
-    vma = lambda a: getattr(jax.typeof(a), "vma", frozenset())
-    zero = jnp.nan_to_num(token) * 0  # finite, so the sum is exact
-
-    def one(w):
-        if not vma(token) <= vma(w):
-            return w
-        return w + zero.astype(w.dtype)
-
-    return jax.tree.map(one, weights)
-
-
-def _select(tree: dict, reads: tuple[str | Slice, ...]) -> tuple[dict, dict]:
-    """The entries of the nested dict `tree` named by `reads` (paths like `"attn/w_o"`, or
-    `Slice`s), and a dict of the same structure holding each entry's `Slice` (or None)."""
-    out: dict = {}
-    blocks: dict = {}
-    for read in reads:
-        path, block = (read.path, read) if isinstance(read, Slice) else (read, None)
-        *parents, leaf = path.split("/")
-        src, dst, bdst = tree, out, blocks
-        for key in parents:
-            src, dst, bdst = src[key], dst.setdefault(key, {}), bdst.setdefault(key, {})
-        dst[leaf] = src[leaf]
-        bdst[leaf] = jax.tree.map(lambda _, b=block: b, src[leaf])
-    return out, blocks
-
-
-def _overlay(base: dict, top: dict) -> dict:
-    """`base` with the entries of `top` (a `_select` of it) replaced."""
-    return {
-        k: (_overlay(v, top[k]) if isinstance(v, dict) else top[k]) if k in top else v
-        for k, v in base.items()
-    }
-
-
-def apply_stack(
-    blocks: Block,
-    remat_policy: str,
-    x: jax.Array,
-    tp: str | None = None,
-    unroll: bool = False,
-    *,
-    phases: int = 1,
-    fetch: Callable | None = None,
-    prepare: Callable | None = None,
-    offload_activations: bool = False,
-    stream: str = "layer",
-    mlp_blocks: int = 1,
-) -> jax.Array:
-    """Run a stacked `Block` (`[L, ...]` params) over `x[B, T, D]`, one layer at a time.
-
-    `prepare(params, blocks)` is applied to the params right before they are used (the
-    engine's hook, e.g. gathering replicated-tensor-sharded weights; `blocks`: `_select`'s,
-    the `Slice` to take of each leaf, or None): with `stream="layer"` to each layer's
-    params before the layer runs, the layer being one remat unit; with `stream="matrix"` to
-    the params of each of the layer's steps (`Block.steps`: at most one weight matrix, or
-    one of `mlp_blocks` blocks of the MLP's, each; a step reading `Slice(index=None)` runs
-    once per block, the first block and then a `lax.scan` over the others, so one block is
-    gathered at a time and the blocks' gradients add into one buffer) before that step
-    runs, each step a remat unit nested in the layer's, so one matrix is prepared (and its
-    gradient reduce-scattered) at a time, forward and backward: the backward pass
-    recomputes the layer (saving the steps' inputs, for this layer only), then each step
-    again (gathering its matrix again). `phases`/`fetch`: see `scan_layers`;
-    `offload_activations`: the remat policy's saved values go to host memory
-    (`jaxpod.remat`). `unroll=True` unrolls the layer scan (FLOP accounting only).
-    """
-    if stream not in ("layer", "matrix"):
-        raise ValueError(f"stream={stream!r} must be 'layer' or 'matrix'")
-    graphdef, stacked = nnx.split(blocks)
-
-    def ready(params, x, blocks=None):  # stored params -> what the computation uses
-        if prepare is None:
-            return take_blocks(params, blocks)
-        if remat_policy != "none":  # recomputed in the backward pass: gather it per tick
-            params = tie(params, x)
-        return prepare(params, blocks)
-
-    def one_layer(x, layer_params):
-        return nnx.merge(graphdef, ready(layer_params, x))(x, tp)
-
-    def one_step(step, carry, used, blocks, layer_params):
-        block = nnx.merge(graphdef, _overlay(layer_params, ready(used, carry[0], blocks)))
-        return step(block, carry)
-
-    def matrix_by_matrix(x, layer_params):
-        carry = (x,)
-        for reads, step in nnx.merge(graphdef, layer_params).steps(tp, mlp_blocks):
-            used, blocks = _select(layer_params, reads)
-
-            def run(c, index, step=step, used=used, blocks=blocks):  # the step, remat unit
-                at = lambda b: b if b is None or b.index is not None else b._replace(index=index)
-                b = jax.tree.map(at, blocks, is_leaf=lambda b: b is None or isinstance(b, Slice))
-                fn = lambda c, u: one_step(step, c, u, b, layer_params)
-                return remat(fn, remat_policy, prevent_cse=True)(c, used)
-
-            count = [r.count for r in reads if isinstance(r, Slice) and r.index is None]
-            carry = run(carry, 0)
-            if count and count[0] > 1:  # the other blocks in a loop: one block's weights
-                # gathered at a time, their gradients summed into one buffer
-                body = lambda c, j: (run(c, j), None)
-                carry = jax.lax.scan(body, carry, jnp.arange(1, count[0]))[0]
-        return carry[0]
-
-    # the layer is the outer remat unit either way: only its input is saved per layer (and per
-    # pipeline tick); the steps' inputs live only while that layer's backward pass runs
-    layer = matrix_by_matrix if stream == "matrix" else one_layer
-    layer_fn = remat(layer, remat_policy, offload=offload_activations)
-    stacked = nnx.to_pure_dict(stacked)
-    return scan_layers(layer_fn, x, stacked, unroll=unroll, phases=phases, fetch=fetch)

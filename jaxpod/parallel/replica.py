@@ -65,27 +65,32 @@ def reduce_grads(grads, specs, data_axes: tuple[str, ...] = DATA_AXES):
 NO_GATHER = -1  # plan entry of a leaf that is not split over the rts group
 
 
-def rts_plan(shapes, specs, stacked, mesh_shape, axes: tuple[str, ...]):
+def rts_plan(shapes, specs, stacked, mesh_shape, axes: tuple[str, ...], avoid=None):
     """Per leaf, the dimension to split over the mesh `axes` (product k), or `NO_GATHER`.
 
     The chosen dimension is the one with the largest local size (after its existing split)
     that k divides; the leading layer dimension of stacked leaves (`stacked` True) is never
-    chosen, so the layer scan can slice layers and gather one at a time.
+    chosen, so the layer scan can slice layers and gather one at a time, nor a dimension in
+    the leaf's `avoid` entry (a tuple of dimensions; `avoid=None`: none), e.g. the one a
+    block is taken along before the gather.
     """
     k = math.prod(mesh_shape[a] for a in axes)
+    if avoid is None:
+        avoid = jax.tree.map(lambda _: (), stacked)
 
-    def one(shape, spec, is_stacked):
+    def one(shape, spec, is_stacked, avoided):
         if k == 1:
             return NO_GATHER
         entries = tuple(spec) + (None,) * (len(shape.shape) - len(spec))
         best, best_size = NO_GATHER, 0
         for d, (n, entry) in enumerate(zip(shape.shape, entries, strict=True)):
             local = n // math.prod(mesh_shape[a] for a in _spec_axes(P(entry)) - {None})
-            if (d > 0 or not is_stacked) and local % k == 0 and local > best_size:
+            allowed = (d > 0 or not is_stacked) and d not in avoided
+            if allowed and local % k == 0 and local > best_size:
                 best, best_size = d, local
         return best
 
-    return jax.tree.map(one, shapes, specs, stacked, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(one, shapes, specs, stacked, avoid, is_leaf=lambda x: isinstance(x, P))
 
 
 def with_rts(specs, plan, axes: tuple[str, ...]):
