@@ -15,6 +15,8 @@ def format_plan(p: dict) -> str:
     """The plan as an aligned, human-readable table (the default output of `jaxpod plan`)."""
     b = p["bytes_per_device"]
     offload = ",".join(p["offload"]) or "none"
+    matrix = p["configured_stream"] == "matrix"
+    fetched = ", each step fetching its blocks" if "params" in p["offload"] else ""
     unit = "image" if p["model"] == "efficientnet" else "token"
     head = [
         ("model", f"{p['model']}  ({p['params']:,} params{' ~est.' * p['params_estimated']})"),
@@ -44,7 +46,7 @@ def format_plan(p: dict) -> str:
             "memory",
             f"{p['device_profile']}: remat {p['remat']}, offload {offload}, "
             f"phases {p['configured_phases']}, stream {p['configured_stream']}"
-            + (f" (mlp_blocks {p['mlp_blocks']})" if p["configured_stream"] == "matrix" else ""),
+            + (f" (mlp_blocks {p['mlp_blocks']}{fetched})" if matrix else ""),
         ),
     ]
     rows = [
