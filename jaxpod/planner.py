@@ -357,6 +357,24 @@ def _phases_needed(cfg: Config, limit: int, params_override: int | None) -> int 
     return None
 
 
+def _finer_stream(cfg: Config, limit: int, params_override: int | None) -> dict:
+    """Streaming matrix by matrix with the fewest MLP blocks (of those that divide the
+    device's hidden units, up to 64) that fits, else the most: the `memory` changes, or {}
+    when the config already streams that finely."""
+    local_ff = cfg.model.d_ff // cfg.mesh.tensor
+    counts = [k for k in _divisors(local_ff) if k <= 64]
+    if cfg.memory.stream == "matrix":
+        counts = [k for k in counts if k > cfg.memory.mlp_blocks]
+    if not counts:
+        return {}
+    trial = lambda k: _with_memory(cfg, stream="matrix", mlp_blocks=k)
+    fits = [k for k in counts if _device_total(trial(k), params_override) <= limit]
+    k = fits[0] if fits else counts[-1]
+    if cfg.memory.stream == "matrix":
+        return {"mlp_blocks": k}
+    return {"stream": "matrix", "mlp_blocks": k}
+
+
 def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int | None) -> str:
     """Changes that would make the mapping fit, with the resulting device bytes."""
     mem, mesh, md = cfg.memory, cfg.mesh, cfg.model
@@ -372,8 +390,12 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
             _with_memory(cfg, phases=phases, offload=tuple(offload)),
         )
     streamed = mem.rts > 1 or "params" in mem.offload  # gathered or fetched per matrix
-    if not cfg.is_vision and streamed and mem.stream == "layer" and md.remat != "none":
-        option("memory.stream=matrix", _with_memory(cfg, stream="matrix"))
+    if not cfg.is_vision and streamed and md.remat != "none":
+        stream = _finer_stream(cfg, limit, params_override)
+        if stream:
+            option(
+                " ".join(f"memory.{k}={v}" for k, v in stream.items()), _with_memory(cfg, **stream)
+            )
     if not cfg.is_vision and mesh.replica > mem.rts:
         option(
             f"memory.rts={mesh.replica} memory.rts_optimizer={mesh.replica}",

@@ -86,28 +86,6 @@ def _reset_jax_cache_state() -> None:
     compilation_cache.reset_cache()
 
 
-# The slowest test files, slowest first (CI's `--durations`, 2 workers, `--dist loadfile`):
-# xdist hands out files in collection order, so the long ones start first and the short ones
-# fill in around them, and the two workers finish together (wall time ~ the sum / 2).
-SLOWEST_FILES = (
-    "test_presets.py",
-    "test_vision.py",
-    "test_planner.py",
-    "test_parallel.py",
-    "test_layerwise.py",
-    "test_notebooks.py",
-    "test_checkpoint.py",
-    "test_cli.py",
-    "test_bert.py",
-)
-
-
-def pytest_collection_modifyitems(items) -> None:
-    """Collect the slowest files first (a stable sort: tests keep their order in a file)."""
-    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 @pytest.fixture(scope="session")
 def xla_compilation_cache():
     """A session-wide persistent compilation cache (unless one is configured already)."""

@@ -399,6 +399,24 @@ def test_suggestions_name_sequence_parallelism_and_chunks_with_their_bytes():
         assert parse_bytes(shown.replace(" ", "")) < total
 
 
+def test_suggestion_streams_with_the_fewest_mlp_blocks_that_fit():
+    """GPT-3 layer by layer, or in 4 MLP blocks, does not fit a GC200; the suggestion is the
+    fewest MLP blocks that do (6: 883 MB; each block costs the MLP's collectives once more),
+    with matrix streaming turned on if it is off."""
+    from jaxpod.config import load_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "gpt3_175b_pod256.yaml"
+    for overrides, knob in (
+        (
+            ["memory.stream=layer", "memory.mlp_blocks=1"],
+            "memory.stream=matrix memory.mlp_blocks=6",
+        ),
+        (["memory.mlp_blocks=4"], "memory.mlp_blocks=6"),
+    ):
+        p = plan(load_config(path, overrides))
+        assert not p["fits"] and f"try: {knob} (883.15 MB)" in p["suggestion"], p["suggestion"]
+
+
 def test_virtual_devices_schedule_for_memory_unless_xla_flags_say_otherwise(monkeypatch):
     """`use_virtual_cpu_devices` replaces the device count, keeps other flags, and adds XLA's
     memory-minimising CPU scheduler unless the user chose a scheduler (docs/benchmarks.md:

@@ -172,10 +172,16 @@ def digits_cfg(*overrides):
     return load_config(ROOT / "configs" / "efficientnet_digits.yaml", list(overrides))
 
 
+# The digits run's length: the overflow test compiles the same train step (the loss scale is
+# state, not program), so the session's compilation cache serves the run's compile.
+DIGITS_STEPS = "train.steps=50"
+
+
 def test_overflow_is_skipped_and_halves_the_scale(mesh_for, digits):
     from jaxpod.train_vision import build_vision_engine
 
-    cfg = digits_cfg("precision.loss_scale_init=1e30")  # scaled float16 gradients overflow
+    # scaled float16 gradients overflow
+    cfg = digits_cfg(DIGITS_STEPS, "precision.loss_scale_init=1e30")
     engine, state = build_vision_engine(cfg, mesh_for(cfg))
     assert set(state.params) == {"float16"}  # no float32 master copy anywhere
     before = jax.tree.map(np.asarray, (state.params, state.opt_state["tx"]))
@@ -196,7 +202,7 @@ def test_digits_config_trains(mesh_for, tmp_path):
     from jaxpod.loop import run_training
 
     cfg = digits_cfg(
-        "train.steps=50", "train.eval_every=0", "train.log_every=25", f"train.logdir={tmp_path}"
+        DIGITS_STEPS, "train.eval_every=0", "train.log_every=25", f"train.logdir={tmp_path}"
     )
     result = run_training(cfg, quiet=True)
     record = json.loads((tmp_path / "eval.json").read_text())
