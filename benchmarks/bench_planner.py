@@ -1,6 +1,6 @@
 """Planner vs compiler: the planner's per-device bytes next to XLA's `memory_analysis()`.
 
-    python benchmarks/bench_planner.py [--out FILE]
+    python benchmarks/bench_planner.py [--only TEXT] [--out FILE]
 
 One process with 8 virtual CPU devices; for each config the real train step is compiled and
 its argument + temp bytes (per device) are compared with `plan(cfg)`'s device total.
@@ -30,6 +30,7 @@ FP16_SR = [
 MATRIX = ["memory.stream=matrix"]
 D512 = ["model.d_model=512", "model.d_ff=2048", "model.seq_len=16", "train.micro_batch=1"]
 D512 += ["optim.name=sgd"]
+SP_CHUNKS = ["model.sequence_parallel=true", "model.sequence_chunks=8"]
 CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((1, 1, 1), "none", 1, []),
     ((1, 1, 1), "full", 1, []),
@@ -78,6 +79,15 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((4, 2, 1), "full", 4, [*D512, *RTS4]),
     ((4, 2, 1), "full", 4, [*D512, *RTS4, *MATRIX, "memory.mlp_blocks=2"]),
     ((4, 2, 1), "full", 4, [*D512, *RTS4, *MATRIX, "memory.mlp_blocks=4"]),
+    # under tensor parallelism XLA keeps the layer's backward working set, not a step's
+    ((1, 2, 4), "full", 4, ["model.sequence_parallel=true", *MATRIX]),
+    ((1, 2, 4), "full", 4, []),
+    ((1, 2, 4), "full", 4, [*MATRIX]),
+    ((1, 2, 4), "full", 4, [*SP_CHUNKS, *MATRIX, "memory.mlp_blocks=4"]),
+    ((1, 1, 4), "full", 2, ["model.sequence_parallel=true"]),
+    ((1, 1, 4), "full", 2, ["model.sequence_parallel=true", *MATRIX]),
+    ((1, 1, 4), "full", 2, []),
+    ((1, 1, 4), "full", 2, [*MATRIX]),
 ]
 
 
@@ -127,12 +137,17 @@ def measure(case) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--only", help="measure the cases whose row contains TEXT (e.g. 1x2x4)")
     args = parser.parse_args()
     use_virtual_cpu_devices(8)
     rows = []
     print("| mesh | remat | GA | extra | compiled MB | planned MB | planned/compiled |")
     print("|---|---|---|---|---|---|---|")
     for case in CASES:
+        (r, p, t), remat, accum, extra = case
+        row = f"{r}x{p}x{t} {remat} {accum} {' '.join(extra)}"
+        if args.only and args.only not in row:
+            continue
         res = measure(case)
         rows.append(res)
         print(

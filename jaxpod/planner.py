@@ -45,7 +45,8 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   layer's: the largest (a third of `W_qkv`, `W_o`, or a block of `W_in` and `W_out`,
   `memory.mlp_blocks`) and, in the backward pass, their full-size gradient before the
   reduce-scatter: 2 x max(D², 2·D·F/k) of the layer's parameters; the backward pass
-  recomputes one step at a time (`_layer_sets`).
+  recomputes one step at a time (`_layer_sets`; under tensor parallelism XLA keeps the
+  layer's working set anyway, and that is what is counted).
 - activations: see `_activations`: the saved residuals of every layer and every pipeline tick
   in flight, the pipeline's buffers, and the larger of the loss head and one layer's
   backward working set.
@@ -152,19 +153,25 @@ def _layer_sets(cfg: Config) -> dict:
     # and MLP halves), less what the policy keeps. memory.stream=matrix recomputes one step
     # at a time: the attention half, or one of the k MLP blocks (1/k of the hidden units, and
     # the block's partial sums [b, T, D]), plus the steps' inputs (x, q, k, v, o, x1, y).
+    # XLA realises that smaller working set without tensor parallelism only: with t > 1 it
+    # holds the layer's working set plus the steps' inputs (measured on 1x2x4 and 1x1x4, with
+    # and without sequence parallelism and chunks: docs/benchmarks.md), so that is counted.
     attention = (4 * res + gathered // 2 + 4 * btd // t) * cb + (3 * cb + 1) * kept_scores
     attention += (btd // t * cb if chunked else 0) + attention_work
     mlp_in = (4 * res + gathered // 2) * cb + (btd * cb if chunked else 0)
     mlp = mlp_in + 6 * kept_hidden * cb + 6 * (btf - kept_hidden) * cb
     kept = saved - res * cb
+    step_inputs = (3 * res + 4 * btd // t) * cb  # x, q, k, v, o, x1, y: kept per layer
     if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
         work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
-    elif cfg.memory.stream == "matrix":
+    elif cfg.memory.stream == "matrix" and t == 1:
         k = cfg.memory.mlp_blocks
         mlp_block = mlp_in + btd * cb + 6 * btf // k * cb
-        work = max(max(attention, mlp_block) + (3 * res + 4 * btd // t) * cb - kept, 0)
+        work = max(max(attention, mlp_block) + step_inputs - kept, 0)
     else:
         work = max(attention + mlp - attention_work - kept, 0) + attention_work
+        if cfg.memory.stream == "matrix":  # no credit under tensor parallelism (measured)
+            work += step_inputs
     return {"all": every, "saved": saved, "work": work, "btd": res * cb}
 
 
@@ -359,17 +366,21 @@ def _phases_needed(cfg: Config, limit: int, params_override: int | None) -> int 
 
 def _finer_stream(cfg: Config, limit: int, params_override: int | None) -> dict:
     """Streaming matrix by matrix with the fewest MLP blocks (of those that divide the
-    device's hidden units, up to 64) that fits, else the most: the `memory` changes, or {}
-    when the config already streams that finely."""
+    device's hidden units, up to 64) that fits; if none does, the fewest that give the
+    smallest total, when that is smaller than now. The `memory` changes, or {}."""
     local_ff = cfg.model.d_ff // cfg.mesh.tensor
     counts = [k for k in _divisors(local_ff) if k <= 64]
     if cfg.memory.stream == "matrix":
         counts = [k for k in counts if k > cfg.memory.mlp_blocks]
-    if not counts:
-        return {}
     trial = lambda k: _with_memory(cfg, stream="matrix", mlp_blocks=k)
-    fits = [k for k in counts if _device_total(trial(k), params_override) <= limit]
-    k = fits[0] if fits else counts[-1]
+    totals = {k: _device_total(trial(k), params_override) for k in counts}
+    fits = [k for k in counts if totals[k] <= limit]
+    if fits:
+        k = fits[0]
+    elif totals and min(totals.values()) < _device_total(cfg, params_override):
+        k = min(totals, key=lambda k: (totals[k], k))
+    else:
+        return {}
     if cfg.memory.stream == "matrix":
         return {"mlp_blocks": k}
     return {"stream": "matrix", "mlp_blocks": k}

@@ -142,8 +142,9 @@ for name, p in plans.items():
 md(r"""
 The two BERT-Large mappings fit: on 4 stages only because the LAMB moments live in streaming
 memory, on 8 stages with everything on chip (FP16 master weights with stochastic rounding and
-FP16 moments are what make it fit). **GPT-3 fits a GC200 only just** (839 MB of 900 MB), and
-only with every memory knob turned: the full table of the GPT-3 preset:
+FP16 moments are what make it fit). **GPT-3 does not fit a GC200 under any setting of jaxpod's
+memory knobs** (1.06 GB with every one of them turned) — the planner is honest about it. The
+full table of the GPT-3 preset:
 """)
 
 code(r"""
@@ -151,15 +152,16 @@ print(format_plan(plans["GPT-3 175B POD256\np8 x t8 x r4"]))
 """)
 
 md(r"""
-Why it is tight: at tensor 8 one layer's float16 weights are `12·d²/8 × 2 B ≈ 453 MB` per
-device once all-gathered over the RTS group for use, and 113 MB at rest (RTS 4). The preset
-therefore streams each layer matrix by matrix (`memory.stream=matrix`, the MLP in
-`memory.mlp_blocks=8` blocks): each step fetches only the blocks it reads from streaming
-memory and gathers them, so two steps' blocks (19 MB), not two layers (226 MB), are on the
-device, and one 38 MB block is gathered at a time. What remains: the embedding tables
-(gathered whole: 161 MB), the activations (sequence parallelism and a serialised sequence
-already cut those from 2.9 GB to 0.48 GB, half of them the pipeline's buffers) and the
-gathered block with its gradient. The same mapping fits an 80 GB H100 comfortably:
+Why: at tensor 8 one layer's float16 weights are `12·d²/8 × 2 B ≈ 453 MB` per device once
+all-gathered over the RTS group for use, and 113 MB at rest (RTS 4). The preset therefore
+streams each layer matrix by matrix (`memory.stream=matrix`, the MLP in `memory.mlp_blocks=8`
+blocks): each step fetches only the blocks it reads from streaming memory and gathers them,
+so two steps' blocks (19 MB), not two layers (226 MB), are on the device, and one 38 MB block
+is gathered at a time. What remains: the activations (708 MB: the pipeline's buffers, 233 MB,
+and the backward pass's working set, 462 MB — the recomputed layer's: under tensor
+parallelism XLA does not shrink it to one step's, `docs/benchmarks.md`), the embedding tables
+(gathered whole: 161 MB) and the gathered block with its gradient. The same mapping fits an
+80 GB H100 comfortably:
 """)
 
 code(r"""
@@ -225,7 +227,8 @@ hidden units. A step fetches only its blocks from streaming memory (the phase be
 step: two steps' blocks resident, whatever `K`) and gathers only them (its gradient
 reduce-scattered and written back as soon as the step's backward pass produces it). The
 price: the backward pass recomputes the layer's forward once more, and `k` MLP blocks move the
-MLP's activations over the tensor axis `k` times. XLA agrees on small configs
+MLP's activations over the tensor axis `k` times. Past 8 blocks nothing changes: `W_o` and a
+third of `W_qkv` are as large as an MLP block. XLA agrees on small configs
 (`tests/test_planner.py`) and on GPT-3 itself its temporaries fall from 7.6 to 6.4 GB
 (`docs/benchmarks.md`); that the fetches happen step by step is checked in the program
 (`tests/test_memory.py`), but jax 0.10.2 executes host transfers once per step (see the

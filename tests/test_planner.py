@@ -298,6 +298,14 @@ XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, more overrides
     "1x2x1-none-ga4": ((1, 2, 1), "none", 4, []),
     "2x2x2-comms-ga4": ((2, 2, 2), "comms", 4, []),
     "1x1x1-full-ga1-chunks8": ((1, 1, 1), "full", 1, ["model.sequence_chunks=8"]),  # update peak
+    # streamed matrix by matrix under tensor parallelism: XLA keeps the layer's working set
+    "1x2x4-full-ga4-sp-chunks8-matrix4": (
+        (1, 2, 4),
+        "full",
+        4,
+        ["model.sequence_parallel=true", "model.sequence_chunks=8", "memory.stream=matrix"]
+        + ["memory.mlp_blocks=4"],
+    ),
     "1x2x4-full-ga4-chunks8-sp": (
         (1, 2, 4),
         "full",
@@ -400,21 +408,24 @@ def test_suggestions_name_sequence_parallelism_and_chunks_with_their_bytes():
 
 
 def test_suggestion_streams_with_the_fewest_mlp_blocks_that_fit():
-    """GPT-3 layer by layer, or in 4 MLP blocks, does not fit a GC200; the suggestion is the
-    fewest MLP blocks that do (6: 883 MB; each block costs the MLP's collectives once more),
-    with matrix streaming turned on if it is off."""
+    """GPT-3 in a 1.15 GB budget, layer by layer or in 4 MLP blocks, does not fit; the
+    suggestion is the fewest MLP blocks that do (6: 1.10 GB; each block costs the MLP's
+    collectives once more), with matrix streaming turned on if it is off. In a GC200 none
+    fits: the suggestion is then the fewest blocks with the smallest total (8: 1.06 GB)."""
     from jaxpod.config import load_config
 
     path = Path(__file__).resolve().parents[1] / "configs" / "gpt3_175b_pod256.yaml"
+    layer = ["memory.stream=layer", "memory.mlp_blocks=1"]
     for overrides, knob in (
-        (
-            ["memory.stream=layer", "memory.mlp_blocks=1"],
-            "memory.stream=matrix memory.mlp_blocks=6",
-        ),
-        (["memory.mlp_blocks=4"], "memory.mlp_blocks=6"),
+        ([*layer, "memory.device_budget=1.15GB"], "memory.stream=matrix memory.mlp_blocks=6"),
+        (["memory.mlp_blocks=4", "memory.device_budget=1.15GB"], "memory.mlp_blocks=6"),
+        (["memory.mlp_blocks=4"], "memory.mlp_blocks=8"),
     ):
         p = plan(load_config(path, overrides))
-        assert not p["fits"] and f"try: {knob} (883.15 MB)" in p["suggestion"], p["suggestion"]
+        assert not p["fits"] and f"try: {knob} (" in p["suggestion"], p["suggestion"]
+        chosen = dict(item.split("=") for item in knob.split())
+        trial = plan(load_config(path, [*overrides, *(f"{k}={v}" for k, v in chosen.items())]))
+        assert trial["fits"] == ("memory.device_budget=1.15GB" in overrides)
 
 
 def test_virtual_devices_schedule_for_memory_unless_xla_flags_say_otherwise(monkeypatch):
