@@ -229,7 +229,7 @@ reduce-scattered and written back as soon as the step's backward pass produces i
 price: the backward pass recomputes the layer's forward once more, and `k` MLP blocks move the
 MLP's activations over the tensor axis `k` times. Past 8 blocks nothing changes: `W_o` and a
 third of `W_qkv` are as large as an MLP block. XLA agrees on small configs
-(`tests/test_planner.py`) and on GPT-3 itself its temporaries fall from 7.6 to 6.4 GB
+(`tests/test_planner.py`) and on GPT-3 itself its temporaries fall from 7.6 to 6.3 GB
 (`docs/benchmarks.md`); that the fetches happen step by step is checked in the program
 (`tests/test_memory.py`), but jax 0.10.2 executes host transfers once per step (see the
 README).

@@ -201,8 +201,12 @@ def apply_stack(
             first, rest = [p[0] for p in pieces], [p[1:] for p in pieces]
         carry = one(carry, first)
         if count > 1:  # the other blocks in a loop: one block's weights gathered at a time,
-            # their gradients summed into one buffer
-            carry = jax.lax.scan(lambda c, j: (one(c, j), None), carry, rest)[0]
+            # their gradients summed into one buffer. The step's input carry[0] passes through
+            # unchanged: closed over, not carried, so the loop saves it once for the backward
+            # pass instead of once per block (only the accumulated sums are carried)
+            x = carry[0]
+            body = lambda acc, j: (one((x, *acc), j)[1:], None)
+            carry = (x, *jax.lax.scan(body, carry[1:], rest)[0])
         return carry
 
     def matrix_by_matrix(x, layer_params):
