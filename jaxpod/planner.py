@@ -18,55 +18,12 @@ Pre- or post-LN blocks have the same parameters. Per device, the block weights s
 replicated), the vocabulary-sized tables over `tensor` only, positions and LNs are replicated
 (positions split over `tensor` along T with sequence parallelism).
 
-Bytes per device (P_local = parameters this device holds, divided by `memory.rts`):
-
-- weights: P_local x master bytes (float32: 4; `same-as-params`: the params dtype), plus the
-  16-bit working copy (P_local x 2) when params are 16-bit and the master is float32.
-- grads: in the params' dtype (autodiff returns the params' dtype), 1/rts: each layer's
-  gradient is reduce-scattered as the backward pass leaves it (the transpose of its
-  all-gather); the accumulator doubles it when the step sums several backward passes
-  (`pipeline == 1` and `grad_accum > 1`, or more than one GPipe pass).
-- optimizer: moments (adamw/lamb 2, sgd/lars 1) in the master dtype, sharded like the weights
-  but over `memory.rts_optimizer` replicas.
-- updates: optax materialises the update tree (master dtype, 1/rts) before applying it, next
-  to the reduced grads and their unscaled/clipped copy; the step's activations are dead by
-  then, so the peak is max(backward, update) (verified on XLA for float32 + AdamW). With
-  16-bit master weights the engine updates the stacked blocks tensor by tensor, one layer
-  per stage at a time (`jaxpod.layerwise`): the update then holds the grads, a 16-bit copy
-  of the stacked layer weights (XLA's loop carries) and ~8 float32 copies of the largest
-  block: one layer of the largest tensor or the token embedding, each cut into up to 8
-  blocks (`jaxpod.update_blocks`; measured in `docs/benchmarks.md`).
-- gathered: with rts > 1 the weights are all-gathered (params dtype) right before use: the
-  non-layer weights for the step, the layers one at a time (remat recomputes the gather in
-  the backward pass; with `pipeline > 1` on every GPipe tick: `stack.tie` keeps XLA from
-  hoisting the stage's gather out of the tick loop). With remat `none` every layer's
-  gathered copy is saved (with `pipeline > 1` once for all ticks: the gather is hoisted).
-  With `memory.stream = matrix` one step's weights are gathered at a time instead of a
-  layer's: the largest (a third of `W_qkv`, `W_o`, or a block of `W_in` and `W_out`,
-  `memory.mlp_blocks`) and, in the backward pass, their full-size gradient before the
-  reduce-scatter: 2 x max(D², 2·D·F/k) of the layer's parameters; the backward pass
-  recomputes one step at a time (`_layer_sets`; under tensor parallelism XLA keeps the
-  layer's working set anyway, and that is what is counted).
-- activations: see `_activations`: the saved residuals of every layer and every pipeline tick
-  in flight, the pipeline's buffers, and the larger of the loss head and one layer's
-  backward working set.
-
-Offload (`memory.offload`) and phases (`memory.phases = K`): offloaded `params` keep only two
-phases of the stage's layer weights on the device (current + prefetched next: min(1, 2/K) of
-them; grads, update and gathered copy follow); with `memory.stream = matrix` each step fetches
-the blocks it reads, so two steps' weights instead, 2 x max(D², 2·D·F/k) of a layer's
-parameters, whatever K. The host holds all of the stage's layer weights. This is the program's
-schedule; on jax 0.10.2 XLA brings host weights to the device at the `shard_map` boundary,
-once per step (`jaxpod.parallel.offload`), and a pipelined stage fetches its stack before the
-GPipe ticks (`jaxpod.train`). Offloaded `optimizer` state lives on the host entirely.
-Offloaded `activations` move the saved residuals to the host (two layers' worth stay for the
-stream).
+The byte model (what each kind of state costs per device) is `jaxpod.plan_bytes`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from jaxpod.config import Config, parse_bytes
 from jaxpod.device_profiles import PROFILES, DeviceProfile, get_profile
@@ -77,8 +34,8 @@ from jaxpod.param_counts import (
     flops_per_example,
     param_layout,
 )
+from jaxpod.plan_bytes import DTYPE_BYTES, activation_bytes, device_bytes
 from jaxpod.plan_report import format_bytes, format_plan
-from jaxpod.update_blocks import update_blocks
 
 __all__ = [  # profiles, parameter counts and the report are re-exported from their modules
     "PROFILES",
@@ -92,242 +49,6 @@ __all__ = [  # profiles, parameter counts and the report are re-exported from th
     "param_layout",
     "plan",
 ]
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-MOMENTS = {"adamw": 2, "lamb": 2, "sgd": 1, "lars": 1}
-TOKEN_BYTES = 4  # int32 token ids
-HEAD_LOGIT_COPIES = 3  # float32 logits, shifted logits, exp: live together in the loss head
-
-# EfficientNet (width, depth, native resolution) and approximate parameter counts with a
-# 1000-class head, for when the caller does not inject the exact count.
-EFFICIENTNET = {
-    "b0": (1.0, 1.0, 224, 5.3e6),
-    "b1": (1.0, 1.1, 240, 7.8e6),
-    "b2": (1.1, 1.2, 260, 9.2e6),
-    "b3": (1.2, 1.4, 300, 12.2e6),
-    "b4": (1.4, 1.8, 380, 19.3e6),
-}
-EFFICIENTNET_ACT_PER_PIXEL = 80.0  # saved activation scalars per input pixel, B0, no remat
-
-
-# ----------------------------------------------------------------------------- activations
-def _layer_sets(cfg: Config) -> dict:
-    """Bytes of one layer's residuals for one micro-batch on one device: `all` (what autodiff
-    saves without remat) and `saved` (what the remat policy keeps, layer input included)."""
-    md, t = cfg.model, cfg.mesh.tensor
-    cb = DTYPE_BYTES[cfg.precision.compute]
-    b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
-    btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
-    # With sequence_chunks = C > 1 each query block and each MLP token block is a checkpoint:
-    # scores and MLP hidden activations are never saved, one query block's scores are alive.
-    # The MLP blocks earn no credit in the backward working set (measured: XLA's fused
-    # GELU recompute gains ~nothing from them); the loss head's logits shrink by C; lax.map
-    # needs the blocks stacked first: a transposed copy of the MLP input and of the queries.
-    chunked = md.sequence_chunks > 1
-    kept_scores = 0 if chunked else scores
-    block = scores // md.sequence_chunks
-    attention_work = (5 * cb + 1) * block if chunked else 0  # masked, exp, probs, 2 grads
-    # Sequence parallelism: residual-stream tensors are [b, T/t, D]; attention and the MLP
-    # each all-gather their input to [b, T, D] (and the row-parallel matmul output is
-    # full-length before its reduce-scatter).
-    res = btd // t if md.sequence_parallel else btd
-    gathered = 2 * btd if md.sequence_parallel and t > 1 else 0
-    # LN1/LN2: 4 [b,T,D] each; q, k, v, attention output: [b,T,D/t] each; masked scores,
-    # exp, probabilities [b,H/t,T,T] (+ the boolean mask, 1 byte); GELU MLP: 6 [b,T,F/t].
-    kept_hidden = 0 if chunked else btf
-    every = (8 * res + gathered + 4 * btd // t + 6 * kept_hidden) * cb
-    every += (3 * cb + 1) * kept_scores
-    if chunked:  # the blocked (transposed) copies of the MLP input and the queries
-        every += (btd + btd // t) * cb
-    # The attention psum's output is saved; the MLP psum's output is not (the residual add's
-    # backward needs no inputs, so autodiff drops it as a residual).
-    psums = res if t > 1 else 0
-    saved = {
-        "none": every,
-        "full": res * cb,
-        "minimal": (res + 3 * btd // t + btd + btf) * cb,
-        "attention": (res + 4 * btd // t) * cb,
-        "comms": (res + psums) * cb,
-    }[md.remat]
-    # Recomputing one layer: everything it would have saved (`every`, split into its attention
-    # and MLP halves), less what the policy keeps. memory.stream=matrix recomputes one step
-    # at a time: the attention half, or one of the k MLP blocks (1/k of the hidden units, and
-    # the block's partial sums [b, T, D]), plus the steps' inputs (x, q, k, v, o, x1, y).
-    # XLA realises that smaller working set without tensor parallelism only: with t > 1 it
-    # holds the layer's working set plus the steps' inputs (measured on 1x2x4 and 1x1x4, with
-    # and without sequence parallelism and chunks: docs/benchmarks.md), so that is counted.
-    attention = (4 * res + gathered // 2 + 4 * btd // t) * cb + (3 * cb + 1) * kept_scores
-    attention += (btd // t * cb if chunked else 0) + attention_work
-    mlp_in = (4 * res + gathered // 2) * cb + (btd * cb if chunked else 0)
-    mlp = mlp_in + 6 * kept_hidden * cb + 6 * (btf - kept_hidden) * cb
-    kept = saved - res * cb
-    step_inputs = (3 * res + 4 * btd // t) * cb  # x, q, k, v, o, x1, y: kept per layer
-    if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
-        work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
-    elif cfg.memory.stream == "matrix" and t == 1:
-        k = cfg.memory.mlp_blocks
-        mlp_block = mlp_in + btd * cb + 6 * btf // k * cb
-        work = max(max(attention, mlp_block) + step_inputs - kept, 0)
-    else:
-        work = max(attention + mlp - attention_work - kept, 0) + attention_work
-        if cfg.memory.stream == "matrix":  # no credit under tensor parallelism (measured)
-            work += step_inputs
-    return {"all": every, "saved": saved, "work": work, "btd": res * cb}
-
-
-def _activations(cfg: Config) -> dict:
-    """Activation bytes per device, with the breakdown.
-
-    - `saved`: residuals kept for the backward pass. pipeline == 1: the micro-batches run one
-      after another (forward and backward inside the accumulation loop), so one micro-batch's
-      layers are in flight. pipeline > 1 (GPipe as one scan, differentiated as a whole): every
-      one of the M + S - 1 ticks saves its stage's layers, bubble ticks included, where M is
-      the micro-batches of one pass (`train.pipeline_group`; the passes run in turn).
-    - `pipeline_buffers`: the embedded micro-batches [M, mb, T, D], the last stage's outputs
-      and their gradient, the carry, and one tick's layer stack before it joins the scan's.
-    - `head`: the loss head: float32 logits over this device's tokens (mb·T; M·mb·T/S when the
-      pipeline spreads the head over the stages) x V/t, x 3 live copies, plus the final LN.
-    - `layer_work`: one layer's backward working set (recomputation under remat).
-    Peak = saved + pipeline_buffers + max(head, layer_work): the head's temporaries die before
-    the backward pass reaches the layers.
-    """
-    md, mesh, tr = cfg.model, cfg.mesh, cfg.train
-    cb = DTYPE_BYTES[cfg.precision.compute]
-    if md.name == "efficientnet":
-        width, depth, _, _ = EFFICIENTNET[md.variant]
-        per_image = EFFICIENTNET_ACT_PER_PIXEL * width * depth * md.image_size**2 * cb
-        if md.remat != "none":
-            per_image *= 0.25
-        in_flight = cfg.pipeline_group + mesh.pipeline - 1 if mesh.pipeline > 1 else 1
-        saved = int(per_image * tr.micro_batch * in_flight / mesh.pipeline)
-        return {
-            "saved": saved,
-            "pipeline_buffers": 0,
-            "head": 0,
-            "layer_work": 0,
-            "total": saved,
-            "ticks": in_flight,
-            "estimated": True,
-        }
-    sets = _layer_sets(cfg)
-    # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)
-    stages, micro, per_stage = mesh.pipeline, cfg.pipeline_group, md.layers // mesh.pipeline
-    ticks = 1 if stages == 1 else micro + stages - 1
-    saved = ticks * per_stage * sets["saved"]
-    buffers = 0 if stages == 1 else (3 * micro + 1) * sets["btd"] + per_stage * sets["saved"]
-    head_tokens = tr.micro_batch * md.seq_len * (1 if stages == 1 else micro) // stages
-    head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head blocks (as the engine)
-    head = head_tokens * (md.vocab // mesh.tensor) * 4 * HEAD_LOGIT_COPIES // head_chunks
-    head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // head_chunks
-    offloaded = "activations" in cfg.memory.offload
-    on_device_saved = min(saved, 2 * sets["saved"]) if offloaded else saved
-    total = on_device_saved + buffers + max(head, sets["work"])
-    return {
-        "saved": saved,
-        "saved_on_device": on_device_saved,
-        "saved_per_layer": sets["saved"],
-        "pipeline_buffers": buffers,
-        "head": head,
-        "layer_work": sets["work"],
-        "ticks": ticks,
-        "layers_per_stage": per_stage,
-        "total": total,
-        "host": saved - on_device_saved,
-        "estimated": False,
-    }
-
-
-# ----------------------------------------------------------------------------- the plan
-def _step_share(cfg: Config) -> float:
-    """With `memory.stream=matrix`: the largest step's share of a layer's parameters (a third
-    of `W_qkv`, `W_o`, or one of the `mlp_blocks` blocks of `W_in` and `W_out`)."""
-    d, f = cfg.model.d_model, cfg.model.d_ff
-    return max(d * d, 2 * d * f / cfg.memory.mlp_blocks) / sum(block_params(d, f))
-
-
-def _window(cfg: Config, layout: dict) -> float:
-    """Fraction of a stage's weights resident on the device: all of them, or with params
-    offloaded the non-layer weights plus two of the K phases' layers (current + prefetched
-    next), or with `memory.stream=matrix` two steps' weights (each step fetches its own)."""
-    if "params" not in cfg.memory.offload:
-        return 1.0
-    share = min(1.0, 2 / cfg.memory.phases)
-    if cfg.memory.stream == "matrix":
-        per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
-        share = min(share, 2 * _step_share(cfg) / per_stage)
-    local = max(layout["local"], 1)
-    return (layout["local_other"] + layout["local_layers"] * share) / local
-
-
-def _bytes(cfg: Config, layout: dict, acts: dict) -> dict:
-    mem, prec = cfg.memory, cfg.precision
-    rts = mem.rts
-    rts_opt = mem.rts_optimizer or rts
-    pb = DTYPE_BYTES[prec.params]
-    mb = 4 if prec.master == "float32" else pb
-    local = layout["local"]
-    window = _window(cfg, layout)
-    offload = set(mem.offload)
-
-    weights_all = local / rts * mb + (local / rts * pb if mb != pb else 0)
-    optimizer_all = local / rts_opt * MOMENTS[cfg.optim.name] * mb
-    accumulated = cfg.train.grad_accum > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
-    grads_stage = local / rts * pb * (2 if accumulated else 1)
-    grads_update = local / rts * pb
-    updates = local / rts * mb * window
-    gathered = 0
-    if rts > 1 and cfg.model.remat == "none":
-        gathered = local * pb * window  # every layer's gathered copy is saved
-    elif rts > 1:  # the non-layer weights, and one layer at a time (recomputed in backward)
-        per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
-        layer = layout["local_layers"] / per_stage
-        if mem.stream == "matrix":  # the largest step's weights and their full-size grads
-            layer *= 2 * _step_share(cfg)
-        gathered = (layout["local_other"] + layer) * pb
-
-    weights = weights_all * window
-    grads = grads_stage * window
-    optimizer = 0 if "optimizer" in offload else optimizer_all
-    activations = acts["total"]
-    inputs = cfg.train.grad_accum * cfg.train.micro_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
-    if cfg.is_vision:
-        inputs = cfg.train.grad_accum * cfg.train.micro_batch * 3 * cfg.model.image_size**2
-    backward_peak = grads + activations
-    # the update holds the reduced grads, a same-size copy (unscaled/clipped) and the updates
-    update_peak = 2 * grads_update * window + updates
-    if mb < 4 and not cfg.is_vision:  # 16-bit masters: `jaxpod.layerwise`, tensor by tensor
-        md, mesh, devices = cfg.model, cfg.mesh, cfg.devices
-        # the largest stacked tensor (one layer of every stage: `jaxpod.update_blocks`) and
-        # the token embedding, each updated in blocks
-        layer = (mesh.pipeline, md.d_model, max(3 * md.d_model, md.d_ff))
-        table = (md.vocab, md.d_model)
-        block = max(
-            math.prod(layer[1:]) / mesh.tensor / rts / update_blocks(layer, devices, True)[1],
-            math.prod(table) / mesh.tensor / rts / update_blocks(table, devices, False)[1],
-        )
-        # the grads, a 16-bit copy of the stacked layer weights (XLA's loop carries), and the
-        # working set of the largest block: float32 upcasts, moments, update and threefry's
-        # random-bit temporaries, ~8 float32 copies (measured)
-        updates = layout["local_layers"] / rts * mb * window + block * 4 * 8
-        update_peak = grads_update * window + updates
-    device_total = weights + optimizer + inputs + gathered + max(backward_peak, update_peak)
-    host_weights = weights_all - weights
-    if "params" in offload:  # the host holds the stage's layer weights (the source of truth)
-        host_weights = weights_all * layout["local_layers"] / max(local, 1)
-    host_total = host_weights + (optimizer_all - optimizer) + acts.get("host", 0)
-    host_total += grads_stage * (1 - window)
-    return {
-        "weights": int(weights),
-        "grads": int(grads),
-        "optimizer": int(optimizer),
-        "activations": int(activations),
-        "updates": int(updates),
-        "gathered": int(gathered),
-        "inputs": int(inputs),
-        "device_total": int(device_total),
-        "host_total": int(host_total),
-        "peak": "backward" if backward_peak >= update_peak else "update",
-    }
 
 
 def _budget(cfg: Config, profile: DeviceProfile) -> int:
@@ -345,7 +66,7 @@ def _with_model(cfg: Config, **changes) -> Config:
 
 def _device_total(cfg: Config, params_override: int | None) -> int:
     layout = param_layout(cfg, params_override)
-    return _bytes(cfg, layout, _activations(cfg))["device_total"]
+    return device_bytes(cfg, layout, activation_bytes(cfg))["device_total"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -460,8 +181,8 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         scale = params_override / max(formula["total"], 1)
         for key in ("layers", "local", "local_layers", "local_other"):
             layout[key] = int(formula[key] * scale)
-    acts = _activations(cfg)
-    per_device = _bytes(cfg, layout, acts)
+    acts = activation_bytes(cfg)
+    per_device = device_bytes(cfg, layout, acts)
     limit = _budget(cfg, profile)
     fits = per_device["device_total"] <= limit
     if fits:
