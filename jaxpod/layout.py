@@ -62,7 +62,8 @@ def make_layout(cfg: Config, mesh: Mesh, params: dict, specs: dict) -> Layout:
     everything = "params" in mem.offload
     host = jax.tree.map(lambda s: everything or (s and mem.phases > 1), stacked)
     avoid = None
-    if mem.stream == "matrix" and mesh.shape["pipeline"] == 1 and any(jax.tree.leaves(host)):
+    layers_on_host = any(jax.tree.leaves(host[STACKED_KEY]))
+    if mem.stream == "matrix" and mesh.shape["pipeline"] == 1 and layers_on_host:
         # each step fetches its blocks (`stack.apply_stack`), taken before the gather
         avoid = jax.tree.map(lambda _: (), stacked)
         avoid[STACKED_KEY] = block_axes(params[STACKED_KEY])

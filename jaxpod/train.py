@@ -141,14 +141,12 @@ def _local_functions(
     sp = cfg.model.sequence_parallel
     head = lambda m, h, y: token_loss_in_chunks(m, h, y, tp, cfg.model.sequence_chunks)
 
+    def prepare_layer(layer_params, blocks=None):  # a layer's stored slice -> computed with
+        layer_params = cast(layer_params)
+        return gather(layer_params, lay.plan[STACKED_KEY], lay.rts_axes, leading=1, blocks=blocks)
+
     def layer_hooks(fetched: bool) -> dict:
         """`model.layers` hooks; `fetched`: the stack is already on the device (pipelined)."""
-
-        def prepare_layer(layer_params, blocks=None):  # a layer's stored slice -> computed with
-            layer_params = cast(layer_params)
-            plan = lay.plan[STACKED_KEY]
-            return gather(layer_params, plan, lay.rts_axes, leading=1, blocks=blocks)
-
         hooks = {}
         if lay.rts_axes or dtype != master_dtype(cfg.precision):
             hooks["prepare"] = prepare_layer
