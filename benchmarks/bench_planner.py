@@ -31,6 +31,7 @@ MATRIX = ["memory.stream=matrix"]
 D512 = ["model.d_model=512", "model.d_ff=2048", "model.seq_len=16", "train.micro_batch=1"]
 D512 += ["optim.name=sgd"]
 SP_CHUNKS = ["model.sequence_parallel=true", "model.sequence_chunks=8"]
+VOCAB = ["model.vocab=8192"]
 CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((1, 1, 1), "none", 1, []),
     ((1, 1, 1), "full", 1, []),
@@ -88,6 +89,24 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((1, 1, 4), "full", 2, ["model.sequence_parallel=true", *MATRIX]),
     ((1, 1, 4), "full", 2, []),
     ((1, 1, 4), "full", 2, [*MATRIX]),
+    # MLP token blocks (sequence_chunks) with RTS: XLA keeps one block's hidden units
+    ((4, 2, 1), "full", 4, [*RTS4, "model.sequence_chunks=8"]),
+    ((4, 1, 1), "full", 2, [*RTS4, "model.sequence_chunks=8"]),
+    ((2, 2, 2), "full", 4, ["memory.rts=2", "model.sequence_chunks=8"]),
+    ((2, 2, 2), "full", 4, ["memory.rts=2", *SP_CHUNKS]),
+    ((2, 1, 4), "full", 2, ["memory.rts=2", *SP_CHUNKS]),
+    ((2, 1, 4), "full", 2, ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_blocks=4"]),
+    # GPT-3's knobs in small (RTS, sequence parallel, token blocks, matrix streaming), a large
+    # vocabulary: the token table whole, then in 8 blocks of rows (memory.vocab_blocks)
+    ((2, 2, 2), "full", 4, ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_blocks=4"]),
+    ((2, 2, 2), "full", 4, ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_blocks=4", *VOCAB]),
+    (
+        (2, 2, 2),
+        "full",
+        4,
+        ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_blocks=4", *VOCAB]
+        + ["memory.vocab_blocks=8"],
+    ),  # fmt: skip
 ]
 
 

@@ -168,6 +168,7 @@ class MemoryConfig:
     phases: int = 1  # the layers of a stage run in this many phases, streamed from host
     stream: str = "layer"  # unit a weight is prepared (fetched/gathered) in: layer or matrix
     mlp_blocks: int = 1  # with stream=matrix: the MLP's matrices in this many blocks
+    vocab_blocks: int = 1  # GPT: the token table used (and RTS-gathered) this many rows at a time
     device_budget: str | None = None  # e.g. 900MB, 16GiB: refuse mappings that exceed it
 
 

@@ -66,7 +66,7 @@ _AT_LEAST_1 = (
     "train.pipeline_group "
     "train.log_every train.eval_batches train.keep_checkpoints model.norm_groups "
     "model.image_size model.num_classes precision.loss_scale_period memory.rts "
-    "memory.rts_optimizer memory.phases memory.mlp_blocks"
+    "memory.rts_optimizer memory.phases memory.mlp_blocks memory.vocab_blocks"
 ).split()
 _AT_LEAST_0 = (
     "data.prefetch",
@@ -186,10 +186,11 @@ def _check_vision(cfg: Config) -> None:
         or mem.offload
         or mem.stream != "layer"
         or mem.mlp_blocks > 1
+        or mem.vocab_blocks > 1
     ):
         fail(
-            "memory.phases/memory.rts/memory.offload/memory.stream are for transformer models; "
-            "leave them at 1/1/[]/layer for model.name=efficientnet"
+            "memory.phases/rts/offload/stream/mlp_blocks/vocab_blocks are for transformer "
+            "models; leave them at 1/1/[]/layer/1/1 for model.name=efficientnet"
         )
 
 
@@ -219,6 +220,17 @@ def _check_memory(cfg: Config, replica: int) -> None:
         fail(
             f"memory.mlp_blocks={mem.mlp_blocks} does not divide the {local_ff} hidden units "
             "per tensor shard (model.d_ff/mesh.tensor); use a divisor of it"
+        )
+    local_vocab = md.vocab // cfg.mesh.tensor
+    if mem.vocab_blocks > 1 and md.name != "gpt":
+        fail(
+            f"memory.vocab_blocks={mem.vocab_blocks} blocks GPT's token table; model.name="
+            f"{md.name} uses its table whole: set memory.vocab_blocks=1"
+        )
+    if local_vocab % mem.vocab_blocks:
+        fail(
+            f"memory.vocab_blocks={mem.vocab_blocks} does not divide the {local_vocab} table rows "
+            "per tensor shard (model.vocab/mesh.tensor); use a divisor of it"
         )
     if mem.stream == "matrix" and md.remat == "none":
         fail(

@@ -17,6 +17,8 @@ from jaxpod.optim import STACKED_KEY, stacked_mask
 from jaxpod.parallel import offload
 from jaxpod.parallel.replica import rts_plan, with_rts
 
+TABLES = ("wte", "unembed")  # GPT's vocabulary tables: used in blocks of rows (vocab_blocks)
+
 
 class Layout(NamedTuple):
     """Where everything lives: the engine's mesh and the specs inside/outside `shard_map`."""
@@ -61,12 +63,13 @@ def make_layout(cfg: Config, mesh: Mesh, params: dict, specs: dict) -> Layout:
     stacked = stacked_mask(params)
     everything = "params" in mem.offload
     host = jax.tree.map(lambda s: everything or (s and mem.phases > 1), stacked)
-    avoid = None
+    avoid = jax.tree.map(lambda _: (), stacked)  # dimensions blocks are taken along
     layers_on_host = any(jax.tree.leaves(host[STACKED_KEY]))
     if mem.stream == "matrix" and mesh.shape["pipeline"] == 1 and layers_on_host:
         # each step fetches its blocks (`stack.apply_stack`), taken before the gather
-        avoid = jax.tree.map(lambda _: (), stacked)
         avoid[STACKED_KEY] = block_axes(params[STACKED_KEY])
+    if mem.vocab_blocks > 1:  # blocks of rows, taken before the gather: never split the rows
+        avoid.update({name: (0,) for name in TABLES if name in params})
     plan = rts_plan(params, specs, stacked, emesh.shape, w_axes, avoid)
     opt_plan = rts_plan(params, specs, stacked, emesh.shape, o_axes)
     return Layout(

@@ -24,9 +24,11 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   block: one layer of the largest tensor or the token embedding, each cut into up to 8
   blocks (`jaxpod.update_blocks`; measured in `docs/benchmarks.md`).
 - gathered: with rts > 1 the weights are all-gathered (params dtype) right before use: the
-  non-layer weights for the step, the layers one at a time (remat recomputes the gather in
-  the backward pass; with `pipeline > 1` on every GPipe tick: `stack.tie` keeps XLA from
-  hoisting the stage's gather out of the tick loop). With remat `none` every layer's
+  non-layer weights for the step (with `memory.vocab_blocks = k`, GPT's token table a block
+  of rows at a time: one block and its full-size gradient, 2/k of the table), the layers
+  one at a time (remat recomputes the gather in the backward pass; with `pipeline > 1` on
+  every GPipe tick: `stack.tie` keeps XLA from hoisting the stage's gather out of the tick
+  loop). With remat `none` every layer's
   gathered copy is saved (with `pipeline > 1` once for all ticks: the gather is hoisted).
   With `memory.stream = matrix` one step's weights are gathered at a time instead of a
   layer's: the largest (a third of `W_qkv`, `W_o`, or a block of `W_in` and `W_out`,
@@ -85,9 +87,11 @@ def _layer_sets(cfg: Config) -> dict:
     btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
     # With sequence_chunks = C > 1 each query block and each MLP token block is a checkpoint:
     # scores and MLP hidden activations are never saved, one query block's scores are alive.
-    # The MLP blocks earn no credit in the backward working set (measured: XLA's fused
-    # GELU recompute gains ~nothing from them); the loss head's logits shrink by C; lax.map
-    # needs the blocks stacked first: a transposed copy of the MLP input and of the queries.
+    # The MLP's token blocks earn credit in the backward working set only with RTS (the
+    # layer's weights all-gathered inside its remat unit): without it XLA holds the whole
+    # sequence's hidden units anyway (measured: docs/benchmarks.md, "MLP token blocks").
+    # The loss head's logits shrink by C. The blocks are sliced from their input and their
+    # outputs written in place (`serialize`): no stacked copies.
     chunked = md.sequence_chunks > 1
     kept_scores = 0 if chunked else scores
     block = scores // md.sequence_chunks
@@ -102,8 +106,6 @@ def _layer_sets(cfg: Config) -> dict:
     kept_hidden = 0 if chunked else btf
     every = (8 * res + gathered + 4 * btd // t + 6 * kept_hidden) * cb
     every += (3 * cb + 1) * kept_scores
-    if chunked:  # the blocked (transposed) copies of the MLP input and the queries
-        every += (btd + btd // t) * cb
     # The attention psum's output is saved; the MLP psum's output is not (the residual add's
     # backward needs no inputs, so autodiff drops it as a residual).
     psums = res if t > 1 else 0
@@ -122,9 +124,11 @@ def _layer_sets(cfg: Config) -> dict:
     # holds the layer's working set plus the steps' inputs (measured on 1x2x4 and 1x1x4, with
     # and without sequence parallelism and chunks: docs/benchmarks.md), so that is counted.
     attention = (4 * res + gathered // 2 + 4 * btd // t) * cb + (3 * cb + 1) * kept_scores
-    attention += (btd // t * cb if chunked else 0) + attention_work
-    mlp_in = (4 * res + gathered // 2) * cb + (btd * cb if chunked else 0)
+    attention += attention_work
+    mlp_in = (4 * res + gathered // 2) * cb
     mlp = mlp_in + 6 * kept_hidden * cb + 6 * (btf - kept_hidden) * cb
+    if chunked and cfg.memory.rts > 1:  # with the weights gathered in the layer, XLA does
+        mlp = mlp_in + 6 * btf // md.sequence_chunks * cb  # keep one token block's (measured)
     kept = saved - res * cb
     step_inputs = (3 * res + 4 * btd // t) * cb  # x, q, k, v, o, x1, y: kept per layer
     if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
@@ -151,7 +155,8 @@ def activation_bytes(cfg: Config) -> dict:
     - `pipeline_buffers`: the embedded micro-batches [M, mb, T, D], the last stage's outputs
       and their gradient, the carry, and one tick's layer stack before it joins the scan's.
     - `head`: the loss head: float32 logits over this device's tokens (mb·T; M·mb·T/S when the
-      pipeline spreads the head over the stages) x V/t, x 3 live copies, plus the final LN.
+      pipeline spreads the head over the stages) x V/t (/ `memory.vocab_blocks`), x 3 live
+      copies, plus the final LN; the tokens in `sequence_chunks` blocks.
     - `layer_work`: one layer's backward working set (recomputation under remat).
     Peak = saved + pipeline_buffers + max(head, layer_work): the head's temporaries die before
     the backward pass reaches the layers.
@@ -182,7 +187,8 @@ def activation_bytes(cfg: Config) -> dict:
     buffers = 0 if stages == 1 else (3 * micro + 1) * sets["btd"] + per_stage * sets["saved"]
     head_tokens = tr.micro_batch * md.seq_len * (1 if stages == 1 else micro) // stages
     head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head blocks (as the engine)
-    head = head_tokens * (md.vocab // mesh.tensor) * 4 * HEAD_LOGIT_COPIES // head_chunks
+    vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_blocks  # logits of a row block
+    head = head_tokens * vocab_rows * 4 * HEAD_LOGIT_COPIES // head_chunks
     head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // head_chunks
     offloaded = "activations" in cfg.memory.offload
     on_device_saved = min(saved, 2 * sets["saved"]) if offloaded else saved
@@ -248,7 +254,12 @@ def device_bytes(cfg: Config, layout: dict, acts: dict) -> dict:
         layer = layout["local_layers"] / per_stage
         if mem.stream == "matrix":  # the largest step's weights and their full-size grads
             layer *= 2 * _step_share(cfg)
-        gathered = (layout["local_other"] + layer) * pb
+        other = layout["local_other"]
+        if mem.vocab_blocks > 1:  # GPT's tables: one block of rows and its gradient at a time
+            table = cfg.model.vocab // cfg.mesh.tensor * cfg.model.d_model
+            tables = table * (1 if cfg.model.tie_embeddings else 2)
+            other += 2 * table / mem.vocab_blocks - tables
+        gathered = (other + layer) * pb
 
     weights = weights_all * window
     grads = grads_stage * window

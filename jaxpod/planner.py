@@ -85,26 +85,35 @@ def _phases_needed(cfg: Config, limit: int, params_override: int | None) -> int 
     return None
 
 
-def _finer_stream(cfg: Config, limit: int, params_override: int | None) -> dict:
-    """Streaming matrix by matrix with the fewest MLP blocks (of those that divide the
-    device's hidden units, up to 64) that fits; if none does, the fewest that give the
-    smallest total, when that is smaller than now. The `memory` changes, or {}."""
-    local_ff = cfg.model.d_ff // cfg.mesh.tensor
-    counts = [k for k in _divisors(local_ff) if k <= 64]
-    if cfg.memory.stream == "matrix":
-        counts = [k for k in counts if k > cfg.memory.mlp_blocks]
-    trial = lambda k: _with_memory(cfg, stream="matrix", mlp_blocks=k)
-    totals = {k: _device_total(trial(k), params_override) for k in counts}
+def _fewest(cfg: Config, limit: int, params_override, counts: list[int], changes) -> dict:
+    """Of `counts`, the fewest whose `memory` changes (`changes(k)`) fit; if none does, the
+    fewest that give the smallest total, when that is smaller than now. The changes, or {}."""
+    totals = {k: _device_total(_with_memory(cfg, **changes(k)), params_override) for k in counts}
     fits = [k for k in counts if totals[k] <= limit]
     if fits:
-        k = fits[0]
-    elif totals and min(totals.values()) < _device_total(cfg, params_override):
-        k = min(totals, key=lambda k: (totals[k], k))
-    else:
-        return {}
+        return changes(fits[0])
+    if totals and min(totals.values()) < _device_total(cfg, params_override):
+        return changes(min(totals, key=lambda k: (totals[k], k)))
+    return {}
+
+
+def _finer_stream(cfg: Config, limit: int, params_override: int | None) -> dict:
+    """Streaming matrix by matrix with the fewest MLP blocks (of those that divide the
+    device's hidden units, up to 64) that fits, or gives the smallest total (`_fewest`)."""
+    counts = [k for k in _divisors(cfg.model.d_ff // cfg.mesh.tensor) if k <= 64]
     if cfg.memory.stream == "matrix":
-        return {"mlp_blocks": k}
-    return {"stream": "matrix", "mlp_blocks": k}
+        counts = [k for k in counts if k > cfg.memory.mlp_blocks]
+        return _fewest(cfg, limit, params_override, counts, lambda k: {"mlp_blocks": k})
+    changes = lambda k: {"stream": "matrix", "mlp_blocks": k}
+    return _fewest(cfg, limit, params_override, counts, changes)
+
+
+def _finer_vocab(cfg: Config, limit: int, params_override: int | None) -> dict:
+    """GPT's token table in the fewest blocks of rows (dividing the device's rows, up to 64,
+    more than now) that fits, or gives the smallest total (`_fewest`; suggested if it fits)."""
+    rows = cfg.model.vocab // cfg.mesh.tensor
+    counts = [k for k in _divisors(rows) if cfg.memory.vocab_blocks < k <= 64]
+    return _fewest(cfg, limit, params_override, counts, lambda k: {"vocab_blocks": k})
 
 
 def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int | None) -> str:
@@ -128,6 +137,11 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
             option(
                 " ".join(f"memory.{k}={v}" for k, v in stream.items()), _with_memory(cfg, **stream)
             )
+    if md.name == "gpt" and mem.rts > 1:  # the token table gathered a block at a time
+        vocab = _finer_vocab(cfg, limit, params_override)
+        trial = _with_memory(cfg, **vocab)
+        if vocab and _device_total(trial, params_override) <= limit:
+            option(f"memory.vocab_blocks={vocab['vocab_blocks']}", trial)
     if not cfg.is_vision and mesh.replica > mem.rts:
         option(
             f"memory.rts={mesh.replica} memory.rts_optimizer={mesh.replica}",
@@ -212,6 +226,7 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         "configured_phases": mem.phases,
         "configured_stream": mem.stream,
         "mlp_blocks": mem.mlp_blocks,
+        "vocab_blocks": mem.vocab_blocks,
         "remat": cfg.model.remat,
         "optimizer": cfg.optim.name,
         "dtype_bytes": {

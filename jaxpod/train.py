@@ -31,7 +31,9 @@ splits the dimension a block is taken along, so blocks are taken before the gath
 `pipeline > 1` once per step before the GPipe ticks (a transfer inside the tick scan makes
 its transpose accumulate host-typed cotangents, which jax 0.10.2 rejects). Sequence
 parallelism and `model.sequence_chunks` live in the model (`jaxpod.models.layers`); the
-engine gathers the sequence for the loss head, which runs in chunks too.
+engine gathers the sequence for the loss head, which runs in chunks too. With
+`memory.vocab_blocks = k` GPT's token tables are left as stored: the embedding and the loss
+head cast and all-gather them a block of rows at a time (`VocabBlocks`).
 
 The state is donated, so params and optimizer state are updated in place.
 """
@@ -51,14 +53,14 @@ from jax.sharding import PartitionSpec as P
 from jaxpod import mlm
 from jaxpod.config import Config, ModelConfig
 from jaxpod.layerwise import make_update
-from jaxpod.layout import Layout, make_layout
+from jaxpod.layout import TABLES, Layout, make_layout
 from jaxpod.mesh import param_specs, shardings
 from jaxpod.models.layers import token_loss_in_chunks
 from jaxpod.optim import STACKED_KEY, make_optimizer
 from jaxpod.parallel import offload
 from jaxpod.parallel.pipeline import gpipe, spread_over_stages, vary_like
 from jaxpod.parallel.replica import gather, reduce_grads, vary_params
-from jaxpod.parallel.tensor import gather_sequence
+from jaxpod.parallel.tensor import VocabBlocks, gather_sequence
 from jaxpod.precision import LossScaleState, compute_dtype, init_loss_scale, master_dtype
 
 F32 = jnp.float32
@@ -139,7 +141,19 @@ def _local_functions(
     rest_host = {k: v for k, v in lay.host.items() if k != STACKED_KEY}
     cast = lambda tree: _cast(tree, dtype)
     sp = cfg.model.sequence_parallel
-    head = lambda m, h, y: token_loss_in_chunks(m, h, y, tp, cfg.model.sequence_chunks)
+    # memory.vocab_blocks: GPT's tables stay as stored; embed and head prepare a block at a time
+    tables = TABLES if cfg.memory.vocab_blocks > 1 else ()
+
+    def table(name: str) -> dict:  # the `vocab` keyword of embed/token_loss for table `name`
+        if name not in tables:
+            return {}
+        plan = {name: lay.plan[name]}
+        prepare = lambda rows: gather(cast({name: rows}), plan, lay.rts_axes)[name]
+        return {"vocab": VocabBlocks(cfg.memory.vocab_blocks, prepare)}
+
+    out_table = table("wte" if cfg.model.tie_embeddings else "unembed")
+    head = lambda m, h, y: token_loss_in_chunks(m, h, y, tp, cfg.model.sequence_chunks, **out_table)
+    embed = lambda m, tokens: m.embed(tokens, tp, **table("wte"))
 
     def prepare_layer(layer_params, blocks=None):  # a layer's stored slice -> computed with
         layer_params = cast(layer_params)
@@ -162,9 +176,9 @@ def _local_functions(
     def model_of(params):  # stored local params -> the model, non-layer weights ready
         rest = {k: v for k, v in params.items() if k != STACKED_KEY}
         rest = jax.tree.map(lambda a, h: offload.to_device(a) if h else a, rest, rest_host)
-        plan = {k: v for k, v in lay.plan.items() if k != STACKED_KEY}
-        rest = gather(cast(rest), plan, lay.rts_axes)
-        return nnx.merge(graphdef, {**rest, STACKED_KEY: params[STACKED_KEY]})
+        plan = {k: v for k, v in lay.plan.items() if k != STACKED_KEY and k not in tables}
+        ready = gather(cast({k: v for k, v in rest.items() if k in plan}), plan, lay.rts_axes)
+        return nnx.merge(graphdef, {**rest, **ready, STACKED_KEY: params[STACKED_KEY]})
 
     def examples(params, tokens, step, stream):
         """Local `tokens[B, T+1]` -> micro-batched `(inputs, targets, weights, denominator)`."""
@@ -190,7 +204,7 @@ def _local_functions(
 
     def micro_loss(params, inputs, targets, weights, denominator):
         model = model_of(params)
-        h = model.layers(model.embed(inputs, tp), tp, unroll, **layer_hooks(fetched=False))
+        h = model.layers(embed(model, inputs), tp, unroll, **layer_hooks(fetched=False))
         if sp:  # the head's vocab-parallel loss needs every position on every tensor shard
             h = gather_sequence(h, tp)
         return summed(head(model, h, targets), weights, denominator)
@@ -199,7 +213,7 @@ def _local_functions(
         if blocks_host:  # see the module docstring: fetched once per step before the ticks
             params = {**params, STACKED_KEY: offload.to_device(params[STACKED_KEY])}
         model = model_of(params)
-        x = model.embed(inputs, tp)  # [M, mb, T, D]; sequence-parallel: [M, mb, T_tensor, D]
+        x = embed(model, inputs)  # [M, mb, T, D]; sequence-parallel: [M, mb, T_tensor, D]
         tick_hooks = layer_hooks(fetched=True)
         layers = lambda a: model.layers(a, tp, unroll, **tick_hooks)
         ys = gpipe(layers, x, bubble_fill=bubble_fill, unroll=unroll)

@@ -142,9 +142,9 @@ for name, p in plans.items():
 md(r"""
 The two BERT-Large mappings fit: on 4 stages only because the LAMB moments live in streaming
 memory, on 8 stages with everything on chip (FP16 master weights with stochastic rounding and
-FP16 moments are what make it fit). **GPT-3 does not fit a GC200 under any setting of jaxpod's
-memory knobs** (1.06 GB with every one of them turned) — the planner is honest about it. The
-full table of the GPT-3 preset:
+FP16 moments are what make it fit). **GPT-3 fits a GC200 only with every one of jaxpod's memory
+knobs turned** (729 MB of 900 MB; layer by layer it would need 1.48 GB). The full table of the
+GPT-3 preset:
 """)
 
 code(r"""
@@ -157,11 +157,12 @@ all-gathered over the RTS group for use, and 113 MB at rest (RTS 4). The preset 
 streams each layer matrix by matrix (`memory.stream=matrix`, the MLP in `memory.mlp_blocks=8`
 blocks): each step fetches only the blocks it reads from streaming memory and gathers them,
 so two steps' blocks (19 MB), not two layers (226 MB), are on the device, and one 38 MB block
-is gathered at a time. What remains: the activations (708 MB: the pipeline's buffers, 233 MB,
-and the backward pass's working set, 462 MB — the recomputed layer's: under tensor
-parallelism XLA does not shrink it to one step's, `docs/benchmarks.md`), the embedding tables
-(gathered whole: 161 MB) and the gathered block with its gradient. The same mapping fits an
-80 GB H100 comfortably:
+is gathered at a time. The token table (155 MB once gathered) is used 16 blocks of rows at a
+time (`memory.vocab_blocks=16`), so a 10 MB block is gathered, never the table. What remains
+is mostly activations (510 MB: the pipeline's buffers, 233 MB, and the backward pass's working
+set, 264 MB — the recomputed layer's: under tensor parallelism XLA does not shrink it to one
+step's, but with RTS it keeps one token block's MLP hidden units, `docs/benchmarks.md`). The
+same mapping fits an 80 GB H100 comfortably:
 """)
 
 code(r"""
@@ -218,7 +219,7 @@ embeddings is paid back. `rts_optimizer` alone shrinks only the LAMB state (816 
 (The preset streams the LAMB state from host memory instead: 708 MB on the device.)
 For GPT-3 streamed layer by layer, phases take the resident layer weights from 1.40 GB to
 267 MB per device (`K = 12`, one layer per phase; `K = 1` and `K = 2` are the same because two
-phases are always resident) and the device total from 4.85 GB to 1.81 GB, still well above the
+phases are always resident) and the device total from 4.71 GB to 1.48 GB, still well above the
 GC200's 900 MB.
 
 **Streaming finer than a layer** (`memory.stream=matrix`): each layer runs as steps of one
@@ -232,17 +233,23 @@ third of `W_qkv` are as large as an MLP block. XLA agrees on small configs
 (`tests/test_planner.py`) and on GPT-3 itself its temporaries fall from 7.6 to 6.3 GB
 (`docs/benchmarks.md`); that the fetches happen step by step is checked in the program
 (`tests/test_memory.py`), but jax 0.10.2 executes host transfers once per step (see the
-README).
+README). The last unit is the token table's (`memory.vocab_blocks`, right): whole, its
+gathered copy and its gradient cost 155 MB; in 16 blocks of rows, 19 MB.
 """)
 
 code(r"""
-fig, ax = plt.subplots(figsize=(7, 4.2))
+fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
 stream_plans = {"layer": plan(load_config(gpt3, ["memory.stream=layer", "memory.mlp_blocks=1"]))}
 for k in (1, 2, 4, 8):
     stream_plans[f"matrix\nmlp_blocks {k}"] = plan(load_config(gpt3, [f"memory.mlp_blocks={k}"]))
-bars(ax, stream_plans, "GPT-3 175B p8 x t8 x r4: streaming unit")
+bars(axes[0], stream_plans, "GPT-3 175B p8 x t8 x r4: streaming unit")
+vocab_plans = {
+    f"vocab_blocks {k}": plan(load_config(gpt3, [f"memory.vocab_blocks={k}"])) for k in (1, 4, 16)
+}
+bars(axes[1], vocab_plans, "GPT-3 175B: the token table's unit")
 plt.tight_layout()
-table(stream_plans, "weights", "grads", "gathered", "activations", "device_total")
+table({**stream_plans, **vocab_plans}, "weights", "grads", "gathered", "activations",
+      "device_total")
 """)
 
 md(r"""

@@ -249,6 +249,12 @@ BAD_OVERRIDES = [
         ["memory.stream=matrix", "model.remat=full", "memory.mlp_blocks=3"],
         ("memory.mlp_blocks=3 does not divide the 256 hidden units per tensor shard",),
     ),
+    (["memory.vocab_blocks=3"], ("memory.vocab_blocks=3 does not divide the 256 table rows",)),
+    (["memory.vocab_blocks=0"], ("memory.vocab_blocks=0 must be >= 1",)),
+    (
+        ["model.name=bert", "model.vocab=264", "memory.vocab_blocks=2"],
+        ("memory.vocab_blocks=2 blocks GPT's token table; model.name=bert uses its table whole",),
+    ),
     (["train.profile_steps=[5]"], ("train.profile_steps=[5] must be [start, stop] with",)),
     (["train.profile_steps=[5,2]"], ("train.profile_steps=[5, 2] must be [start, stop]",)),
     (["train.profile_steps=[a,b]"], ("train.profile_steps[0]='a' must be an integer",)),
@@ -264,7 +270,8 @@ BAD_OVERRIDES = [
             (["data.name=stdlib-code"], ("data.name=stdlib-code is text but model.name=eff",)),
             (["model.image_size=16"], ("model.image_size=16 must be >= 32",)),
             (["model.width_mult=0"], ("model.width_mult=0.0 must be > 0",)),
-            (["memory.phases=2"], ("memory.phases/memory.rts/memory.offload/memory.stream",)),
+            (["memory.phases=2"], ("memory.phases/rts/offload/stream/mlp_blocks/vocab_blocks",)),
+            (["memory.vocab_blocks=2"], ("leave them at 1/1/[]/layer/1/1 for model.name=eff",)),
         ]
     ],
     # ranges

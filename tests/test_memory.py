@@ -153,21 +153,41 @@ STEP_FETCH = ("memory.offload=[params]", "memory.stream=matrix", "memory.mlp_blo
 STEP_FETCH += ("model.remat=full", "memory.rts=2")
 
 
-def host_to_device_shapes(jaxpr, out: Counter) -> Counter:
-    """Per-device shapes of the host -> device `device_put`s in `jaxpr` and its sub-jaxprs
-    (inside `shard_map` the shapes are a device's), counted."""
+def eqn_shapes(jaxpr, pick, out: Counter) -> Counter:
+    """The shapes `pick(eqn)` returns for each equation of `jaxpr` and its sub-jaxprs (inside
+    `shard_map` the shapes are a device's), counted."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "device_put":
-            for var, dst in zip(eqn.invars, eqn.params["devices"], strict=True):
-                src = str(getattr(var.aval, "memory_space", ""))
-                if "Host" in src and "Device" in str(dst):
-                    out[tuple(var.aval.shape)] += 1
+        out.update(pick(eqn))
         for param in eqn.params.values():
             for sub in param if isinstance(param, list | tuple) else [param]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    host_to_device_shapes(inner, out)
+                    eqn_shapes(inner, pick, out)
     return out
+
+
+def host_to_device_shapes(jaxpr, out: Counter) -> Counter:
+    """Per-device shapes of the host -> device `device_put`s in `jaxpr`, counted."""
+
+    def pick(eqn):
+        if eqn.primitive.name != "device_put":
+            return []
+        pairs = zip(eqn.invars, eqn.params["devices"], strict=True)
+        return [
+            tuple(var.aval.shape)
+            for var, dst in pairs
+            if "Host" in str(getattr(var.aval, "memory_space", "")) and "Device" in str(dst)
+        ]
+
+    return eqn_shapes(jaxpr, pick, out)
+
+
+def gathered_shapes(jaxpr) -> Counter:
+    """Per-device output shapes of the `all_gather`s in `jaxpr`, counted."""
+    pick = lambda eqn: [
+        tuple(v.aval.shape) for v in eqn.outvars if eqn.primitive.name == "all_gather"
+    ]
+    return eqn_shapes(jaxpr, pick, Counter())
 
 
 def test_matrix_stream_fetches_each_step_its_blocks(tiny_cfg, mesh_for):
@@ -223,3 +243,27 @@ def test_host_weights_are_placed_on_device_and_ledger_temp(tiny_cfg, mesh_for):
     ledger = offload.ledger(state, lowered.compile())
     assert ledger["temp_bytes"] > 0
     assert ledger["device_total_max"] == ledger["device_resident_max"] + ledger["temp_bytes"]
+
+
+VOCAB = ("model.vocab=512", "model.sequence_chunks=2")  # a table no layer matrix is shaped like
+
+
+def test_vocab_blocks_gather_the_table_a_block_at_a_time(tiny_cfg, mesh_for):
+    """With `memory.vocab_blocks=4` and RTS 2, the embedding and the loss head use GPT's token
+    table a quarter of each tensor shard's rows at a time: the RTS plan splits D, not the
+    rows; the train step (forward and backward) all-gathers blocks of rows, never the
+    table; and it trains exactly like the plain engine."""
+    shape = (2, 2, 2)
+    plain = run(tiny_cfg, mesh_for, shape, *VOCAB)
+    blocked = run(tiny_cfg, mesh_for, shape, *VOCAB, "memory.rts=2", "memory.vocab_blocks=4")
+    assert_same_training(blocked, plain, "vocab blocks")
+    engine, state = blocked[0], blocked[3]
+    assert engine.layout.plan["wte"] == 1
+    tokens = jax.ShapeDtypeStruct((16, 65), np.int32, sharding=engine.batch_sharding)
+    gathered = gathered_shapes(jax.make_jaxpr(engine.train_step)(state, tokens).jaxpr)
+    print(f"all-gathered (per-device shapes: count): {dict(gathered)}")
+    rows = 512 // shape[2]
+    # the position table [64, 64] once; the embedding's block and the head's, each gathered
+    # in the forward pass and again in the backward pass (each block is a remat unit)
+    assert gathered[(rows // 4, 64)] == 1 + 4
+    assert gathered[(rows, 64)] == 0

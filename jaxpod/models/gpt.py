@@ -17,7 +17,7 @@ from flax import nnx
 from jaxpod.config import ModelConfig
 from jaxpod.models.layers import INIT_STD, Block, LayerNorm
 from jaxpod.models.stack import apply_stack
-from jaxpod.parallel.tensor import position_rows, vocab_cross_entropy, vocab_embed
+from jaxpod.parallel.tensor import VocabBlocks, position_rows, vocab_cross_entropy, vocab_embed
 
 
 class GPT(nnx.Module):
@@ -48,12 +48,15 @@ class GPT(nnx.Module):
         )
         self.remat_policy = cfg.remat
 
-    def embed(self, tokens: jax.Array, tp: str | None = None) -> jax.Array:
+    def embed(
+        self, tokens: jax.Array, tp: str | None = None, vocab: VocabBlocks | None = None
+    ) -> jax.Array:
         """`tokens[..., T] int32 -> x[..., T, D]` (token + position embedding); with
-        sequence parallelism this shard's positions only, `x[..., T_tensor, D]`."""
+        sequence parallelism this shard's positions only, `x[..., T_tensor, D]`. `vocab`: the
+        token table as stored, used a block of rows at a time (`VocabBlocks`)."""
         t, sp = tokens.shape[-1], self.sequence_parallel
         positions = position_rows(self.wpe[...], t, tp, sp)
-        return vocab_embed(tokens, self.wte[...], tp, scatter=sp) + positions
+        return vocab_embed(tokens, self.wte[...], tp, scatter=sp, vocab=vocab) + positions
 
     def inputs_and_targets(self, tokens: jax.Array, keys=None):
         """`tokens[..., T+1] -> (inputs[..., T], targets[..., T], None)`: every position
@@ -68,10 +71,17 @@ class GPT(nnx.Module):
         `phases`/`fetch`/`prepare`/`offload_activations` (see `stack.apply_stack`)."""
         return apply_stack(self.blocks, self.remat_policy, x, tp, unroll, **hooks)
 
-    def token_loss(self, h: jax.Array, targets: jax.Array, tp: str | None = None) -> jax.Array:
-        """Final norm + vocab-parallel cross-entropy: `h[..., D], targets[...] -> loss[...]`."""
+    def token_loss(
+        self,
+        h: jax.Array,
+        targets: jax.Array,
+        tp: str | None = None,
+        vocab: VocabBlocks | None = None,
+    ) -> jax.Array:
+        """Final norm + vocab-parallel cross-entropy: `h[..., D], targets[...] -> loss[...]`.
+        `vocab`: the output table as stored, used a block of rows at a time."""
         table = self.wte if self.unembed is None else self.unembed
-        return vocab_cross_entropy(self.ln_f(h), table[...], targets, tp)
+        return vocab_cross_entropy(self.ln_f(h), table[...], targets, tp, vocab)
 
     def __call__(self, tokens: jax.Array, keys=None) -> jax.Array:
         """Plain single-device mean next-token loss of `tokens[B, T+1]` (the reference)."""

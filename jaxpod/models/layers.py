@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpod.parallel.pipeline import vary_like
 from jaxpod.parallel.tensor import column_dense, gather_sequence, reduce_rows, row_dense
 
 INIT_STD = 0.02
@@ -68,22 +69,30 @@ def serialize(fn: Callable, x: jax.Array, chunks: int, axis: int) -> jax.Array:
         return fn(x, 0)
     axis %= x.ndim
     n = x.shape[axis] // chunks
-    blocks = jnp.moveaxis(x.reshape(*x.shape[:axis], chunks, n, *x.shape[axis + 1 :]), axis, 0)
-    out = jax.lax.map(jax.checkpoint(lambda a: fn(*a)), (blocks, jnp.arange(chunks)))
-    out = jnp.moveaxis(out, 0, axis)  # [..., chunks, n, ...]
-    return out.reshape(*out.shape[:axis], chunks * n, *out.shape[axis + 2 :])
+    block = jax.checkpoint(lambda i: fn(jax.lax.dynamic_slice_in_dim(x, i * n, n, axis), i))
+    like = jax.eval_shape(block, 0)
+
+    def body(out, i):  # each block's output written into place: no stacked copies
+        return jax.lax.dynamic_update_slice_in_dim(out, block(i), i * like.shape[axis], axis), None
+
+    shape = (*like.shape[:axis], chunks * like.shape[axis], *like.shape[axis + 1 :])
+    out = vary_like(jnp.zeros(shape, like.dtype), like)
+    return jax.lax.scan(body, out, jnp.arange(chunks))[0]
 
 
 def token_loss_in_chunks(
-    model: nnx.Module, h: jax.Array, targets: jax.Array, tp: str | None, chunks: int
+    model: nnx.Module, h: jax.Array, targets: jax.Array, tp: str | None, chunks: int, **kw
 ) -> jax.Array:
     """`model.token_loss` of `h[..., D]` against `targets[...]` -> `loss[N]` (tokens
     flattened), the N tokens in `gcd(chunks, N)` blocks (`serialize`): one block's logits
-    `[N/chunks, V_tensor]` alive at a time instead of all of them."""
+    `[N/chunks, V_tensor]` alive at a time instead of all of them. `kw`: passed on to
+    `token_loss` (GPT's `vocab`: the table's rows in blocks too, `[N/chunks, V_tensor/k]`)."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     chunks = math.gcd(chunks, targets.shape[0])
     n = targets.shape[0] // chunks
-    block = lambda hb, i: model.token_loss(hb, jax.lax.dynamic_slice_in_dim(targets, i * n, n), tp)
+    block = lambda hb, i: model.token_loss(
+        hb, jax.lax.dynamic_slice_in_dim(targets, i * n, n), tp, **kw
+    )
     return serialize(block, h, chunks, axis=0)
 
 

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 def varying_axes(x) -> frozenset[str]:
     """The manual mesh axes over which `x` (an array or `ShapeDtypeStruct`) may differ."""
     aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-    return aval.manual_axis_type.varying
+    manual = aval.manual_axis_type  # None outside shard_map (and for a plain eval_shape)
+    return frozenset() if manual is None else manual.varying
 
 
 def vary_like(x: jax.Array, like) -> jax.Array:

@@ -21,9 +21,14 @@ same bytes on the wire as the psum.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from jaxpod.parallel.pipeline import vary_like
 
 # Remat policies may save values tagged with this name so the backward pass never
 # recomputes (and re-synchronises) a collective.
@@ -98,6 +103,16 @@ def position_rows(table: jax.Array, t: int, axis: str | None, sequence_parallel:
     return table
 
 
+class VocabBlocks(NamedTuple):
+    """Use the vocabulary table `count` blocks of rows at a time (`memory.vocab_blocks`):
+    `prepare(block)` turns one stored block of this shard's table into what the math uses
+    (the engine's RTS gather and cast), so the whole table never exists prepared at once,
+    and in the backward pass each block's gradient is reduce-scattered as it is made."""
+
+    count: int
+    prepare: Callable[[jax.Array], jax.Array]
+
+
 def _vocab_range(table: jax.Array, axis: str | None) -> tuple[jax.Array | int, int]:
     """First vocabulary id held by this shard and the shard's size (`table[V_tensor, D]`)."""
     size = table.shape[0]
@@ -105,29 +120,64 @@ def _vocab_range(table: jax.Array, axis: str | None) -> tuple[jax.Array | int, i
     return start, size
 
 
+def _over_blocks(
+    fn: Callable, table: jax.Array, axis: str | None, vocab: VocabBlocks | None, empty=None
+):
+    """`fn(block, first_id)` on the prepared table, or folded over its `vocab.count` blocks:
+    `fn(block, first_id, carry) -> carry` in a `lax.scan` from the carry `empty(shapes)`
+    (default zeros), each block a remat unit (prepared again in the backward pass)."""
+    start, size = _vocab_range(table, axis)
+    if vocab is None or vocab.count == 1:
+        prepare = (lambda a: a) if vocab is None else vocab.prepare
+        return fn(prepare(table), start)
+    n = size // vocab.count
+    step = jax.checkpoint(lambda carry, b, j: fn(vocab.prepare(b), start + j * n, carry))
+    blocks = table.reshape(vocab.count, n, *table.shape[1:])  # rows: no copy
+    first = jax.eval_shape(lambda b: fn(vocab.prepare(b), start), blocks[0])
+    zeros = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    init = jax.tree.map(vary_like, (empty or zeros)(first), first)
+    body = lambda carry, xs: (step(carry, *xs), None)
+    return jax.lax.scan(body, init, (blocks, jnp.arange(vocab.count)))[0]
+
+
 def vocab_embed(
-    tokens: jax.Array, table: jax.Array, axis: str | None, scatter: bool = False
+    tokens: jax.Array,
+    table: jax.Array,
+    axis: str | None,
+    scatter: bool = False,
+    vocab: VocabBlocks | None = None,
 ) -> jax.Array:
     """Vocab-parallel embedding: `tokens[..., T] int`, `table[V_tensor, D]` -> `x[..., T, D]`.
 
     Each shard looks up the ids in its vocabulary range (zeros elsewhere); a `psum` over
     `axis` assembles the full embedding. No shard ever holds the whole table. `scatter=True`
     (sequence parallelism) reduce-scatters over T instead: `-> x[..., T / |axis|, D]`.
+    `vocab` (`VocabBlocks`): the lookups of the blocks of rows, one after another, summed.
     """
-    if axis is None:
+
+    def lookup(rows, first, x=None):
+        local = tokens - first
+        inside = (local >= 0) & (local < rows.shape[0])
+        found = jnp.take(rows, jnp.clip(local, 0, rows.shape[0] - 1), axis=0)
+        found = jnp.where(inside[..., None], found, 0)
+        return found if x is None else x + found
+
+    if axis is None and vocab is None:
         return jnp.take(table, tokens, axis=0)
-    start, size = _vocab_range(table, axis)
-    local = tokens - start
-    inside = (local >= 0) & (local < size)
-    x = jnp.take(table, jnp.clip(local, 0, size - 1), axis=0)
-    x = jnp.where(inside[..., None], x, 0)
+    x = _over_blocks(lookup, table, axis, vocab)
+    if axis is None:
+        return x
     if scatter:
         return jax.lax.psum_scatter(x, axis, scatter_dimension=x.ndim - 2, tiled=True)
     return jax.lax.psum(x, axis)
 
 
 def vocab_cross_entropy(
-    h: jax.Array, table: jax.Array, targets: jax.Array, axis: str | None
+    h: jax.Array,
+    table: jax.Array,
+    targets: jax.Array,
+    axis: str | None,
+    vocab: VocabBlocks | None = None,
 ) -> jax.Array:
     """Per-token cross-entropy of `logits = h @ table.T` without gathering the logits.
 
@@ -135,19 +185,47 @@ def vocab_cross_entropy(
     `targets[...]` int -> `loss[...]` float32. Each shard computes `logits[..., V_tensor]`;
     the softmax normaliser is assembled with a `pmax` and a `psum` of per-token scalars and
     the target logit with one more `psum`, so only `O(tokens)` numbers cross the wire.
+    `vocab` (`VocabBlocks`): the logits a block of rows at a time, `[..., V_tensor / count]`,
+    the normaliser accumulated online (a running max and the sum rescaled to it).
     """
-    logits = jnp.tensordot(h, table, axes=((h.ndim - 1,), (1,))).astype(jnp.float32)
-    start, size = _vocab_range(table, axis)
-    # The max only stabilises exp(); it cancels in the loss, so no gradient flows through it.
-    shift = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
-    if axis is not None:
-        shift = jax.lax.pmax(shift, axis)
-    z = logits - shift[..., None]
-    sum_exp = jnp.sum(jnp.exp(z), axis=-1)
-    local = targets - start
-    inside = (local >= 0) & (local < size)
-    picked = jnp.take_along_axis(z, jnp.clip(local, 0, size - 1)[..., None], axis=-1)[..., 0]
-    picked = jnp.where(inside, picked, 0.0)
-    if axis is not None:
-        sum_exp, picked = jax.lax.psum((sum_exp, picked), axis)
-    return jnp.log(sum_exp) - picked
+
+    blocked = vocab is not None and vocab.count > 1
+
+    def stats(rows, first, carry=None):
+        """This block's `(max, sum of exp(logit - max), target logit)`, merged into `carry`.
+        Whole (not blocked), the max is the shards' (a `pmax`) and the target logit is taken
+        relative to it."""
+        logits = jnp.tensordot(h, rows, axes=((h.ndim - 1,), (1,))).astype(jnp.float32)
+        # The max only stabilises exp(); it cancels in the loss, so no gradient flows through.
+        top = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+        if axis is not None and not blocked:
+            top = jax.lax.pmax(top, axis)
+        z = logits - top[..., None]
+        local = targets - first
+        inside = (local >= 0) & (local < rows.shape[0])
+        picked = jnp.take_along_axis(z, jnp.clip(local, 0, rows.shape[0] - 1)[..., None], -1)
+        picked = jnp.where(inside, picked[..., 0] + (top if blocked else 0.0), 0.0)
+        out = (top, jnp.sum(jnp.exp(z), axis=-1), picked)
+        return out if carry is None else _merge(carry, out)
+
+    def empty(shapes):  # no logits yet: the lowest max, nothing summed or picked
+        top, sum_exp, picked = (jnp.zeros(a.shape, a.dtype) for a in shapes)
+        return top + jnp.finfo(top.dtype).min, sum_exp, picked
+
+    top, sum_exp, picked = _over_blocks(stats, table, axis, vocab, empty)
+    if not blocked:
+        if axis is not None:
+            sum_exp, picked = jax.lax.psum((sum_exp, picked), axis)
+        return jnp.log(sum_exp) - picked
+    if axis is not None:  # each shard's sum rescaled to the shards' max
+        shift = jax.lax.pmax(top, axis)
+        sum_exp, picked = jax.lax.psum((sum_exp * jnp.exp(top - shift), picked), axis)
+        top = shift
+    return jnp.log(sum_exp) + top - picked
+
+
+def _merge(a, b):
+    """Two blocks' `(max, sum of exp(logit - max), target logit)` -> the union's."""
+    top = jnp.maximum(a[0], b[0])
+    sum_exp = a[1] * jnp.exp(a[0] - top) + b[1] * jnp.exp(b[0] - top)
+    return top, sum_exp, a[2] + b[2]
