@@ -28,8 +28,8 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   of rows at a time: one block and its full-size gradient, 2/k of the table), the layers
   one at a time (remat recomputes the gather in the backward pass; with `pipeline > 1` on
   every GPipe tick: `stack.tie` keeps XLA from hoisting the stage's gather out of the tick
-  loop). With remat `none` every layer's
-  gathered copy is saved (with `pipeline > 1` once for all ticks: the gather is hoisted).
+  loop). With remat `none` every layer's gathered copy is saved (with `pipeline > 1` once
+  for all ticks: the gather is hoisted).
   With `memory.stream = matrix` one step's weights are gathered at a time instead of a
   layer's: the largest (a third of `W_qkv`, `W_o`, or a block of `W_in` and `W_out`,
   `memory.mlp_blocks`) and, in the backward pass, their full-size gradient before the
@@ -126,9 +126,10 @@ def _layer_sets(cfg: Config) -> dict:
     attention = (4 * res + gathered // 2 + 4 * btd // t) * cb + (3 * cb + 1) * kept_scores
     attention += attention_work
     mlp_in = (4 * res + gathered // 2) * cb
-    mlp = mlp_in + 6 * kept_hidden * cb + 6 * (btf - kept_hidden) * cb
-    if chunked and cfg.memory.rts > 1:  # with the weights gathered in the layer, XLA does
-        mlp = mlp_in + 6 * btf // md.sequence_chunks * cb  # keep one token block's (measured)
+    # the recomputed MLP's hidden units: the whole sequence's, or with RTS (the weights
+    # gathered inside the layer) one token block's (measured)
+    hidden = btf // md.sequence_chunks if chunked and cfg.memory.rts > 1 else btf
+    mlp = mlp_in + 6 * hidden * cb
     kept = saved - res * cb
     step_inputs = (3 * res + 4 * btd // t) * cb  # x, q, k, v, o, x1, y: kept per layer
     if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad

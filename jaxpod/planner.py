@@ -85,13 +85,18 @@ def _phases_needed(cfg: Config, limit: int, params_override: int | None) -> int 
     return None
 
 
-def _fewest(cfg: Config, limit: int, params_override, counts: list[int], changes) -> dict:
-    """Of `counts`, the fewest whose `memory` changes (`changes(k)`) fit; if none does, the
-    fewest that give the smallest total, when that is smaller than now. The changes, or {}."""
+def _fewest(
+    cfg: Config, limit: int, params_override, counts: list[int], changes, fit_only=False
+) -> dict:
+    """Of `counts`, the fewest whose `memory` changes (`changes(k)`) fit; if none does (and
+    not `fit_only`), the fewest that give the smallest total, when that is smaller than now.
+    The changes, or {}."""
     totals = {k: _device_total(_with_memory(cfg, **changes(k)), params_override) for k in counts}
     fits = [k for k in counts if totals[k] <= limit]
     if fits:
         return changes(fits[0])
+    if fit_only:
+        return {}
     if totals and min(totals.values()) < _device_total(cfg, params_override):
         return changes(min(totals, key=lambda k: (totals[k], k)))
     return {}
@@ -110,10 +115,11 @@ def _finer_stream(cfg: Config, limit: int, params_override: int | None) -> dict:
 
 def _finer_vocab(cfg: Config, limit: int, params_override: int | None) -> dict:
     """GPT's token table in the fewest blocks of rows (dividing the device's rows, up to 64,
-    more than now) that fits, or gives the smallest total (`_fewest`; suggested if it fits)."""
+    more than now) that fits (`_fewest`), or {}."""
     rows = cfg.model.vocab // cfg.mesh.tensor
     counts = [k for k in _divisors(rows) if cfg.memory.vocab_blocks < k <= 64]
-    return _fewest(cfg, limit, params_override, counts, lambda k: {"vocab_blocks": k})
+    changes = lambda k: {"vocab_blocks": k}
+    return _fewest(cfg, limit, params_override, counts, changes, fit_only=True)
 
 
 def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int | None) -> str:
@@ -139,9 +145,8 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
             )
     if md.name == "gpt" and mem.rts > 1:  # the token table gathered a block at a time
         vocab = _finer_vocab(cfg, limit, params_override)
-        trial = _with_memory(cfg, **vocab)
-        if vocab and _device_total(trial, params_override) <= limit:
-            option(f"memory.vocab_blocks={vocab['vocab_blocks']}", trial)
+        if vocab:
+            option(f"memory.vocab_blocks={vocab['vocab_blocks']}", _with_memory(cfg, **vocab))
     if not cfg.is_vision and mesh.replica > mem.rts:
         option(
             f"memory.rts={mesh.replica} memory.rts_optimizer={mesh.replica}",
