@@ -36,9 +36,9 @@ def _worker(job: dict) -> dict:
     import jax
     import numpy as np
 
-    from jaxpod.config import load_config
-    from jaxpod.mesh import make_mesh, select_devices
-    from jaxpod.train import build_engine, make_loss_and_grads
+    from jaxpod.config.load import load_config
+    from jaxpod.engine.transformer import build_engine, make_loss_and_grads
+    from jaxpod.parallel.mesh import make_mesh, select_devices
 
     if job["kind"] == "matmul":
         n = job["n"]

@@ -114,10 +114,10 @@ def measure(case) -> dict:
     import jax
     import numpy as np
 
-    from jaxpod.config import load_config
-    from jaxpod.mesh import make_mesh
-    from jaxpod.planner import plan
-    from jaxpod.train import build_engine
+    from jaxpod.config.load import load_config
+    from jaxpod.engine.transformer import build_engine
+    from jaxpod.parallel.mesh import make_mesh
+    from jaxpod.planner.plan import plan
 
     (r, p, t), remat, accum, extra = case
     overrides = [

@@ -37,10 +37,10 @@ def _worker(job: dict) -> dict:
     import jax
     import numpy as np
 
-    from jaxpod.config import load_config
-    from jaxpod.mapping import bytes_per_device
-    from jaxpod.mesh import make_mesh, select_devices
-    from jaxpod.tasks import build_task
+    from jaxpod.config.load import load_config
+    from jaxpod.parallel.mesh import make_mesh, select_devices
+    from jaxpod.run.mapping import bytes_per_device
+    from jaxpod.run.tasks import build_task
 
     cfg = load_config(job["config"], job["overrides"])
     mesh = make_mesh(cfg.mesh, select_devices(cfg.devices))

@@ -33,7 +33,7 @@ def _split_config_and_overrides(items: list[str], command: str) -> tuple[str, li
 
 
 def _spec(args: argparse.Namespace):
-    from jaxpod.distributed import DistributedSpec
+    from jaxpod.run.distributed import DistributedSpec
 
     return DistributedSpec(
         coordinator=args.coordinator,
@@ -50,27 +50,27 @@ def _warn(cfg) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from jaxpod.distributed import load_run_config
+    from jaxpod.run.distributed import load_run_config
 
     config, overrides = _split_config_and_overrides(args.items, "train")
     cfg = load_run_config(config, overrides, _spec(args))  # joins the runtime, before jax
     _warn(cfg)
-    from jaxpod.loop import run_training
+    from jaxpod.run.loop import run_training
 
     run_training(cfg)
 
 
 def _profile(args: argparse.Namespace) -> None:
-    from jaxpod.distributed import check_spec, load_run_config
-    from jaxpod.profiling import profile_overrides
+    from jaxpod.run.distributed import check_spec, load_run_config
+    from jaxpod.run.profiling import profile_overrides
 
     config, overrides = _split_config_and_overrides(args.items, "profile")
     spec = _spec(args)
     check_spec(spec)
     overrides = profile_overrides(config, overrides, args.steps, args.warmup)
     cfg = load_run_config(config, overrides, spec)
-    from jaxpod.loop import run_training
-    from jaxpod.profiling import how_to_open
+    from jaxpod.run.loop import run_training
+    from jaxpod.run.profiling import how_to_open
 
     result = run_training(cfg)
     if _is_main():
@@ -86,8 +86,8 @@ def _is_main() -> bool:
 def _plan(args: argparse.Namespace) -> None:
     import json
 
-    from jaxpod.config import load_config
-    from jaxpod.planner import format_plan, plan
+    from jaxpod.config.load import load_config
+    from jaxpod.planner.plan import format_plan, plan
 
     cfg = load_config(*_split_config_and_overrides(args.items, "plan"))
     _warn(cfg)
@@ -98,14 +98,14 @@ def _plan(args: argparse.Namespace) -> None:
 def _compile(args: argparse.Namespace) -> None:
     import json
 
-    from jaxpod.config import load_config
+    from jaxpod.config.load import load_config
     from jaxpod.platform import use_virtual_cpu_devices
 
     cfg = load_config(*_split_config_and_overrides(args.items, "compile"))
     _warn(cfg)
     use_virtual_cpu_devices(cfg.devices)  # before jax starts
-    from jaxpod.aot import compile_step, format_compile
-    from jaxpod.mesh import make_mesh, select_devices
+    from jaxpod.parallel.mesh import make_mesh, select_devices
+    from jaxpod.run.aot import compile_step, format_compile
 
     if not args.json:
         print(f"lowering and compiling the train step on {cfg.devices} devices ...", flush=True)
@@ -114,7 +114,7 @@ def _compile(args: argparse.Namespace) -> None:
 
 
 def _runs(args: argparse.Namespace) -> None:
-    from jaxpod.runs import format_runs, list_runs
+    from jaxpod.run.runs import format_runs, list_runs
 
     runs = list_runs(args.dir)
     if args.json:

@@ -58,10 +58,10 @@ import optax
 from flax import nnx
 from matplotlib.patches import Patch
 
-from jaxpod.config import load_config
-from jaxpod.mesh import LOGICAL_TO_MESH, make_mesh
-from jaxpod.optim import make_optimizer
-from jaxpod.train import build_engine, build_model, init_params, make_loss_and_grads
+from jaxpod.config.load import load_config
+from jaxpod.parallel.mesh import LOGICAL_TO_MESH, make_mesh
+from jaxpod.optim.chains import make_optimizer
+from jaxpod.engine.transformer import build_engine, build_model, init_params, make_loss_and_grads
 
 %matplotlib inline
 T0 = time.perf_counter()
@@ -131,7 +131,7 @@ md(r"""
 ## 2. Where one layer's weights live
 
 Parameters carry *logical* axis names (`"layers"`, `"mlp"`, `"vocab"`, ...) and one table,
-`jaxpod.mesh.LOGICAL_TO_MESH`, maps them onto mesh axes. Any dimension not in the table, and any
+`jaxpod.parallel.mesh.LOGICAL_TO_MESH`, maps them onto mesh axes. Any dimension not in the table, and any
 mesh axis not named in a parameter's `PartitionSpec`, means *replicated*: in particular no
 parameter names `replica`, so every replica holds a full copy of the (pipeline × tensor)-sharded
 model: that is data parallelism.
@@ -318,7 +318,7 @@ gradients over the replicas) followed by the optax update on the globally sharde
 
 The reference is the textbook step: `nnx.merge(graphdef, params)(tokens)` is the mean
 next-token loss, `jax.value_and_grad` of it, the same optimizer from
-`jaxpod.optim.make_optimizer`. To compare gradients (which `train_step` does not return) we
+`jaxpod.optim.chains.make_optimizer`. To compare gradients (which `train_step` does not return) we
 also run `make_loss_and_grads`, the function `train_step` calls inside. `train_step` *donates*
 its state (updates in place), so it runs last.
 

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from jaxpod.precision import stochastic_round
+from jaxpod.optim.precision import stochastic_round
 
 print(jax.__version__, jax.device_count(), "devices")
 """)
@@ -142,13 +142,13 @@ The loss is multiplied by a **scale** before the backward pass (so are all gradi
 gradients are divided by it, in float32, before the update. A **dynamic** scale doubles after
 `loss_scale_period` finite steps and halves when a gradient overflows; an overflowing step is
 **skipped**: weights and optimizer state stay bit-identical. Below, the policy's state machine
-(`jaxpod.precision.update_loss_scale`, the function the train step calls) with overflows
+(`jaxpod.optim.precision.update_loss_scale`, the function the train step calls) with overflows
 injected at steps 25 and 60 and a period of 10.
 """)
 
 code(r"""
-from jaxpod.config import PrecisionConfig
-from jaxpod.precision import init_loss_scale, update_loss_scale
+from jaxpod.config.load import PrecisionConfig
+from jaxpod.optim.precision import init_loss_scale, update_loss_scale
 
 pcfg = PrecisionConfig(
     params="float16", master="same-as-params", loss_scale="dynamic",
@@ -183,9 +183,9 @@ code(r"""
 import optax
 from flax import nnx
 
-from jaxpod.images import load_images, normalize
+from jaxpod.run.images import load_images, normalize
 from jaxpod.models.efficientnet import EfficientNet, count_params
-from jaxpod.optim import decay_mask
+from jaxpod.optim.chains import decay_mask
 
 digits = load_images("digits", image_size=32, seed=0)
 images, labels = digits.train_batch(0, 0, 64, 64)

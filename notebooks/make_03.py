@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 import matplotlib.pyplot as plt
 import numpy as np
 
-from jaxpod.config import load_config
-from jaxpod.planner import format_bytes, format_plan, plan
+from jaxpod.config.load import load_config
+from jaxpod.planner.plan import format_bytes, format_plan, plan
 
 CONFIGS = ROOT / "configs"
 """)
@@ -267,9 +267,9 @@ import time
 
 import jax
 
-from jaxpod.mesh import make_mesh
+from jaxpod.parallel.mesh import make_mesh
 from jaxpod.parallel import offload
-from jaxpod.train import build_engine
+from jaxpod.engine.transformer import build_engine
 
 TINY = CONFIGS / "tiny.yaml"
 OVERRIDES = ["train.grad_accum=2", "model.remat=full"]

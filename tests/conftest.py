@@ -39,7 +39,7 @@ def make_tiny_cfg(*overrides: str, mesh: tuple[int, int, int] | None = None, **k
     dot (`optim__name="sgd"`, values are YAML-parsed like on the CLI); `mesh=(r, p, t)` sets
     `mesh.*` and `devices = r * p * t`. Keyword/mesh overrides are applied after the strings.
     """
-    from jaxpod.config import load_config
+    from jaxpod.config.load import load_config
 
     args = list(overrides)
     if mesh is not None:
@@ -65,7 +65,7 @@ def mesh_for(cfg):
     """The (replica, pipeline, tensor) `Mesh` of `cfg` on the first `cfg.devices` devices."""
     import jax
 
-    from jaxpod.mesh import make_mesh
+    from jaxpod.parallel.mesh import make_mesh
 
     n = cfg.mesh.replica * cfg.mesh.pipeline * cfg.mesh.tensor
     devices = jax.devices()

@@ -2,7 +2,7 @@
 single-device model's; the masking is exact, deterministic and independent of the mesh.
 
 The reference is `BERT.__call__` on the whole global batch on one device, with the row keys
-of `jaxpod.mlm.row_keys(seed, step, arange(G))`; the engine masks each replica's rows inside
+of `jaxpod.models.mlm.row_keys(seed, step, arange(G))`; the engine masks each replica's rows inside
 `shard_map` from the same (seed, step, global row) keys.
 """
 
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpod import mlm
+from jaxpod.engine.transformer import build_engine, build_model, init_params, make_loss_and_grads
 from jaxpod.errors import ConfigError
-from jaxpod.train import build_engine, build_model, init_params, make_loss_and_grads
+from jaxpod.models import mlm
 
 # fp32 throughout; the mesh only reorders sums. Measured maxima over the meshes below: loss
 # 2.6e-7 relative, gradients 1.1e-6 leaf-relative (max |got - want| / max |want|). The

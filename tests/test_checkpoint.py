@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxpod.metrics import read_metrics
+from jaxpod.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -143,8 +143,8 @@ def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path
     """In process: saved from 2x2x2, restored on 1x2x4 with exactly the engine's shardings."""
     import jax
 
-    from jaxpod.checkpoint import Checkpointer
-    from jaxpod.train import build_engine
+    from jaxpod.engine.transformer import build_engine
+    from jaxpod.run.checkpoint import Checkpointer
 
     batch = ["train.global_batch=16", "train.grad_accum=null"]
     old_cfg, new_cfg = tiny_cfg(*batch, mesh=(2, 2, 2)), tiny_cfg(*batch, mesh=(1, 2, 4))

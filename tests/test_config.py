@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxpod.config import (
+from jaxpod.config.load import (
     CHOICES,
     Config,
     ConfigError,
@@ -454,7 +454,7 @@ def test_float16_without_loss_scale_warns():
 
 def test_import_does_not_load_jax():
     code = (
-        "import sys, jaxpod.config\n"
+        "import sys, jaxpod.config.load\n"
         "bad = [m for m in ('jax', 'jaxlib', 'flax', 'optax', 'numpy') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

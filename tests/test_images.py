@@ -1,4 +1,4 @@
-"""Tests for jaxpod.images: image datasets, determinism, slicing, errors, normalize, Prefetcher."""
+"""The image datasets: determinism, slicing, errors, normalize, the Prefetcher."""
 
 import threading
 import time
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxpod.errors import DataError
-from jaxpod.images import MEAN_RGB, STD_RGB, ImageDataset, load_images, normalize
-from jaxpod.prefetch import Prefetcher
+from jaxpod.run.images import MEAN_RGB, STD_RGB, ImageDataset, load_images, normalize
+from jaxpod.run.prefetch import Prefetcher
 
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402

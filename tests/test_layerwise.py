@@ -1,4 +1,4 @@
-"""The layer-by-layer optimizer update (`jaxpod.layerwise`) against the whole-tree update.
+"""The layer-by-layer optimizer update (`jaxpod.optim.per_layer`) against the whole-tree update.
 
 Same arithmetic on float32 (to rounding), the same step up to one ulp of stochastic rounding on
 float16, skipped bit-identically on overflow, and XLA's temporaries measured in one run: the
@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpod.layerwise import layerwise_guarded_update
-from jaxpod.optim import make_optimizer
-from jaxpod.precision import guarded_update
-from jaxpod.train import abstract_engine, build_engine
-from jaxpod.update_blocks import MIN_BLOCK, update_blocks
+from jaxpod.engine.transformer import abstract_engine, build_engine
+from jaxpod.optim.chains import make_optimizer
+from jaxpod.optim.per_layer import layerwise_guarded_update
+from jaxpod.optim.precision import guarded_update
+from jaxpod.optim.strips import MIN_BLOCK, update_blocks
 
 FP16 = ["precision.params=float16", "precision.master=same-as-params"]
 FP16 += ["precision.loss_scale=dynamic", "precision.loss_scale_init=1024"]

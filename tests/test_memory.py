@@ -16,11 +16,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpod.mapping import bytes_per_device
+from jaxpod.engine.transformer import build_engine
 from jaxpod.models.layers import BLOCK_AXES
 from jaxpod.parallel import offload
 from jaxpod.parallel.replica import NO_GATHER
-from jaxpod.train import build_engine
+from jaxpod.run.mapping import bytes_per_device
 
 BASE = ("train.global_batch=16", "train.grad_accum=null", "train.micro_batch=2")
 BASE += ("optim.grad_clip=0", "optim.warmup_steps=0", "optim.name=sgd")

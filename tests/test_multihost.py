@@ -17,7 +17,7 @@ import pytest
 from conftest import free_port
 from test_cli import assert_user_error
 
-from jaxpod.metrics import read_metrics
+from jaxpod.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")

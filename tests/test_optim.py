@@ -13,8 +13,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxpod.config import OptimConfig, load_config
-from jaxpod.optim import (
+from jaxpod.config.load import OptimConfig, load_config
+from jaxpod.optim.chains import (
     clip_by_norm,
     decay_mask,
     lamb,
@@ -102,7 +102,7 @@ def test_cosine_with_warmup_matches_closed_form():
 
 
 def test_masks_on_gpt_param_names():
-    from jaxpod.train import abstract_params
+    from jaxpod.engine.transformer import abstract_params
 
     cfg = load_config("configs/tiny.yaml")
     _, params, _ = abstract_params(cfg.model)

@@ -26,18 +26,18 @@ from jax.extend.core import jaxprs_in_params
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpod.config import CHOICES
-from jaxpod.mesh import shardings
-from jaxpod.optim import make_optimizer
-from jaxpod.parallel.pipeline import gpipe
-from jaxpod.remat import REMAT_POLICIES
-from jaxpod.train import (
+from jaxpod.config.load import CHOICES
+from jaxpod.engine.transformer import (
     abstract_params,
     build_engine,
     build_model,
     init_params,
     make_loss_and_grads,
 )
+from jaxpod.optim.chains import make_optimizer
+from jaxpod.parallel.mesh import shardings
+from jaxpod.parallel.pipeline import gpipe
+from jaxpod.parallel.remat import REMAT_POLICIES
 
 # --------------------------------------------------------------------------------------------
 # Tolerances. Everything is fp32; the mesh only changes the order of summation (psums of
@@ -61,7 +61,7 @@ GRAD_TOL = 3e-6
 #    (softmax ignores a per-query constant): its computed gradient is noise of ~1e-11 that
 #    differs per mesh, so its update (~lr * noise / eps) is only bounded, not reproducible.
 PARAM_ULPS = 4
-ADAM_EPS = 1e-8  # optax.adamw's default eps (jaxpod.optim does not set it)
+ADAM_EPS = 1e-8  # optax.adamw's default eps (jaxpod.optim.chains does not set it)
 # Initial parameters vs the eagerly built reference model: the jitted init rounds
 # `0.02 * normal` differently from eager mode in ~27% of the weights, by exactly 1 ulp.
 # Measured max |diff| 7.5e-9 (1 ulp of ~0.06), max 1 ulp. Across meshes the jitted init is

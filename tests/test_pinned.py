@@ -66,7 +66,7 @@ PINNED = {
 
 def three_steps(cfg, mesh) -> list[tuple[float, float]]:
     """(loss, grad_norm) of the first three optimizer steps of `cfg` on `mesh`."""
-    from jaxpod.tasks import build_task
+    from jaxpod.run.tasks import build_task
 
     task, state = build_task(cfg, mesh)
     out = []

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxpod.config import load_config
+from jaxpod.config.load import load_config
 from jaxpod.errors import UserError
 from jaxpod.models.efficientnet import flops_per_image
-from jaxpod.planner import (
+from jaxpod.planner.plan import (
     block_params,
     check_budget,
     efficientnet_stage_params,
@@ -259,7 +259,7 @@ def test_param_layout_matches_the_model():
     """The formula's count equals the GPT's own parameter count (no weights: eval_shape)."""
     import jax
 
-    from jaxpod.train import abstract_params
+    from jaxpod.engine.transformer import abstract_params
 
     cfg = cfg_of("model.layers=2", "model.tie_embeddings=false")
     _, params, _ = abstract_params(cfg.model)
@@ -275,7 +275,7 @@ def test_param_layout_per_device_matches_the_specs(sp):
 
     import jax
 
-    from jaxpod.train import abstract_params
+    from jaxpod.engine.transformer import abstract_params
 
     cfg = cfg_of("devices=8", "mesh.pipeline=2", "mesh.tensor=4", f"model.sequence_parallel={sp}")
     _, params, specs = abstract_params(cfg.model)
@@ -317,7 +317,7 @@ XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, more overrides
     "4x2x1-full-ga4-rts4-weights": ((4, 2, 1), "full", 4, [*RTS4, *WEIGHTS, "model.layers=8"]),
     # four GPipe passes of 2 micro-batches (train.pipeline_group): 3 ticks in flight, not 9
     "1x2x1-full-ga8-group2": ((1, 2, 1), "full", 8, ["train.pipeline_group=2"]),
-    # the FP16 + stochastic rounding + LAMB update, tensor by tensor (jaxpod.layerwise)
+    # the FP16 + stochastic rounding + LAMB update, tensor by tensor (jaxpod.optim.per_layer)
     "1x2x1-full-ga4-fp16-lamb-weights": (
         (1, 2, 1),
         "full",
@@ -331,7 +331,7 @@ def compiled_bytes(cfg, mesh) -> int:
     import jax
     import numpy as np
 
-    from jaxpod.train import build_engine
+    from jaxpod.engine.transformer import build_engine
 
     engine, state = build_engine(cfg, mesh)
     shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
@@ -415,7 +415,7 @@ def test_vocab_blocks_shrink_compiled_memory(tiny_cfg, mesh_for):
 def test_suggestions_name_sequence_parallelism_and_chunks_with_their_bytes():
     """GPT-3 without sequence parallelism or chunks: both are suggested, each with the device
     total it would give, and each really is smaller than the plan's."""
-    from jaxpod.config import load_config, parse_bytes
+    from jaxpod.config.load import load_config, parse_bytes
 
     path = Path(__file__).resolve().parents[1] / "configs" / "gpt3_175b_pod256.yaml"
     cfg = load_config(path, ["model.sequence_parallel=false", "model.sequence_chunks=1"])
@@ -433,7 +433,7 @@ def test_suggestion_streams_with_the_fewest_mlp_blocks_that_fit():
     none fits: the suggestion is then the fewest blocks with the smallest total (8: 729 MB).
     With the token table whole (864 MB) in an 800 MB budget: the fewest table blocks that
     fit (4: 787 MB)."""
-    from jaxpod.config import load_config
+    from jaxpod.config.load import load_config
 
     path = Path(__file__).resolve().parents[1] / "configs" / "gpt3_175b_pod256.yaml"
     layer = ["memory.stream=layer", "memory.mlp_blocks=1"]

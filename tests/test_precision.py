@@ -12,9 +12,9 @@ import numpy as np
 import optax
 import pytest
 
-from jaxpod.config import OptimConfig, PrecisionConfig
-from jaxpod.optim import make_optimizer
-from jaxpod.precision import (
+from jaxpod.config.load import OptimConfig, PrecisionConfig
+from jaxpod.optim.chains import make_optimizer
+from jaxpod.optim.precision import (
     LossScaleState,
     all_finite,
     apply_updates,

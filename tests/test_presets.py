@@ -16,8 +16,8 @@ import math
 import pytest
 from test_cli import ROOT, jaxpod
 
-from jaxpod.config import load_config
-from jaxpod.planner import plan
+from jaxpod.config.load import load_config
+from jaxpod.planner.plan import plan
 
 CONFIGS = ROOT / "configs"
 PRESETS = [

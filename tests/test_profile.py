@@ -16,7 +16,7 @@ import pytest
 from test_cli import assert_user_error
 
 from jaxpod.errors import ConfigError
-from jaxpod.metrics import read_metrics
+from jaxpod.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -122,7 +122,7 @@ def test_profile_steps_beyond_the_run_is_refused(tmp_path):  # before jax starts
 
 
 def test_profile_overrides(tmp_path):
-    from jaxpod.profiling import profile_overrides
+    from jaxpod.run.profiling import profile_overrides
 
     config = tmp_path / "c.yaml"
     config.write_text(f"train: {{logdir: {tmp_path / 'run'}}}\n")

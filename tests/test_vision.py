@@ -34,7 +34,7 @@ VISION = (
 
 @pytest.fixture(scope="module")
 def digits():
-    from jaxpod.images import load_images
+    from jaxpod.run.images import load_images
 
     return load_images("digits", image_size=32, seed=0)
 
@@ -53,8 +53,8 @@ def global_batch(engine, cfg, digits, step=0):
 
 def reference_step(cfg, engine, trees, batch):
     """Plain single-device loss and updated stage trees."""
-    from jaxpod.images import normalize
-    from jaxpod.optim import make_optimizer
+    from jaxpod.optim.chains import make_optimizer
+    from jaxpod.run.images import normalize
 
     images, labels = (np.asarray(a) for a in batch)
     graphdefs = engine.model.graphdefs
@@ -98,7 +98,7 @@ def test_stage_packing_round_trip():
 
 
 def test_stage_rows_live_on_their_stage(tiny_cfg, mesh_for):
-    from jaxpod.train_vision import build_vision_engine
+    from jaxpod.engine.vision import build_vision_engine
 
     cfg = vision_cfg(tiny_cfg, (2, 2, 1), *LARS_GA2)
     mesh = mesh_for(cfg)
@@ -123,7 +123,7 @@ LARS_GA2 = ("optim.name=lars", "train.grad_accum=2")
     ids=["2x2x1-lars", "2x1x1-lars"],
 )
 def test_step_matches_single_device_reference(tiny_cfg, mesh_for, digits, shape, extra):
-    from jaxpod.train_vision import build_vision_engine
+    from jaxpod.engine.vision import build_vision_engine
 
     cfg = vision_cfg(tiny_cfg, shape, *extra)
     engine, state = build_vision_engine(cfg, mesh_for(cfg))
@@ -147,7 +147,7 @@ def test_two_stage_losses_equal_one_stage(tiny_cfg, mesh_for, digits):
     """Same seed, same network (parameters are drawn in network order): S=2 == S=1. The
     two-stage run takes its 2 micro-batches in two GPipe passes (`train.pipeline_group=1`,
     gradients summed); `test_step_matches_single_device_reference` covers one pass."""
-    from jaxpod.train_vision import build_vision_engine
+    from jaxpod.engine.vision import build_vision_engine
 
     losses = {}
     for shape in [(2, 1, 1), (2, 2, 1)]:
@@ -167,7 +167,7 @@ def digits_cfg(*overrides):
     rounding, dynamic loss scaling, LARS, G16, 2 stages x 4 replicas (one compile, shared)."""
     from conftest import ROOT
 
-    from jaxpod.config import load_config
+    from jaxpod.config.load import load_config
 
     return load_config(ROOT / "configs" / "efficientnet_digits.yaml", list(overrides))
 
@@ -178,7 +178,7 @@ DIGITS_STEPS = "train.steps=50"
 
 
 def test_overflow_is_skipped_and_halves_the_scale(mesh_for, digits):
-    from jaxpod.train_vision import build_vision_engine
+    from jaxpod.engine.vision import build_vision_engine
 
     # scaled float16 gradients overflow
     cfg = digits_cfg(DIGITS_STEPS, "precision.loss_scale_init=1e30")
@@ -199,7 +199,7 @@ def test_digits_config_trains(mesh_for, tmp_path):
     and rounding). The full run reaches >= 90 % (docs/benchmarks.md)."""
     import json
 
-    from jaxpod.loop import run_training
+    from jaxpod.run.loop import run_training
 
     cfg = digits_cfg(
         DIGITS_STEPS, "train.eval_every=0", "train.log_every=25", f"train.logdir={tmp_path}"

@@ -5,7 +5,7 @@ vocab-parallel embedding plus an output bias).
 
 The layer stack and the pipeline pieces are GPT's (`embed`, `layers`, `token_loss`), so the
 same engine trains both; `inputs_and_targets` turns byte windows into masked examples
-(`jaxpod.mlm`) and the loss counts only the masked positions.
+(`jaxpod.models.mlm`) and the loss counts only the masked positions.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpod.config import ModelConfig
-from jaxpod.mlm import check_vocab, mask_tokens
+from jaxpod.config.load import ModelConfig
 from jaxpod.models.layers import INIT_STD, Block, LayerNorm
-from jaxpod.models.stack import apply_stack
+from jaxpod.models.mlm import check_vocab, mask_tokens
+from jaxpod.parallel.stream import apply_stack
 from jaxpod.parallel.tensor import (
     column_dense,
     position_rows,
@@ -68,7 +68,7 @@ class BERT(nnx.Module):
 
     def inputs_and_targets(self, tokens: jax.Array, keys: jax.Array):
         """`tokens[B, T+1]` byte windows, `keys[B]` -> `(inputs[B, T], targets[B, T],
-        weights f32[B, T])`: the first T bytes, masked (`jaxpod.mlm.mask_tokens`)."""
+        weights f32[B, T])`: the first T bytes, masked (`jaxpod.models.mlm.mask_tokens`)."""
         return mask_tokens(tokens[..., :-1], keys)
 
     def embed(self, tokens: jax.Array, tp: str | None = None) -> jax.Array:

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpod.config import ModelConfig
+from jaxpod.config.load import ModelConfig
 from jaxpod.models.layers import INIT_STD, Block, LayerNorm
-from jaxpod.models.stack import apply_stack
+from jaxpod.parallel.stream import apply_stack
 from jaxpod.parallel.tensor import VocabBlocks, position_rows, vocab_cross_entropy, vocab_embed
 
 

@@ -1,7 +1,7 @@
 """Transformer building blocks in Flax NNX. Math only: no mesh, no device logic.
 
 Parameters carry logical axis names in their `axes` metadata (`"embed"`, `"heads"`,
-`"mlp"`, `"vocab"`, `"layers"`); `jaxpod.mesh` maps those names onto mesh axes. Every
+`"mlp"`, `"vocab"`, `"layers"`); `jaxpod.parallel.mesh` maps those names onto mesh axes. Every
 module can be created *stacked*: with `layers=L` each parameter gets a leading `[L]` axis
 named `"layers"`, and the forward is applied to one layer's slice inside a `scan`.
 

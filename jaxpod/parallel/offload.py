@@ -9,12 +9,12 @@ A pod's *streaming memory* is emulated with the `pinned_host` memory kind: array
   streams them to the device for the update and writes the new state back.
 - `params` (and, for `phases > 1`, at least the layer stack): the master weights live in
   `pinned_host`; inside `shard_map` the non-layer weights are fetched at the start of the
-  loss and the layer stack phase by phase (`jaxpod.models.stack.scan_layers`), each phase's
+  loss and the layer stack phase by phase (`jaxpod.parallel.stream.scan_layers`), each phase's
   weights right before it runs. A fetching phase is a checkpoint that does not save the
   fetched copy, so the backward pass fetches each phase again (the program's intent: a
   phase's weights device-resident at a time; see below for what XLA makes of it). Gradients
   of host weights come back through the transposed transfer and are moved to the device.
-- `activations`: the remat policy's saved values are offloaded (`jaxpod.remat`).
+- `activations`: the remat policy's saved values are offloaded (`jaxpod.parallel.remat`).
 
 What XLA schedules (observed on jax 0.10.2, CPU): every `device_put` to another memory kind
 in the *GSPMD* part of the step (the optimizer update) lowers to an

@@ -10,7 +10,7 @@ The `tensor` axis is different: activations are identical across tensor shards, 
 Megatron kernels' own collectives already produce complete gradients there.
 
 **Replicated tensor sharding** (`memory.rts = k`). The engine splits the replica axis into
-`(replica, rts_outer, rts_inner)` (`jaxpod.mesh.split_replica`) so that k consecutive
+`(replica, rts_outer, rts_inner)` (`jaxpod.parallel.mesh.split_replica`) so that k consecutive
 replicas form a group along `rts` axes. Each weight is stored with one more dimension split
 over the group (`rts_plan`, `with_rts`): a device holds 1/(t·p·k) of the weights. Inside
 `shard_map` the engine calls `gather` right before use — for stacked layers inside the

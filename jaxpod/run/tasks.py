@@ -1,7 +1,7 @@
 """What the training loop trains: a dataset, an engine and its state, behind one interface.
 
-    text   (gpt):           tokens int32[G, T+1]                      -> jaxpod.train
-    vision (efficientnet):  (images uint8[G, H, W, 3], labels int32[G]) -> jaxpod.train_vision
+    text   (gpt):           tokens int32[G, T+1]                      -> jaxpod.engine.transformer
+    vision (efficientnet):  (images uint8[G, H, W, 3], labels int32[G]) -> jaxpod.engine.vision
 
 Batches are global arrays sharded over `replica`, assembled with
 `jax.make_array_from_callback`: each device's callback reads only the rows of its own
@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpod.config import Config
+from jaxpod.config.load import Config
 
 
 @dataclass
@@ -83,8 +83,8 @@ class Task:
 def build_task(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Task, Any]:
     """Load the dataset and build the engine; returns `(task, initial state)`."""
     if cfg.is_vision:
-        from jaxpod.images import load_images
-        from jaxpod.train_vision import build_vision_engine
+        from jaxpod.engine.vision import build_vision_engine
+        from jaxpod.run.images import load_images
 
         ds = load_images(
             cfg.data.name,
@@ -96,8 +96,8 @@ def build_task(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Task, Any]:
         )
         engine, state = build_vision_engine(cfg, mesh)
         return Task(cfg, ds, engine, "images", cfg.global_batch), state
-    from jaxpod.data import load_dataset
-    from jaxpod.train import build_engine
+    from jaxpod.engine.transformer import build_engine
+    from jaxpod.run.data import load_dataset
 
     ds = load_dataset(
         cfg.data.name,

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from jaxpod.errors import UserError
-from jaxpod.metrics import EVAL_FILE, METRICS_FILE
+from jaxpod.run.metrics import EVAL_FILE, METRICS_FILE
 
 COLUMNS = ("name", "config", "mesh", "steps", "loss", "val_loss", "speed")
 HEADERS = ("run", "config", "mesh RxPxT", "steps", "loss", "val loss", "speed")

@@ -1,7 +1,7 @@
 """The pod planner: where every byte of a mapping lives, before any hardware is spent.
 
 `plan(cfg)` is analytic and instant: it imports no jax and builds no model. Parameter counts
-come from the model's formulas, per-device bytes from the parameter layout of `jaxpod.mesh`
+come from the model's formulas, per-device bytes from the parameter layout of `jaxpod.parallel.mesh`
 (`LOGICAL_TO_MESH`), activations from a model of what the train step keeps alive, checked
 against XLA's `memory_analysis()` of the compiled step in `tests/test_planner.py`.
 
@@ -18,24 +18,24 @@ Pre- or post-LN blocks have the same parameters. Per device, the block weights s
 replicated), the vocabulary-sized tables over `tensor` only, positions and LNs are replicated
 (positions split over `tensor` along T with sequence parallelism).
 
-The byte model (what each kind of state costs per device) is `jaxpod.plan_bytes`.
+The byte model (what each kind of state costs per device) is `jaxpod.planner.bytes`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxpod.config import Config, parse_bytes
-from jaxpod.device_profiles import PROFILES, DeviceProfile, get_profile
+from jaxpod.config.load import Config, parse_bytes
 from jaxpod.errors import UserError
-from jaxpod.param_counts import (
+from jaxpod.planner.bytes import DTYPE_BYTES, activation_bytes, device_bytes
+from jaxpod.planner.counts import (
     block_params,
     efficientnet_stage_params,
     flops_per_example,
     param_layout,
 )
-from jaxpod.plan_bytes import DTYPE_BYTES, activation_bytes, device_bytes
-from jaxpod.plan_report import format_bytes, format_plan
+from jaxpod.planner.profiles import PROFILES, DeviceProfile, get_profile
+from jaxpod.planner.report import format_bytes, format_plan
 
 __all__ = [  # profiles, parameter counts and the report are re-exported from their modules
     "PROFILES",

@@ -20,8 +20,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpod.models.layers import BLOCK_AXES, Block, Slice
+from jaxpod.parallel.remat import remat
 from jaxpod.parallel.replica import take_blocks
-from jaxpod.remat import remat
 
 # Weights a phase fetched (see `scan_layers`): never saved for the backward pass, fetched again.
 PHASE_WEIGHTS = "phase_weights"
@@ -147,7 +147,7 @@ def apply_stack(
     and nothing else, inside the step's remat unit (fetched again in the backward pass). The
     blocks are then taken before `prepare` sees them (`blocks` None), so its gather must not
     split a `BLOCK_AXES` axis. `offload_activations`: the remat policy's saved values go to
-    host memory (`jaxpod.remat`). `unroll=True` unrolls the layer scan (FLOP accounting only).
+    host memory (`jaxpod.parallel.remat`). `unroll=True` unrolls the layer scan (FLOPs only).
     """
     if stream not in ("layer", "matrix"):
         raise ValueError(f"stream={stream!r} must be 'layer' or 'matrix'")

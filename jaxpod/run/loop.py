@@ -3,7 +3,7 @@
 The loop dispatches step N+1 before it reads step N's metrics to the host, so the device
 queue never runs dry while Python formats numbers.
 
-With several processes (`jaxpod.distributed`) every process runs this same loop on its own
+With several processes (`jaxpod.run.distributed`) every process runs this same loop on its own
 devices of one global mesh; only process 0 writes the run record and prints.
 """
 
@@ -19,12 +19,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxpod.checkpoint import Checkpointer
-from jaxpod.config import Config, config_to_dict, dump_yaml
+from jaxpod.config.load import Config, config_to_dict, dump_yaml
 from jaxpod.errors import UserError
-from jaxpod.mapping import describe, format_mapping
-from jaxpod.mesh import make_mesh, select_devices
-from jaxpod.metrics import (
+from jaxpod.parallel.mesh import make_mesh, select_devices
+from jaxpod.planner.plan import check_budget
+from jaxpod.run.checkpoint import Checkpointer
+from jaxpod.run.mapping import describe, format_mapping
+from jaxpod.run.metrics import (
     EVAL_FILE,
     METRICS_FILE,
     MetricsWriter,
@@ -32,10 +33,9 @@ from jaxpod.metrics import (
     read_metrics,
     write_json_atomic,
 )
-from jaxpod.planner import check_budget
-from jaxpod.prefetch import Prefetcher
-from jaxpod.profiling import StepProfiler, check_profile_steps
-from jaxpod.tasks import Task, build_task
+from jaxpod.run.prefetch import Prefetcher
+from jaxpod.run.profiling import StepProfiler, check_profile_steps
+from jaxpod.run.tasks import Task, build_task
 
 
 @dataclass
@@ -43,7 +43,7 @@ class RunResult:
     """What a finished run returns (the full record is in `logdir`)."""
 
     logdir: Path
-    state: object  # jaxpod.train.TrainState or jaxpod.train_vision.VisionState
+    state: object  # jaxpod.engine.transformer.TrainState or jaxpod.engine.vision.VisionState
     losses: list[float]  # training loss of every step this run took (after a resume: the rest)
     val_losses: dict[int, float]  # step -> validation loss
     mapping: dict
@@ -80,7 +80,7 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
 
     If `<logdir>/checkpoints/` holds a complete checkpoint, resume from the newest one (same
     losses as an uninterrupted run); otherwise start fresh, replacing an earlier record.
-    `cfg.devices` counts the devices of each process (`jaxpod.distributed`); the mesh spans
+    `cfg.devices` counts the devices of each process (`jaxpod.run.distributed`); the mesh spans
     those of every process. Only process 0 writes files and prints.
     """
     check_profile_steps(cfg.train.profile_steps, cfg.train.steps)

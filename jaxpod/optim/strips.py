@@ -1,4 +1,4 @@
-"""How `jaxpod.layerwise` cuts one tensor's update into blocks (jax-free: the planner uses it).
+"""How the 16-bit update cuts one tensor into strips (jax-free: the planner uses it).
 
 A block is a *strided* slice: the chosen axis of size n is viewed as `[n / B, B]` and block
 `b` is column `b` of that view. Whatever mesh axes shard the chosen axis, every device holds

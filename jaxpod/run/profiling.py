@@ -105,7 +105,7 @@ def _configured_logdir(config: str, overrides: list[str]) -> str:
     """`train.logdir` as given (last override, else the YAML's, else the default), unvalidated."""
     import yaml
 
-    from jaxpod.config import TrainConfig
+    from jaxpod.config.load import TrainConfig
 
     logdir = TrainConfig().logdir
     try:
@@ -134,7 +134,7 @@ def profile_overrides(config: str, overrides: list[str], steps: int, warmup: int
     """
     import shutil
 
-    CHECKPOINTS = "checkpoints"  # = jaxpod.checkpoint.CHECKPOINTS (which imports orbax, jax)
+    CHECKPOINTS = "checkpoints"  # = jaxpod.run.checkpoint.CHECKPOINTS (which imports orbax, jax)
 
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps {steps} must be >= 1 and --warmup {warmup} >= 0")

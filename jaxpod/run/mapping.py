@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import jax
 
-from jaxpod.config import Config
+from jaxpod.config.load import Config
 
 
 def bytes_per_device(tree) -> dict[int, int]:

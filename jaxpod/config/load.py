@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from jaxpod.config_rules import (
+from jaxpod.config.rules import (
     BYTE_VOCAB,
     CHOICES,
     DTYPES,
@@ -30,7 +30,7 @@ from jaxpod.config_rules import (
     parse_bytes,
     validate_and_resolve,
 )
-from jaxpod.config_rules import fail as _fail
+from jaxpod.config.rules import fail as _fail
 from jaxpod.errors import ConfigError
 
 __all__ = [  # the constants and parse_bytes live in config_rules; re-exported here

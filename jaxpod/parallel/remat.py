@@ -56,7 +56,7 @@ def remat(
     """Wrap `fn` (one layer's forward) with the named recomputation policy; `offload=True`
     keeps the saved values in host memory (`OFFLOAD_POLICIES`); `prevent_cse=True` keeps
     XLA from merging the recomputation with an identical computation outside it (needed
-    when `fn` runs inside another remat unit: see `jaxpod.models.stack.apply_stack`)."""
+    when `fn` runs inside another remat unit: see `jaxpod.parallel.stream.apply_stack`)."""
     if policy not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {policy!r}; choose from {list(REMAT_POLICIES)}")
     if offload:

@@ -2,7 +2,7 @@
 
 `activation_bytes(cfg)` models what the train step keeps alive; `device_bytes(cfg, layout,
 acts)` adds the weights, gradients, optimizer state, update working set and RTS-gathered
-copies, on the device and on the host. Analytic: no jax. `jaxpod.planner` turns these into a
+copies, on the device and on the host. Analytic: no jax. `jaxpod.planner.plan` turns these into a
 plan; `tests/test_planner.py` checks them against XLA's `memory_analysis()`.
 
 Bytes per device (P_local = parameters this device holds, divided by `memory.rts`):
@@ -19,10 +19,10 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   to the reduced grads and their unscaled/clipped copy; the step's activations are dead by
   then, so the peak is max(backward, update) (verified on XLA for float32 + AdamW). With
   16-bit master weights the engine updates the stacked blocks tensor by tensor, one layer
-  per stage at a time (`jaxpod.layerwise`): the update then holds the grads, a 16-bit copy
+  per stage at a time (`jaxpod.optim.per_layer`): the update then holds the grads, a 16-bit copy
   of the stacked layer weights (XLA's loop carries) and ~8 float32 copies of the largest
   block: one layer of the largest tensor or the token embedding, each cut into up to 8
-  blocks (`jaxpod.update_blocks`; measured in `docs/benchmarks.md`).
+  blocks (`jaxpod.optim.strips`; measured in `docs/benchmarks.md`).
 - gathered: with rts > 1 the weights are all-gathered (params dtype) right before use: the
   non-layer weights for the step (with `memory.vocab_blocks = k`, GPT's token table a block
   of rows at a time: one block and its full-size gradient, 2/k of the table), the layers
@@ -47,7 +47,7 @@ the blocks it reads, so two steps' weights instead, 2 x max(D², 2·D·F/k) of a
 parameters, whatever K. The host holds all of the stage's layer weights. This is the program's
 schedule; on jax 0.10.2 XLA brings host weights to the device at the `shard_map` boundary,
 once per step (`jaxpod.parallel.offload`), and a pipelined stage fetches its stack before the
-GPipe ticks (`jaxpod.train`). Offloaded `optimizer` state lives on the host entirely.
+GPipe ticks (`jaxpod.engine.transformer`). Offloaded `optimizer` state lives on the host entirely.
 Offloaded `activations` move the saved residuals to the host (two layers' worth stay for the
 stream).
 """
@@ -56,9 +56,9 @@ from __future__ import annotations
 
 import math
 
-from jaxpod.config import Config
-from jaxpod.param_counts import block_params
-from jaxpod.update_blocks import update_blocks
+from jaxpod.config.load import Config
+from jaxpod.optim.strips import update_blocks
+from jaxpod.planner.counts import block_params
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MOMENTS = {"adamw": 2, "lamb": 2, "sgd": 1, "lars": 1}
@@ -272,9 +272,9 @@ def device_bytes(cfg: Config, layout: dict, acts: dict) -> dict:
     backward_peak = grads + activations
     # the update holds the reduced grads, a same-size copy (unscaled/clipped) and the updates
     update_peak = 2 * grads_update * window + updates
-    if mb < 4 and not cfg.is_vision:  # 16-bit masters: `jaxpod.layerwise`, tensor by tensor
+    if mb < 4 and not cfg.is_vision:  # 16-bit masters: `jaxpod.optim.per_layer`, tensor by tensor
         md, mesh, devices = cfg.model, cfg.mesh, cfg.devices
-        # the largest stacked tensor (one layer of every stage: `jaxpod.update_blocks`) and
+        # the largest stacked tensor (one layer of every stage: `jaxpod.optim.strips`) and
         # the token embedding, each updated in blocks
         layer = (mesh.pipeline, md.d_model, max(3 * md.d_model, md.d_ff))
         table = (md.vocab, md.d_model)

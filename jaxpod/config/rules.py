@@ -1,6 +1,6 @@
 """Validation and resolution of a `Config`: the rules every run configuration must satisfy.
 
-Each rule raises ``ConfigError`` with one line naming the field and the fix. `jaxpod.config`
+Each rule raises ``ConfigError`` with one line naming the field and the fix. `jaxpod.config.load`
 builds the dataclasses and calls `validate_and_resolve`; this module is jax-free too.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from jaxpod.errors import ConfigError
 
 if TYPE_CHECKING:
-    from jaxpod.config import Config
+    from jaxpod.config.load import Config
 
 DTYPES = ("float32", "float16", "bfloat16")
 CHOICES: dict[str, tuple[str, ...]] = {

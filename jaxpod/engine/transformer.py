@@ -16,7 +16,7 @@ Data flow of one optimizer step (global batch G = micro_batch * replica * grad_a
     -> under GSPMD (whole-parameter norms): unscale in float32, skip the step if any gradient
        is not finite, optax update, `precision.apply_updates` (stochastic rounding for 16-bit
        master weights, key fold_in(key(train.seed), step)) -> new params, same shardings;
-       16-bit masters are updated one layer per stage at a time (`jaxpod.layerwise`)
+       16-bit masters are updated one layer per stage at a time (`jaxpod.optim.per_layer`)
 
 Precision: params are held in the master dtype (`precision.master_dtype`) and cast to
 `precision.compute` for the forward pass (LayerNorm statistics, softmax and cross-entropy in
@@ -50,18 +50,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpod import mlm
-from jaxpod.config import Config, ModelConfig
-from jaxpod.layerwise import make_update
-from jaxpod.layout import TABLES, Layout, make_layout
-from jaxpod.mesh import param_specs, shardings
+from jaxpod.config.load import Config, ModelConfig
+from jaxpod.engine.layout import TABLES, Layout, make_layout
+from jaxpod.models import mlm
 from jaxpod.models.layers import token_loss_in_chunks
-from jaxpod.optim import STACKED_KEY, make_optimizer
+from jaxpod.optim.chains import STACKED_KEY, make_optimizer
+from jaxpod.optim.per_layer import make_update
+from jaxpod.optim.precision import LossScaleState, compute_dtype, init_loss_scale, master_dtype
 from jaxpod.parallel import offload
+from jaxpod.parallel.mesh import param_specs, shardings
 from jaxpod.parallel.pipeline import gpipe, spread_over_stages, vary_like
 from jaxpod.parallel.replica import gather, reduce_grads, vary_params
 from jaxpod.parallel.tensor import VocabBlocks, gather_sequence
-from jaxpod.precision import LossScaleState, compute_dtype, init_loss_scale, master_dtype
 
 F32 = jnp.float32
 BATCH_SPEC = P("replica", None)

@@ -1,4 +1,4 @@
-"""`jaxpod plan`'s human-readable report of a plan (the dict `jaxpod.planner.plan` returns)."""
+"""`jaxpod plan`'s human-readable report of a plan (the dict `jaxpod.planner.plan.plan` returns)."""
 
 from __future__ import annotations
 

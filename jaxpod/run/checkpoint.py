@@ -21,8 +21,8 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from jaxpod.engine.transformer import Engine, TrainState
 from jaxpod.errors import Muted, UserError
-from jaxpod.train import Engine, TrainState
 
 CHECKPOINTS = "checkpoints"
 

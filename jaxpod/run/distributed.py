@@ -10,7 +10,7 @@ How the rest of jaxpod behaves with several processes:
 
 - `devices` in the config counts the virtual CPU devices of *each* process; the mesh must
   multiply to `devices × processes` (`global_devices`).
-- Batches are built with `jax.make_array_from_callback` (`jaxpod.tasks.Task.batch`), which calls the
+- Batches are built with `jax.make_array_from_callback` (`Task.batch`), which calls the
   callback only for this process's devices: each process reads only its own rows, and the
   global array is assembled without any process seeing the others' data.
 - Scalars (loss, norms, val loss) come out of the step replicated on every device, so each
@@ -146,7 +146,7 @@ def per_process_devices(config: str, overrides: list[str]) -> int | None:
     default), read without validating; None if it is not an integer (validation reports it)."""
     import yaml
 
-    from jaxpod.config import Config
+    from jaxpod.config.load import Config
 
     value: object = Config().devices
     try:
@@ -176,10 +176,10 @@ def load_run_config(config: str, overrides: list[str], spec: DistributedSpec):
     """
     import dataclasses
 
-    from jaxpod.config import load_config
+    from jaxpod.config.load import load_config
     from jaxpod.errors import ConfigError
     from jaxpod.platform import use_virtual_cpu_devices
-    from jaxpod.profiling import check_profile_steps
+    from jaxpod.run.profiling import check_profile_steps
 
     check_spec(spec)
     if not spec.enabled:

@@ -38,13 +38,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpod.config import Config
-from jaxpod.images import normalize
+from jaxpod.config.load import Config
 from jaxpod.models.efficientnet import build_stages
-from jaxpod.optim import clip_by_norm, make_optimizer
-from jaxpod.parallel.pipeline import gpipe, vary_like
-from jaxpod.parallel.stages import StagePacking
-from jaxpod.precision import (
+from jaxpod.optim.chains import clip_by_norm, make_optimizer
+from jaxpod.optim.precision import (
     LossScaleState,
     all_finite,
     cast_tree_like,
@@ -57,7 +54,10 @@ from jaxpod.precision import (
     to_float32,
     update_loss_scale,
 )
-from jaxpod.remat import remat
+from jaxpod.parallel.pipeline import gpipe, vary_like
+from jaxpod.parallel.remat import remat
+from jaxpod.parallel.stages import StagePacking
+from jaxpod.run.images import normalize
 
 ROW = P("pipeline", None)
 _NOTHING = jax.checkpoint_policies.nothing_saveable
@@ -286,7 +286,7 @@ def _local_step(cfg: Config, vm: VisionModel, optimizer, schedule, bubble_fill: 
 
 
 class VisionEngine(NamedTuple):
-    """Same roles as `jaxpod.train.Engine`, for image classifiers; batches are
+    """Same roles as `jaxpod.engine.transformer.Engine`, for image classifiers; batches are
     `(images uint8[G, H, W, 3], labels int32[G])` sharded over `replica`."""
 
     model: VisionModel

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpod.config import PrecisionConfig
+from jaxpod.config.load import PrecisionConfig
 
 __all__ = [
     "LossScaleState",

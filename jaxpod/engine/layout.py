@@ -10,12 +10,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpod.config import Config
-from jaxpod.mesh import split_replica
-from jaxpod.models.stack import block_axes
-from jaxpod.optim import STACKED_KEY, stacked_mask
+from jaxpod.config.load import Config
+from jaxpod.optim.chains import STACKED_KEY, stacked_mask
 from jaxpod.parallel import offload
+from jaxpod.parallel.mesh import split_replica
 from jaxpod.parallel.replica import rts_plan, with_rts
+from jaxpod.parallel.stream import block_axes
 
 TABLES = ("wte", "unembed")  # GPT's vocabulary tables: used in blocks of rows (vocab_blocks)
 

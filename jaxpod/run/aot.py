@@ -15,14 +15,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxpod.config import Config
+from jaxpod.config.load import Config
 
 
 def abstract_inputs(cfg: Config, mesh: Mesh) -> tuple[Any, Any, Any]:
     """`(engine, abstract state, abstract batch)` for `cfg` on `mesh`, nothing allocated."""
     g = cfg.global_batch
     if cfg.is_vision:
-        from jaxpod.train_vision import abstract_vision_state, make_vision_engine
+        from jaxpod.engine.vision import abstract_vision_state, make_vision_engine
 
         engine = make_vision_engine(cfg, mesh)
         state = abstract_vision_state(engine.model, mesh)
@@ -33,7 +33,7 @@ def abstract_inputs(cfg: Config, mesh: Mesh) -> tuple[Any, Any, Any]:
             jax.ShapeDtypeStruct((g,), jnp.int32, sharding=sharding),
         )
         return engine, state, batch
-    from jaxpod.train import abstract_engine
+    from jaxpod.engine.transformer import abstract_engine
 
     engine, state = abstract_engine(cfg, mesh)
     batch = jax.ShapeDtypeStruct(

@@ -16,7 +16,7 @@ float32 LAMB step (docs/benchmarks.md). A pod streams the update instead, and so
    stages — upcasts it, runs the optimizer (LARS/LAMB trust ratios stay per layer: the
    slice's leading axis is the layer axis), rounds it back and writes it into the carry.
 4. A layer slice or a non-layer leaf (the token embedding) large enough is updated in up to
-   8 strided blocks (`jaxpod.update_blocks`: each block a slice of every device's own
+   8 strided blocks (`jaxpod.optim.strips`: each block a slice of every device's own
    shard). The trust ratio needs the norms of the whole tensor before any block is scaled,
    so LAMB/LARS take two passes: the first sums the squares of the weights and of the
    update the ratio scales (`trust_probe`), the second recomputes each block's update and
@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpod.config import Config, PrecisionConfig
-from jaxpod.optim import clip_by_norm, make_optimizer, stacked_mask
-from jaxpod.precision import (
+from jaxpod.config.load import Config, PrecisionConfig
+from jaxpod.optim.chains import clip_by_norm, make_optimizer, stacked_mask
+from jaxpod.optim.precision import (
     F32,
     LossScaleState,
     apply_updates,
@@ -55,7 +55,7 @@ from jaxpod.precision import (
     unscale_grads,
     update_loss_scale,
 )
-from jaxpod.update_blocks import MIN_BLOCK, update_blocks
+from jaxpod.optim.strips import MIN_BLOCK, update_blocks
 
 __all__ = ["layerwise_guarded_update", "make_update"]
 

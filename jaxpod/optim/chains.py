@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpod.config import OptimConfig
-from jaxpod.precision import stochastic_round  # the issue names it jaxpod.optim's
+from jaxpod.config.load import OptimConfig
+from jaxpod.optim.precision import stochastic_round  # the issue names it jaxpod.optim.chains's
 
 __all__ = [
     "LAMB_EPS",
@@ -121,7 +121,7 @@ def scale_by_layerwise_trust_ratio(
     through. `mask`/`stacked`: bool, pytree of bools, or a function of the params.
 
     Two extra arguments (passed through `optax.chain`) let a caller update a leaf in blocks
-    (`jaxpod.layerwise`), whose ratio needs the norms of the whole leaf: `trust_probe`, a
+    (`jaxpod.optim.per_layer`), whose ratio needs the norms of the whole leaf: `trust_probe`, a
     dict the transform fills with `{leaf index: (|p|², |u|²)}` of this call's leaves (flat
     order of `jax.tree.leaves(params)`, masked leaves only; updates pass through unscaled),
     and `trust_norms`, `{leaf index: (|p|, |u|)}` to use instead of this call's norms."""

@@ -1,0 +1,1 @@
+"""One engine for every model: layout, state, loss and gradients, update, step."""

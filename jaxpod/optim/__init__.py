@@ -1,0 +1,1 @@
+"""Optimizers: optax chains, the precision policy, the guarded update."""
