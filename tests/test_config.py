@@ -1,24 +1,35 @@
 """Tests for jaxpod.config: loading, overrides, resolution, validation messages. No jax here."""
 
+import ast
 import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
-from jaxpod.config.load import (
+from jaxpod.config import (
     CHOICES,
+    DTYPES,
+    IMAGE_DATA,
+    LIST_CHOICES,
+    RENAMED,
+    TEXT_DATA,
     Config,
     ConfigError,
+    TrainConfig,
     config_from_dict,
     config_to_dict,
     dump_yaml,
     load_config,
     parse_bytes,
+    peek,
     with_overrides,
 )
+from jaxpod.config.schema import SECTIONS
+from jaxpod.models.kinds import KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -244,16 +255,16 @@ BAD_OVERRIDES = [
         ("memory.stream=matrix", "it needs a remat policy: set model.remat=full"),
     ),
     (["memory.stream=tensor"], ("memory.stream='tensor' is not one of layer, matrix",)),
-    (["memory.mlp_blocks=2"], ("memory.mlp_blocks=2 streams the MLP's matrices in blocks",)),
+    (["memory.mlp_panels=2"], ("memory.mlp_panels=2 streams the MLP's matrices in blocks",)),
     (
-        ["memory.stream=matrix", "model.remat=full", "memory.mlp_blocks=3"],
-        ("memory.mlp_blocks=3 does not divide the 256 hidden units per tensor shard",),
+        ["memory.stream=matrix", "model.remat=full", "memory.mlp_panels=3"],
+        ("memory.mlp_panels=3 does not divide the 256 hidden units per tensor shard",),
     ),
-    (["memory.vocab_blocks=3"], ("memory.vocab_blocks=3 does not divide the 256 table rows",)),
-    (["memory.vocab_blocks=0"], ("memory.vocab_blocks=0 must be >= 1",)),
+    (["memory.vocab_slices=3"], ("memory.vocab_slices=3 does not divide the 256 table rows",)),
+    (["memory.vocab_slices=0"], ("memory.vocab_slices=0 must be >= 1",)),
     (
-        ["model.name=bert", "model.vocab=264", "memory.vocab_blocks=2"],
-        ("memory.vocab_blocks=2 blocks GPT's token table; model.name=bert uses its table whole",),
+        ["model.name=bert", "model.vocab=264", "memory.vocab_slices=2"],
+        ("memory.vocab_slices=2 blocks GPT's token table; model.name=bert uses its table whole",),
     ),
     (["train.profile_steps=[5]"], ("train.profile_steps=[5] must be [start, stop] with",)),
     (["train.profile_steps=[5,2]"], ("train.profile_steps=[5, 2] must be [start, stop]",)),
@@ -270,8 +281,8 @@ BAD_OVERRIDES = [
             (["data.name=stdlib-code"], ("data.name=stdlib-code is text but model.name=eff",)),
             (["model.image_size=16"], ("model.image_size=16 must be >= 32",)),
             (["model.width_mult=0"], ("model.width_mult=0.0 must be > 0",)),
-            (["memory.phases=2"], ("memory.phases/rts/offload/stream/mlp_blocks/vocab_blocks",)),
-            (["memory.vocab_blocks=2"], ("leave them at 1/1/[]/layer/1/1 for model.name=eff",)),
+            (["memory.phases=2"], ("memory.phases/rts/offload/stream/mlp_panels/vocab_slices",)),
+            (["memory.vocab_slices=2"], ("leave them at 1/1/[]/layer/1/1 for model.name=eff",)),
         ]
     ],
     # ranges
@@ -455,6 +466,263 @@ def test_float16_without_loss_scale_warns():
 def test_import_does_not_load_jax():
     code = (
         "import sys, jaxpod.config.load\n"
+        "bad = [m for m in ('jax', 'jaxlib', 'flax', 'optax', 'numpy') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# --- the schema's Literal choices ---------------------------------------------------------
+
+# What a choice needs besides itself to make a valid config.
+COMPANIONS = {
+    ("model.name", "gpt"): [],
+    ("model.name", "bert"): ["model.vocab=264"],
+    ("model.name", "efficientnet"): ["data.name=digits"],
+    ("data.name", "text-files"): ["data.path=/some/dir"],
+    ("data.name", "digits"): ["model.name=efficientnet"],
+    ("data.name", "synthetic-imagenet"): ["model.name=efficientnet"],
+    ("data.name", "image-folder"): ["model.name=efficientnet", "data.path=/some/dir"],
+    ("memory.stream", "matrix"): ["model.remat=full"],
+}
+
+
+def _literal_fields(of_items: bool) -> dict[str, tuple[str, ...]]:
+    """Dotted key -> Literal args, read off the dataclass annotations independently."""
+    out = {}
+    for section, cls in SECTIONS.items():
+        for name, tp in typing.get_type_hints(cls).items():
+            if of_items and typing.get_origin(tp) is tuple:
+                tp = typing.get_args(tp)[0]
+            elif of_items:
+                continue
+            if typing.get_origin(tp) is typing.Literal:
+                out[f"{section}.{name}"] = typing.get_args(tp)
+    return out
+
+
+def test_choices_are_the_schema_literals():
+    assert CHOICES == _literal_fields(of_items=False)
+    assert (
+        LIST_CHOICES
+        == _literal_fields(of_items=True)
+        == {"memory.offload": ("optimizer", "params", "activations")}
+    )
+    assert set(CHOICES["model.name"]) == set(KINDS)
+    assert CHOICES["data.name"] == TEXT_DATA + IMAGE_DATA
+    assert CHOICES["precision.params"] == CHOICES["precision.compute"] == DTYPES
+
+
+@pytest.mark.parametrize(
+    ("key", "option"),
+    [(k, o) for k, options in CHOICES.items() for o in options],
+    ids=lambda x: str(x),
+)
+def test_every_choice_is_accepted(key, option):
+    cfg = load_config(None, [f"{key}={option}", *COMPANIONS.get((key, option), [])])
+    section, name = key.split(".")
+    assert getattr(getattr(cfg, section), name) == option
+
+
+@pytest.mark.parametrize("item", LIST_CHOICES["memory.offload"])
+def test_every_list_choice_is_accepted(item):
+    assert load_config(None, [f"memory.offload=[{item}]"]).memory.offload == (item,)
+
+
+def test_config_properties_ask_the_model_kind():
+    properties = {n for n, v in vars(Config).items() if isinstance(v, property)}
+    assert properties == {
+        "devices_per_process",
+        "total_devices",
+        "global_batch",
+        "pipeline_group",
+        "pipeline_passes",
+        "tokens_per_step",
+        "kind",
+    }  # no name-based shortcuts: code asks cfg.kind what the model is
+    kinds = {
+        n: load_config(None, [f"model.name={n}", *COMPANIONS[("model.name", n)]]) for n in KINDS
+    }
+    assert kinds["efficientnet"].kind.data == "images"
+    assert kinds["gpt"].kind.stages == "stacked" and kinds["bert"].kind.tensor_parallel
+
+
+# --- renamed keys ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(RENAMED.items()))
+def test_renamed_key_override_is_a_one_line_error(old, new):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [f"{old}=2"])
+    _check_message(exc, (f"config key '{old}' was renamed to '{new}'; use {new}",))
+    with pytest.raises(ConfigError, match=f"was renamed to '{new}'"):
+        with_overrides(load_config(None), {old: 2})
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(RENAMED.items()))
+def test_renamed_key_in_yaml_section_is_a_one_line_error(tmp_path, old, new):
+    section, name = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {name}: 2\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    _check_message(exc, (f"config key '{old}' was renamed to '{new}'; use {new}",))
+
+
+# --- devices per process, processes, total_devices -----------------------------------------
+
+
+def test_processes_multiply_the_devices():
+    one = load_config(TINY)
+    assert (one.processes, one.devices_per_process, one.total_devices) == (1, 8, 8)
+    two = load_config(TINY, ["devices=4"], processes=2)
+    assert (two.processes, two.devices, two.devices_per_process, two.total_devices) == (2, 4, 4, 8)
+    assert two.mesh.shape == (2, 2, 2)
+    filled = load_config(None, ["devices=4", "mesh.pipeline=2"], processes=3)
+    assert filled.mesh.shape == (6, 2, 1) and filled.global_batch == 4 * 6
+    assert with_overrides(two, ["train.steps=3"]).processes == 2
+    assert config_from_dict(config_to_dict(two), processes=2) == two
+
+
+def test_processes_is_not_dumped_and_the_dump_loads_back(tmp_path):
+    cfg = load_config(TINY, ["devices=4"], processes=2)
+    assert "processes" not in config_to_dict(cfg)
+    assert "processes" not in dump_yaml(cfg)
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_yaml(cfg))
+    assert load_config(path, processes=2) == cfg
+    with pytest.raises(ConfigError, match="= 8 does not match devices=4; set mesh.replica"):
+        load_config(path)  # one process has half the devices of the dumped (resolved) mesh
+
+
+MULTI_PROCESS_ERRORS = [
+    (
+        ["devices=4"],
+        3,
+        "mesh replica*pipeline*tensor = 2*2*2 = 8 does not match devices=4 per process x 3 "
+        "processes = 12 devices; set mesh.replica=-1 to fill, or change devices",
+    ),
+    (
+        ["devices=2", "mesh.replica=-1", "mesh.pipeline=3", "model.layers=3", "mesh.tensor=1"],
+        2,
+        "mesh.pipeline*mesh.tensor=3 does not divide devices=2 per process x 2 processes = 4 "
+        "devices; change mesh.pipeline/mesh.tensor or devices",
+    ),
+    (
+        ["devices=200", "mesh.replica=-1"],
+        2,
+        "devices=200 per process x 2 processes = 400 devices must be between 1 and 256",
+    ),
+    (["devices=4"], 0, "processes=0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "processes", "expected"), MULTI_PROCESS_ERRORS)
+def test_multi_process_mesh_messages_name_both_numbers(overrides, processes, expected):
+    with pytest.raises(ConfigError) as exc:
+        load_config(TINY, overrides, processes=processes)
+    _check_message(exc, (expected,))
+
+
+def test_processes_is_not_a_yaml_key(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("devices: 4\nprocesses: 2\n")
+    for load in (
+        lambda: load_config(path),
+        lambda: load_config(None, ["processes=2"]),
+        lambda: config_from_dict({"processes": 2}),
+        lambda: with_overrides(load_config(None), {"processes": 2}),
+    ):
+        with pytest.raises(ConfigError) as exc:
+            load()
+        _check_message(exc, ("unknown config key 'processes'", "--num-processes"))
+
+
+# --- the one loader: peek, and the CLI's early readers -------------------------------------
+
+LOADER_CASES = [
+    ("", []),
+    ("devices: 4\nmesh: {pipeline: 2}\ntrain: {logdir: runs/yaml}\n", []),
+    ("devices: 4\ntrain: {logdir: runs/yaml}\n", ["devices=2", "train.logdir=runs/cli"]),
+    ("devices: 4\n", ["devices=8", "devices=2"]),  # the last override wins
+    ("train:\n  logdir: '2024'\n", []),
+    ("", ["train.logdir=2024"]),  # a number-like string override keeps its text
+    ("", ['train.logdir="runs/quoted dir"']),
+]
+
+
+@pytest.mark.parametrize(("text", "overrides"), LOADER_CASES, ids=lambda x: str(x)[:40])
+def test_early_readers_agree_with_load_config(tmp_path, text, overrides):
+    from jaxpod.run.distributed import per_process_devices
+    from jaxpod.run.profiling import _configured_logdir
+
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    cfg = load_config(path, overrides)
+    assert (
+        per_process_devices(str(path), overrides) == cfg.devices == peek(path, overrides, "devices")
+    )
+    assert _configured_logdir(str(path), overrides) == cfg.train.logdir
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "expected"),
+    [
+        (None, [], "does not exist"),
+        ("devices: [1\n", [], "does not parse"),
+        ("devices: 4\n", ["devics=2"], "did you mean 'devices'?"),
+        ("devices: four\n", [], "devices='four' must be an integer"),
+        ("memory: {vocab_blocks: 2}\n", [], "was renamed to 'memory.vocab_slices'"),
+    ],
+)
+def test_early_readers_refuse_what_load_config_refuses(tmp_path, text, overrides, expected):
+    from jaxpod.run.distributed import per_process_devices
+    from jaxpod.run.profiling import _configured_logdir
+
+    path = tmp_path / "c.yaml"
+    if text is not None:
+        path.write_text(text)
+    for read in (load_config, per_process_devices, _configured_logdir):
+        with pytest.raises(ConfigError) as exc:
+            read(str(path), overrides)
+        _check_message(exc, (expected,))
+
+
+def test_peek_defaults_and_no_raw_yaml_readers_elsewhere():
+    assert peek(None, [], "train.logdir") == TrainConfig().logdir
+    assert peek(TINY, [], "mesh.tensor") == 2
+    assert peek(TINY, ["optim.lr=3e-4"], "optim.lr") == pytest.approx(3e-4)
+    with pytest.raises(KeyError):
+        peek(None, [], "processes")
+    for module in ("run/distributed.py", "run/profiling.py"):
+        assert "yaml" not in (ROOT / "jaxpod" / module).read_text(), module
+
+
+# --- the package's layering ------------------------------------------------------------------
+
+
+def _config_imports(module: str) -> set[str]:
+    tree = ast.parse((ROOT / "jaxpod" / "config" / f"{module}.py").read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxpod.config"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("jaxpod.config")}
+    return found
+
+
+def test_layers_import_downwards_only():
+    assert _config_imports("schema") == set()
+    assert _config_imports("rules") == {"jaxpod.config.schema"}
+    assert _config_imports("load") == {"jaxpod.config.rules", "jaxpod.config.schema"}
+    assert "TYPE_CHECKING" not in (ROOT / "jaxpod" / "config" / "rules.py").read_text()
+
+
+@pytest.mark.parametrize("module", ["schema", "rules", "load"])
+def test_each_module_imports_alone(module):
+    code = (
+        f"import sys, jaxpod.config.{module}\n"
         "bad = [m for m in ('jax', 'jaxlib', 'flax', 'optax', 'numpy') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

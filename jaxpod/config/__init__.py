@@ -1,4 +1,60 @@
-"""The run configuration: typed sections, one loader, the validation rules (no jax)."""
+"""The run configuration, jax-free: `schema` (the typed, frozen sections), `rules` (validation,
+section by section) and `load` (the one loader: YAML, KEY=VALUE overrides, coercion).
 
-from jaxpod.config.load import *  # noqa: F403
-from jaxpod.config.load import __all__  # noqa: F401
+Import from here; the submodules are an implementation detail (`load` -> `rules` -> `schema`).
+"""
+
+from jaxpod.config.load import (
+    RENAMED,
+    config_from_dict,
+    config_to_dict,
+    dump_yaml,
+    load_config,
+    peek,
+    with_overrides,
+)
+from jaxpod.config.rules import BYTE_VOCAB, MAX_DEVICES, PATH_DATA, parse_bytes
+from jaxpod.config.schema import (
+    CHOICES,
+    DTYPES,
+    IMAGE_DATA,
+    LIST_CHOICES,
+    TEXT_DATA,
+    Config,
+    DataConfig,
+    MemoryConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    PrecisionConfig,
+    TrainConfig,
+)
+from jaxpod.errors import ConfigError
+
+__all__ = [
+    "BYTE_VOCAB",
+    "CHOICES",
+    "DTYPES",
+    "IMAGE_DATA",
+    "LIST_CHOICES",
+    "MAX_DEVICES",
+    "PATH_DATA",
+    "RENAMED",
+    "TEXT_DATA",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "MemoryConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PrecisionConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "config_to_dict",
+    "dump_yaml",
+    "load_config",
+    "parse_bytes",
+    "peek",
+    "with_overrides",
+]

@@ -1,8 +1,12 @@
-"""Typed, frozen run configuration: a YAML preset plus KEY=VALUE overrides, validated and resolved.
+"""The one config loader: a YAML preset plus KEY=VALUE overrides, coerced, validated, resolved.
 
-The CLI loads the config *before* jax starts (``devices`` sets XLA_FLAGS), so this module imports
-only the standard library and PyYAML. Every mistake raises ``ConfigError`` with one line that names
-the field and says the fix.
+Everything that reads a config file goes through here: `load_config` for the whole validated
+`Config`, `peek` for one value before the rest can be checked (the CLI needs `devices` and
+`train.logdir` before jax starts or the process count is known). Keys are checked against
+the schema's fields; an unknown or renamed key gets a one-line ``ConfigError`` with the fix.
+
+`processes` is not a key: the caller passes it (`load_config(path, overrides, processes=N)`)
+and dumps leave it out, so a dumped config.yaml loads back as it was written.
 
 A *resolved* config (what ``load_config``/``config_from_dict``/``with_overrides`` return) has
 ``mesh.replica`` filled in (never -1) and ``train.grad_accum``/``train.global_batch`` set to ints.
@@ -15,227 +19,12 @@ import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
-from jaxpod.config.rules import (
-    BYTE_VOCAB,
-    CHOICES,
-    DTYPES,
-    IMAGE_DATA,
-    MAX_DEVICES,
-    TEXT_DATA,
-    parse_bytes,
-    validate_and_resolve,
-)
-from jaxpod.config.rules import fail as _fail
-from jaxpod.errors import ConfigError
-
-__all__ = [  # the constants and parse_bytes live in config_rules; re-exported here
-    "BYTE_VOCAB",
-    "CHOICES",
-    "DTYPES",
-    "IMAGE_DATA",
-    "MAX_DEVICES",
-    "TEXT_DATA",
-    "Config",
-    "ConfigError",
-    "config_from_dict",
-    "config_to_dict",
-    "dump_yaml",
-    "load_config",
-    "parse_bytes",
-    "with_overrides",
-]
-
-
-@dataclass(frozen=True)
-class MeshConfig:
-    """Device mesh shape (replica, pipeline, tensor); replica=-1 fills from the device count."""
-
-    replica: int = -1
-    pipeline: int = 1
-    tensor: int = 1
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(replica, pipeline, tensor)."""
-        return (self.replica, self.pipeline, self.tensor)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Model hyperparameters: transformers (gpt, bert) use layers..tie_embeddings and norm;
-    efficientnet uses variant..pipeline_splits (and remat)."""
-
-    name: str = "gpt"
-    layers: int = 4
-    d_model: int = 64
-    heads: int = 4
-    d_ff: int = 256
-    seq_len: int = 64
-    vocab: int = 256
-    remat: str = "none"
-    sequence_chunks: int = 1  # query blocks attended one at a time (divides seq_len)
-    sequence_parallel: bool = False  # residual stream split over tensor along the sequence
-    tie_embeddings: bool = True
-    norm: str = "pre"  # bert: pre- or post-LayerNorm blocks
-    variant: str = "b0"  # efficientnet compound-scaling preset
-    g16: bool = False  # grouped (16 channels/group) instead of depthwise convs, expansion 4
-    norm_groups: int = 4  # GroupNorm groups
-    width_mult: float | None = None  # override the variant's width coefficient
-    depth_mult: float | None = None  # override the variant's depth coefficient
-    image_size: int = 32
-    num_classes: int = 10
-    pipeline_splits: tuple[str, ...] = ()  # block names where stages 1.. start, e.g. [4a]
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Loop, batch and logging settings; global_batch = micro_batch * mesh.replica * grad_accum."""
-
-    steps: int = 100
-    micro_batch: int = 4
-    grad_accum: int | None = None
-    global_batch: int | None = None
-    # micro-batches per GPipe pass (pipeline > 1): the step runs grad_accum / pipeline_group
-    # pipeline passes and sums their gradients; null: one pass of all grad_accum
-    pipeline_group: int | None = None
-    seed: int = 0
-    logdir: str = "runs/default"
-    log_every: int = 10
-    eval_every: int = 50  # 0 disables periodic eval (a final eval always runs)
-    eval_batches: int = 4
-    checkpoint_every: int = 0  # 0 saves only the final step (which is always saved)
-    keep_checkpoints: int = 3  # newest checkpoints kept under <logdir>/checkpoints/
-    profile_steps: tuple[int, ...] | None = None  # [start, stop): trace these steps
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """Optimizer and learning-rate schedule; grad_clip is a global-norm clip (0 disables)."""
-
-    name: str = "adamw"
-    lr: float = 1e-3
-    schedule: str = "cosine"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    momentum: float = 0.9
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_clip: float = 1.0
-    power: float = 1.0  # polynomial schedule: lr * (1 - progress) ** power after warm-up
-    end_lr: float = 0.0  # polynomial schedule's final learning rate
-    trust_coefficient: float = 0.001  # lars
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Dataset choice; path is required for text-files and must be None otherwise."""
-
-    name: str = "stdlib-code"
-    path: str | None = None
-    val_fraction: float = 0.05
-    prefetch: int = 3  # batches prepared ahead by a background thread (0: synchronous)
-
-
-@dataclass(frozen=True)
-class PrecisionConfig:
-    """Mixed precision: weight, compute and master dtypes; loss scaling.
-
-    `master=same-as-params` with 16-bit params keeps no float32 copy: updates are applied
-    with stochastic rounding. A dynamic loss scale grows x2 after `loss_scale_period` finite
-    steps and halves on overflow (the step is skipped)."""
-
-    params: str = "float32"
-    compute: str = "float32"
-    master: str = "float32"
-    loss_scale: str = "none"
-    loss_scale_init: float = 32768.0
-    loss_scale_period: int = 2000
-
-
-@dataclass(frozen=True)
-class MemoryConfig:
-    """Where bytes live: device profile, replicated tensor sharding, host offload, phases."""
-
-    device: str = "cpu"
-    rts: int = 1  # weights of each stage sharded over this many replicas
-    rts_optimizer: int | None = None  # optimizer state sharded over this many (None: = rts)
-    offload: tuple[str, ...] = ()  # of optimizer, params, activations
-    phases: int = 1  # the layers of a stage run in this many phases, streamed from host
-    stream: str = "layer"  # unit a weight is prepared (fetched/gathered) in: layer or matrix
-    mlp_blocks: int = 1  # with stream=matrix: the MLP's matrices in this many blocks
-    vocab_blocks: int = 1  # GPT: the token table used (and RTS-gathered) this many rows at a time
-    device_budget: str | None = None  # e.g. 900MB, 16GiB: refuse mappings that exceed it
-
-
-@dataclass(frozen=True)
-class Config:
-    """The whole run configuration."""
-
-    devices: int = 8
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-
-    @property
-    def global_batch(self) -> int:
-        """Sequences per optimizer step (resolved configs only)."""
-        if self.train.global_batch is None:
-            raise ValueError("config is not resolved; build it with load_config/config_from_dict")
-        return self.train.global_batch
-
-    @property
-    def pipeline_group(self) -> int:
-        """Micro-batches per GPipe pass: `train.pipeline_group`, or all of `grad_accum`."""
-        return self.train.pipeline_group or self.train.grad_accum
-
-    @property
-    def pipeline_passes(self) -> int:
-        """GPipe passes per optimizer step: `grad_accum / pipeline_group` (pipeline > 1)."""
-        return self.train.grad_accum // self.pipeline_group
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens per optimizer step: global_batch * model.seq_len."""
-        return self.global_batch * self.model.seq_len
-
-    @property
-    def is_vision(self) -> bool:
-        """True for image classifiers (efficientnet), False for token models."""
-        return self.model.name == "efficientnet"
-
-    def warnings(self) -> list[str]:
-        """Legal but risky settings, one line each (the CLI prints them)."""
-        out = []
-        if self.precision.params == "float16" and self.precision.loss_scale == "none":
-            out.append(
-                "precision.params=float16 with precision.loss_scale=none: small gradients "
-                "underflow to zero in float16; set precision.loss_scale=dynamic"
-            )
-        if (
-            self.precision.master == "same-as-params"
-            and self.precision.params != "float32"
-            and self.optim.name in ("adamw", "lamb")
-        ):
-            out.append(
-                f"optim.name={self.optim.name} with 16-bit master weights keeps its second "
-                f"moments (g^2) in {self.precision.params}, where small values underflow; "
-                "prefer optim.name=lars or sgd, or precision.master=float32"
-            )
-        return out
-
-
-SECTIONS: dict[str, type] = {
-    f.name: f.type for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type)
-}  # section name -> dataclass: mesh, model, train, optim, data, precision, memory
+from jaxpod.config.rules import fail, get, validate_and_resolve
+from jaxpod.config.schema import ARGUMENTS, SECTIONS, Config
 
 
 def _collect_field_types() -> dict[str, Any]:
@@ -244,13 +33,22 @@ def _collect_field_types() -> dict[str, Any]:
         if name in SECTIONS:
             for sub, sub_tp in typing.get_type_hints(SECTIONS[name]).items():
                 out[f"{name}.{sub}"] = sub_tp
-        else:
+        elif name not in ARGUMENTS:
             out[name] = tp
     return out
 
 
 FIELD_TYPES: dict[str, Any] = _collect_field_types()  # dotted key -> annotated type
-TOP_LEVEL: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
+TOP_LEVEL: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(Config) if f.name not in ARGUMENTS
+)  # devices and the section names
+
+# Keys that were renamed: the old spelling gets a one-line error naming the new key.
+RENAMED: dict[str, str] = {
+    "memory.mlp_blocks": "memory.mlp_panels",
+    "memory.vocab_blocks": "memory.vocab_slices",
+}
+_NUMBER_AS_TEXT = ("memory.device_budget",)  # text fields that may be given as a plain number
 
 
 def _one_line(text: object) -> str:
@@ -258,6 +56,13 @@ def _one_line(text: object) -> str:
 
 
 def _unknown(key: str) -> typing.NoReturn:
+    if key in RENAMED:
+        fail(f"config key '{key}' was renamed to '{RENAMED[key]}'; use {RENAMED[key]}")
+    if key == "processes":
+        fail(
+            "unknown config key 'processes'; the process count comes from --num-processes (or "
+            "the cluster), and devices counts the devices of each process"
+        )
     section, _, sub = key.partition(".")
     if section in SECTIONS and sub:  # compare field names only: the shared prefix is not evidence
         names = [k.split(".", 1)[1] for k in FIELD_TYPES if k.startswith(section + ".")]
@@ -268,12 +73,17 @@ def _unknown(key: str) -> typing.NoReturn:
         close = difflib.get_close_matches(key, candidates, n=1)
         valid = "valid top-level keys: " + ", ".join(TOP_LEVEL)
     hint = f"did you mean '{close[0]}'?" if close else valid
-    _fail(f"unknown config key '{key}'; {hint}")
+    fail(f"unknown config key '{key}'; {hint}")
+
+
+def _is_text(tp: Any) -> bool:
+    """A str field, or a Literal of strings (a choice, checked by the rules)."""
+    return tp is str or typing.get_origin(tp) is Literal
 
 
 def _coerce(key: str, value: object, tp: Any) -> object:
     """Check/convert one value against its annotated type."""
-    if isinstance(tp, types.UnionType):
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
         if value is None:
             return None
         (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -285,16 +95,16 @@ def _coerce(key: str, value: object, tp: Any) -> object:
         if isinstance(value, str | int) and not isinstance(value, bool):
             value = [value]  # a single item, e.g. memory.offload=optimizer
         if not isinstance(value, list | tuple):
-            _fail(f"{key}={value!r} must be a list, e.g. {key}=[a,b]{nullable}")
+            fail(f"{key}={value!r} must be a list, e.g. {key}=[a,b]{nullable}")
         return tuple(_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value))
     if tp is bool:
         if isinstance(value, bool):
             return value
-        _fail(f"{key}={value!r} must be true or false{nullable}")
+        fail(f"{key}={value!r} must be true or false{nullable}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        _fail(f"{key}={value!r} must be an integer{nullable}")
+        fail(f"{key}={value!r} must be an integer{nullable}")
     if tp is float:
         number: float | None = None
         if isinstance(value, int | float) and not isinstance(value, bool):
@@ -305,11 +115,11 @@ def _coerce(key: str, value: object, tp: Any) -> object:
             except ValueError:
                 number = None
         if number is None:
-            _fail(f"{key}={value!r} must be a number (e.g. 3e-4){nullable}")
+            fail(f"{key}={value!r} must be a number (e.g. 3e-4){nullable}")
         if not math.isfinite(number):
-            _fail(f"{key}={value!r} must be a finite number")
+            fail(f"{key}={value!r} must be a finite number")
         return number
-    if tp is str:
+    if _is_text(tp):
         if isinstance(value, str):
             return value
         if (
@@ -318,17 +128,14 @@ def _coerce(key: str, value: object, tp: Any) -> object:
             and not isinstance(value, bool)
         ):
             return str(value)
-        _fail(f"{key}={value!r} must be a string{nullable}; quote it in YAML")
+        fail(f"{key}={value!r} must be a string{nullable}; quote it in YAML")
     raise TypeError(f"unsupported config field type {tp!r} for {key}")  # pragma: no cover
-
-
-_NUMBER_AS_TEXT = ("memory.device_budget",)  # text fields that may be given as a plain number
 
 
 def _normalize(raw: object) -> dict[str, Any]:
     """Check the nested structure and keys; return {top-level scalar: value, section: {...}}."""
     if not isinstance(raw, Mapping):
-        _fail(f"config top level must be a mapping of sections, not a {type(raw).__name__}")
+        fail(f"config top level must be a mapping of sections, not a {type(raw).__name__}")
     out: dict[str, Any] = {name: {} for name in SECTIONS}
     for key, value in raw.items():
         key = str(key)
@@ -336,7 +143,7 @@ def _normalize(raw: object) -> dict[str, Any]:
             if value is None:  # an empty section, e.g. every key commented out
                 continue
             if not isinstance(value, Mapping):
-                _fail(
+                fail(
                     f"config section '{key}' must be a mapping (e.g. {key}: {{...}}), got {value!r}"
                 )
             for sub, sub_value in value.items():
@@ -353,7 +160,7 @@ def _normalize(raw: object) -> dict[str, Any]:
 
 def _check_key(key: str, shown: str) -> None:
     if key in SECTIONS:
-        _fail(
+        fail(
             f"override '{shown}' sets section '{key}' to a value; set one of its fields instead, "
             f"e.g. {next(k for k in FIELD_TYPES if k.startswith(key + '.'))}=..."
         )
@@ -364,16 +171,17 @@ def _check_key(key: str, shown: str) -> None:
 def _parse_override(text: str) -> tuple[str, object]:
     """Parse 'dotted.key=VALUE'; VALUE is a YAML scalar."""
     if not isinstance(text, str) or "=" not in text or not text.partition("=")[0].strip():
-        _fail(f"override {text!r} is not KEY=VALUE (e.g. mesh.tensor=2)")
+        fail(f"override {text!r} is not KEY=VALUE (e.g. mesh.tensor=2)")
     key, _, raw = text.partition("=")
     key = key.strip()
     _check_key(key, text)
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
-        _fail(f"override '{text}' value does not parse as YAML: {_one_line(exc)}")
-    is_str_field = str in (FIELD_TYPES[key], *typing.get_args(FIELD_TYPES[key]))
-    if is_str_field and value is not None and not isinstance(value, str | list | dict):
+        fail(f"override '{text}' value does not parse as YAML: {_one_line(exc)}")
+    tp = FIELD_TYPES[key]
+    is_text_field = _is_text(tp) or any(_is_text(a) for a in typing.get_args(tp))
+    if is_text_field and value is not None and not isinstance(value, str | list | dict):
         value = raw.strip()  # e.g. train.logdir=2024 or model.remat=off: keep the text
     return key, value
 
@@ -386,8 +194,8 @@ def _set(d: dict[str, Any], key: str, value: object) -> None:
         d[key] = value
 
 
-def _build(d: dict[str, Any]) -> Config:
-    """Coerce a normalized dict into dataclasses, then validate and resolve."""
+def _typed(d: dict[str, Any], processes: int) -> Config:
+    """Coerce a normalized dict into the dataclasses (types checked, rules not yet)."""
     sections = {
         name: cls(
             **{k: _coerce(f"{name}.{k}", v, FIELD_TYPES[f"{name}.{k}"]) for k, v in d[name].items()}
@@ -395,7 +203,12 @@ def _build(d: dict[str, Any]) -> Config:
         for name, cls in SECTIONS.items()
     }
     scalars = {k: _coerce(k, v, FIELD_TYPES[k]) for k, v in d.items() if k not in SECTIONS}
-    return validate_and_resolve(Config(**scalars, **sections))
+    return Config(**scalars, **sections, processes=processes)
+
+
+def _build(d: dict[str, Any], processes: int) -> Config:
+    """Coerce a normalized dict into dataclasses, then validate and resolve."""
+    return validate_and_resolve(_typed(d, processes))
 
 
 def _read_yaml(path: str | os.PathLike) -> object:
@@ -404,40 +217,59 @@ def _read_yaml(path: str | os.PathLike) -> object:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        _fail(f"config file '{shown}' does not exist; pass a path like configs/tiny.yaml")
+        fail(f"config file '{shown}' does not exist; pass a path like configs/tiny.yaml")
     except (OSError, UnicodeDecodeError) as exc:
-        _fail(f"config file '{shown}' cannot be read ({type(exc).__name__}); pass a YAML file")
+        fail(f"config file '{shown}' cannot be read ({type(exc).__name__}); pass a YAML file")
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        _fail(f"config file '{shown}' does not parse: {_one_line(exc)}")
+        fail(f"config file '{shown}' does not parse: {_one_line(exc)}")
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
-        _fail(
+        fail(
             f"config file '{shown}' top level must be a mapping of sections, "
             f"not a {type(raw).__name__}"
         )
     return raw
 
 
-def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
-    """Read a YAML preset (None = defaults), apply KEY=VALUE overrides, validate and resolve."""
+def _read(path: str | os.PathLike | None, overrides: Sequence[str] | str) -> dict[str, Any]:
+    """The normalized dict of a YAML preset (None = defaults) with the overrides applied."""
     d = _normalize({} if path is None else _read_yaml(path))
     for text in [overrides] if isinstance(overrides, str) else overrides:
         _set(d, *_parse_override(text))
-    return _build(d)
+    return d
 
 
-def config_from_dict(d: Mapping[str, Any]) -> Config:
+def load_config(
+    path: str | os.PathLike | None, overrides: Sequence[str] = (), *, processes: int = 1
+) -> Config:
+    """Read a YAML preset (None = defaults), apply KEY=VALUE overrides, validate and resolve.
+
+    `processes`: how many processes share the mesh, each with `devices` devices."""
+    return _build(_read(path, overrides), processes)
+
+
+def peek(path: str | os.PathLike | None, overrides: Sequence[str], key: str) -> Any:
+    """The value `load_config(path, overrides)` gives the dotted `key` (the last override,
+    else the YAML's, else the default), before the rules that relate fields (or need the
+    process count) run: a file, key or value of the wrong type is refused as by `load_config`."""
+    if key not in FIELD_TYPES:
+        raise KeyError(key)
+    return get(_typed(_read(path, overrides), processes=1), key)
+
+
+def config_from_dict(d: Mapping[str, Any], *, processes: int = 1) -> Config:
     """Build a validated, resolved Config from a nested dict (as from ``config_to_dict``)."""
-    return _build(_normalize(d))
+    return _build(_normalize(d), processes)
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
-    """Nested plain dict of every field (lists for tuples); round-trips through
-    ``config_from_dict`` and ``yaml.safe_dump``."""
-    return dataclasses.asdict(cfg, dict_factory=lambda kv: {k: _plain(v) for k, v in kv})
+    """Nested plain dict of every key (lists for tuples; not `processes`, which is no key);
+    round-trips through ``config_from_dict`` and ``yaml.safe_dump``."""
+    out = dataclasses.asdict(cfg, dict_factory=lambda kv: {k: _plain(v) for k, v in kv})
+    return {k: v for k, v in out.items() if k not in ARGUMENTS}
 
 
 def _plain(value: object) -> object:
@@ -445,7 +277,7 @@ def _plain(value: object) -> object:
 
 
 def with_overrides(cfg: Config, overrides: Sequence[str] | Mapping[str, object]) -> Config:
-    """Return a new validated config with dotted overrides applied.
+    """Return a new validated config with dotted overrides applied (same `processes`).
 
     Strings are parsed like CLI overrides (``"mesh.tensor=2"``); mapping values are used as is
     (``{"mesh.tensor": 2}``). A resolved config no longer knows which batch/mesh sizes were
@@ -471,9 +303,9 @@ def with_overrides(cfg: Config, overrides: Sequence[str] | Mapping[str, object])
         d["train"]["grad_accum"] = None
     for key, value in pairs:
         _set(d, key, value)
-    return _build(d)
+    return _build(d, cfg.processes)
 
 
 def dump_yaml(cfg: Config) -> str:
-    """The config as YAML text (loads back to an equal config)."""
+    """The config as YAML text (loads back to an equal config, given the same `processes`)."""
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)

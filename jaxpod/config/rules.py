@@ -1,49 +1,25 @@
 """Validation and resolution of a `Config`: the rules every run configuration must satisfy.
 
-Each rule raises ``ConfigError`` with one line naming the field and the fix. `jaxpod.config.load`
-builds the dataclasses and calls `validate_and_resolve`; this module is jax-free too.
-"""
+One function per section (`check_mesh`, `check_model`, ... `check_memory`) checks that
+section's fields and the rules about it, reading other sections only where a rule relates them
+(the model's shapes divide over the mesh, RTS over the replicas). The cross-section resolution
+fills in what the user may leave out: `resolve_replica` (mesh.replica=-1 from the devices) and
+`resolve_batch` (grad_accum and global_batch from each other). Model-dependent rules ask what
+kind the model is (`cfg.kind`: images or tokens, packed or stacked stages, tensor-parallel),
+not its name. Every rule raises ``ConfigError`` with one line naming the field and the fix.
 
-from __future__ import annotations
+Imports `schema` only (no jax): `jaxpod.config.load` builds the dataclasses and calls
+`validate_and_resolve`.
+"""
 
 import dataclasses
 import functools
 import typing
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from jaxpod.config.schema import CHOICES, IMAGE_DATA, LIST_CHOICES, TEXT_DATA, Config
 from jaxpod.errors import ConfigError
 
-if TYPE_CHECKING:
-    from jaxpod.config.load import Config
-
-DTYPES = ("float32", "float16", "bfloat16")
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.name": ("gpt", "bert", "efficientnet"),
-    "model.remat": ("none", "full", "minimal", "attention", "comms"),
-    "model.variant": ("b0", "b1", "b2", "b3", "b4"),
-    "model.norm": ("pre", "post"),
-    "optim.name": ("sgd", "adamw", "lamb", "lars"),
-    "optim.schedule": ("constant", "cosine", "polynomial"),
-    "data.name": (
-        "stdlib-code",
-        "synthetic",
-        "text-files",
-        "digits",
-        "synthetic-imagenet",
-        "image-folder",
-    ),
-    "precision.params": DTYPES,
-    "precision.compute": DTYPES,
-    "precision.master": ("float32", "same-as-params"),
-    "precision.loss_scale": ("none", "static", "dynamic"),
-    "memory.device": ("cpu", "ipu-gc200", "h100-80gb", "tpu-v5e"),
-    "memory.stream": ("layer", "matrix"),
-}
-LIST_CHOICES: dict[str, tuple[str, ...]] = {  # list fields: every element must be one of these
-    "memory.offload": ("optimizer", "params", "activations"),
-}
-TEXT_DATA = ("stdlib-code", "synthetic", "text-files")
-IMAGE_DATA = ("digits", "synthetic-imagenet", "image-folder")
 PATH_DATA = ("text-files", "image-folder")  # the data.name values that read data.path
 MAX_DEVICES = 256
 BYTE_VOCAB = 256  # every dataset is byte-level: token ids are byte values 0..255
@@ -66,7 +42,7 @@ _AT_LEAST_1 = (
     "train.pipeline_group "
     "train.log_every train.eval_batches train.keep_checkpoints model.norm_groups "
     "model.image_size model.num_classes precision.loss_scale_period memory.rts "
-    "memory.rts_optimizer memory.phases memory.mlp_blocks memory.vocab_blocks"
+    "memory.rts_optimizer memory.phases memory.mlp_panels memory.vocab_slices"
 ).split()
 _AT_LEAST_0 = (
     "data.prefetch",
@@ -82,61 +58,193 @@ _AT_LEAST_0 = (
 _UNIT_INTERVAL = ("optim.momentum", "optim.b1", "optim.b2")  # [0, 1)
 
 
-def _check_ranges(cfg: Config) -> None:
-    if not 1 <= cfg.devices <= MAX_DEVICES:
-        fail(f"devices={cfg.devices} must be between 1 and {MAX_DEVICES}")
-    if cfg.mesh.replica < 1 and cfg.mesh.replica != -1:
-        fail(f"mesh.replica={cfg.mesh.replica} must be >= 1, or -1 to fill from devices")
-    for key in _AT_LEAST_1:
+def _check_fields(cfg: Config, section: str) -> None:
+    """The per-field rules of `section`: choices, then ranges."""
+    keys = lambda table: [k for k in table if k.startswith(section + ".")]  # noqa: E731
+    for key in keys(CHOICES):
+        if get(cfg, key) not in CHOICES[key]:
+            fail(f"{key}={get(cfg, key)!r} is not one of {', '.join(CHOICES[key])}")
+    for key in keys(LIST_CHOICES):
+        for item in get(cfg, key):
+            if item not in LIST_CHOICES[key]:
+                fail(f"{key} item {item!r} is not one of {', '.join(LIST_CHOICES[key])}")
+    for key in keys(_AT_LEAST_1):
         value = get(cfg, key)
         if value is not None and value < 1:
             fail(f"{key}={value} must be >= 1")
-    for key in _AT_LEAST_0:
+    for key in keys(_AT_LEAST_0):
         if get(cfg, key) < 0:
             fail(f"{key}={get(cfg, key)} must be >= 0")
-    for key in _UNIT_INTERVAL:
+    for key in keys(_UNIT_INTERVAL):
         if not 0 <= get(cfg, key) < 1:
             fail(f"{key}={get(cfg, key)} must be in [0, 1)")
-    if cfg.optim.lr <= 0:
-        fail(f"optim.lr={cfg.optim.lr} must be > 0")
-    if not 0 < cfg.data.val_fraction < 1:
-        fail(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1 (exclusive)")
-    if not cfg.train.logdir.strip():
-        fail("train.logdir='' must not be empty; e.g. train.logdir=runs/mine")
-    for key in ("model.width_mult", "model.depth_mult"):
-        if get(cfg, key) is not None and get(cfg, key) <= 0:
-            fail(f"{key}={get(cfg, key)} must be > 0 (or null for the variant's value)")
-    if cfg.precision.loss_scale_init <= 0:
-        fail(f"precision.loss_scale_init={cfg.precision.loss_scale_init} must be > 0")
-    profile = cfg.train.profile_steps
-    if profile is not None and (len(profile) != 2 or not 0 <= profile[0] < profile[1]):
-        fail(
-            f"train.profile_steps={list(profile)} must be [start, stop] with 0 <= start < stop, "
-            "e.g. train.profile_steps=[5,8]"
-        )
-    for key, options in LIST_CHOICES.items():
-        for item in get(cfg, key):
-            if item not in options:
-                fail(f"{key} item {item!r} is not one of {', '.join(options)}")
-    parse_bytes(cfg.memory.device_budget)
 
 
-def _resolve_mesh(cfg: Config) -> int:
-    m, devices = cfg.mesh, cfg.devices
+def _devices(cfg: Config) -> str:
+    """'devices=8', or with several processes 'devices=4 per process x 2 processes = 8 devices'."""
+    if cfg.processes == 1:
+        return f"devices={cfg.devices}"
+    return (
+        f"devices={cfg.devices} per process x {cfg.processes} processes = "
+        f"{cfg.total_devices} devices"
+    )
+
+
+def check_mesh(cfg: Config) -> None:
+    """`devices` (of every process together) and the mesh axes."""
+    if cfg.processes < 1:
+        fail(f"processes={cfg.processes} must be >= 1")
+    if cfg.devices < 1 or cfg.total_devices > MAX_DEVICES:
+        fail(f"{_devices(cfg)} must be between 1 and {MAX_DEVICES}")
+    if cfg.mesh.replica < 1 and cfg.mesh.replica != -1:
+        fail(f"mesh.replica={cfg.mesh.replica} must be >= 1, or -1 to fill from devices")
+    _check_fields(cfg, "mesh")
+
+
+def resolve_replica(cfg: Config) -> int:
+    """mesh.replica, filled from `total_devices` if -1; the mesh must span every device."""
+    m, devices = cfg.mesh, cfg.total_devices
     if m.replica == -1:
         if devices % (m.pipeline * m.tensor):
             fail(
                 f"mesh.pipeline*mesh.tensor={m.pipeline * m.tensor} does not divide "
-                f"devices={devices}; change mesh.pipeline/mesh.tensor or devices"
+                f"{_devices(cfg)}; change mesh.pipeline/mesh.tensor or devices"
             )
         return devices // (m.pipeline * m.tensor)
     product = m.replica * m.pipeline * m.tensor
     if product != devices:
         fail(
             f"mesh replica*pipeline*tensor = {m.replica}*{m.pipeline}*{m.tensor} = {product} does "
-            f"not match devices={devices}; set mesh.replica=-1 to fill, or change devices"
+            f"not match {_devices(cfg)}; set mesh.replica=-1 to fill, or change devices"
         )
     return m.replica
+
+
+def check_model(cfg: Config) -> None:
+    """The model's fields, and its shapes against the mesh (after `check_mesh`)."""
+    _check_fields(cfg, "model")
+    md, mesh, kind = cfg.model, cfg.mesh, cfg.kind
+    for key in ("model.width_mult", "model.depth_mult"):
+        if get(cfg, key) is not None and get(cfg, key) <= 0:
+            fail(f"{key}={get(cfg, key)} must be > 0 (or null for the variant's value)")
+    if not kind.tensor_parallel and mesh.tensor != 1:
+        fail(
+            f"mesh.tensor={mesh.tensor}: model.name={md.name} is pipelined and replicated, "
+            "not tensor-sharded; set mesh.tensor=1"
+        )
+    if kind.stages == "packed":
+        if len(md.pipeline_splits) != mesh.pipeline - 1:
+            fail(
+                f"model.pipeline_splits={list(md.pipeline_splits)} names "
+                f"{len(md.pipeline_splits)} stage boundaries but mesh.pipeline={mesh.pipeline} "
+                f"needs {mesh.pipeline - 1}; e.g. model.pipeline_splits=[4a] for 2 stages"
+            )
+    else:
+        if md.pipeline_splits:
+            fail(
+                f"model.pipeline_splits={list(md.pipeline_splits)} is for model.name=efficientnet; "
+                "transformer layers split evenly, set model.pipeline_splits=[]"
+            )
+        if md.d_model % md.heads:
+            fail(
+                f"model.d_model={md.d_model} is not divisible by model.heads={md.heads}; "
+                "choose model.heads that divides model.d_model"
+            )
+    if kind.data == "images":
+        if md.image_size < 32:
+            fail(f"model.image_size={md.image_size} must be >= 32 (five stride-2 stages)")
+    else:
+        if md.seq_len % md.sequence_chunks:
+            fail(
+                f"model.sequence_chunks={md.sequence_chunks} does not divide "
+                f"model.seq_len={md.seq_len}; use a divisor of {md.seq_len}"
+            )
+        if md.sequence_parallel and md.seq_len % mesh.tensor:
+            fail(
+                f"model.sequence_parallel=true splits model.seq_len={md.seq_len} over "
+                f"mesh.tensor={mesh.tensor}, which does not divide it; use a multiple of "
+                f"{mesh.tensor} or model.sequence_parallel=false"
+            )
+    if kind.stages == "stacked" and md.layers % mesh.pipeline:
+        fail(
+            f"model.layers={md.layers} does not divide into mesh.pipeline={mesh.pipeline} stages; "
+            f"use a multiple of {mesh.pipeline}"
+        )
+    if kind.tensor_parallel:
+        for name in ("heads", "d_ff", "vocab"):
+            value = getattr(md, name)
+            if value % mesh.tensor:
+                fail(
+                    f"mesh.tensor={mesh.tensor} does not divide model.{name}={value}; "
+                    f"use a mesh.tensor that divides it or a multiple of {mesh.tensor}"
+                )
+
+
+def check_train(cfg: Config) -> None:
+    """The loop's fields (the batch sizes are resolved by `resolve_batch`)."""
+    _check_fields(cfg, "train")
+    if not cfg.train.logdir.strip():
+        fail("train.logdir='' must not be empty; e.g. train.logdir=runs/mine")
+    profile = cfg.train.profile_steps
+    if profile is not None and (len(profile) != 2 or not 0 <= profile[0] < profile[1]):
+        fail(
+            f"train.profile_steps={list(profile)} must be [start, stop] with 0 <= start < stop, "
+            "e.g. train.profile_steps=[5,8]"
+        )
+
+
+def check_optim(cfg: Config) -> None:
+    """The optimizer's fields."""
+    _check_fields(cfg, "optim")
+    if cfg.optim.lr <= 0:
+        fail(f"optim.lr={cfg.optim.lr} must be > 0")
+
+
+def check_data(cfg: Config) -> None:
+    """The dataset: its path, and that it feeds what the model reads (images or tokens)."""
+    _check_fields(cfg, "data")
+    d, md = cfg.data, cfg.model
+    if not 0 < d.val_fraction < 1:
+        fail(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (exclusive)")
+    if d.name in PATH_DATA and not d.path:
+        kind = "text files" if d.name == "text-files" else "one subdirectory of images per class"
+        fail(f"data.name={d.name} needs data.path=DIR (a directory of {kind})")
+    if d.name not in PATH_DATA and d.path is not None:
+        fail(
+            f"data.path={d.path!r} is only used by data.name=text-files or image-folder; "
+            "set data.path=null"
+        )
+    if cfg.kind.data == "images":
+        if d.name not in IMAGE_DATA:
+            fail(
+                f"data.name={d.name} is text but model.name={md.name} classifies images; "
+                f"use data.name one of {', '.join(IMAGE_DATA)}"
+            )
+        return
+    if d.name not in TEXT_DATA:
+        fail(
+            f"data.name={d.name} is images but model.name={md.name} reads tokens; "
+            f"use data.name one of {', '.join(TEXT_DATA)}"
+        )
+    if md.name == "bert" and md.vocab <= BYTE_VOCAB:
+        t = cfg.mesh.tensor
+        fail(
+            f"model.vocab={md.vocab}: BERT needs the {BYTE_VOCAB} byte values plus a "
+            f"[MASK] id ({BYTE_VOCAB}); use model.vocab>={BYTE_VOCAB + 1} divisible by "
+            f"mesh.tensor={t}, e.g. {-(-(BYTE_VOCAB + 1) // t) * t}"
+        )
+    if md.vocab < BYTE_VOCAB:
+        fail(
+            f"model.vocab={md.vocab} is smaller than {BYTE_VOCAB} byte values of "
+            f"data.name={d.name}; use model.vocab>={BYTE_VOCAB}"
+        )
+
+
+def check_precision(cfg: Config) -> None:
+    """The dtypes and the loss scale."""
+    _check_fields(cfg, "precision")
+    if cfg.precision.loss_scale_init <= 0:
+        fail(f"precision.loss_scale_init={cfg.precision.loss_scale_init} must be > 0")
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -159,43 +267,23 @@ def parse_bytes(text: str | None, key: str = "memory.device_budget") -> int | No
     return int(value)
 
 
-def _check_vision(cfg: Config) -> None:
-    md, mesh = cfg.model, cfg.mesh
-    if mesh.tensor != 1:
-        fail(
-            f"mesh.tensor={mesh.tensor}: model.name=efficientnet is pipelined and replicated, "
-            "not tensor-sharded; set mesh.tensor=1"
-        )
-    if len(md.pipeline_splits) != mesh.pipeline - 1:
-        fail(
-            f"model.pipeline_splits={list(md.pipeline_splits)} names {len(md.pipeline_splits)} "
-            f"stage boundaries but mesh.pipeline={mesh.pipeline} needs {mesh.pipeline - 1}; "
-            "e.g. model.pipeline_splits=[4a] for 2 stages"
-        )
-    if cfg.data.name not in IMAGE_DATA:
-        fail(
-            f"data.name={cfg.data.name} is text but model.name=efficientnet classifies images; "
-            f"use data.name one of {', '.join(IMAGE_DATA)}"
-        )
-    if md.image_size < 32:
-        fail(f"model.image_size={md.image_size} must be >= 32 (five stride-2 stages)")
-    mem = cfg.memory
-    if (
+def check_memory(cfg: Config, replica: int) -> None:
+    """Where bytes live, against the model's stages and the resolved `replica` count."""
+    _check_fields(cfg, "memory")
+    parse_bytes(cfg.memory.device_budget)
+    mem, md = cfg.memory, cfg.model
+    if cfg.kind.stages == "packed" and (
         mem.phases != 1
         or mem.rts != 1
         or mem.offload
         or mem.stream != "layer"
-        or mem.mlp_blocks > 1
-        or mem.vocab_blocks > 1
+        or mem.mlp_panels > 1
+        or mem.vocab_slices > 1
     ):
         fail(
-            "memory.phases/rts/offload/stream/mlp_blocks/vocab_blocks are for transformer "
-            "models; leave them at 1/1/[]/layer/1/1 for model.name=efficientnet"
+            "memory.phases/rts/offload/stream/mlp_panels/vocab_slices are for transformer "
+            f"models; leave them at 1/1/[]/layer/1/1 for model.name={md.name}"
         )
-
-
-def _check_memory(cfg: Config, replica: int) -> None:
-    mem, md = cfg.memory, cfg.model
     for key in ("memory.rts", "memory.rts_optimizer"):
         value = get(cfg, key)
         if value is not None and replica % value:
@@ -210,26 +298,26 @@ def _check_memory(cfg: Config, replica: int) -> None:
         )
     if mem.phases > md.layers:
         fail(f"memory.phases={mem.phases} is more than model.layers={md.layers}; use fewer")
-    if mem.mlp_blocks > 1 and mem.stream != "matrix":
+    if mem.mlp_panels > 1 and mem.stream != "matrix":
         fail(
-            f"memory.mlp_blocks={mem.mlp_blocks} streams the MLP's matrices in blocks, which "
-            "only memory.stream=matrix does; set memory.stream=matrix or memory.mlp_blocks=1"
+            f"memory.mlp_panels={mem.mlp_panels} streams the MLP's matrices in blocks, which "
+            "only memory.stream=matrix does; set memory.stream=matrix or memory.mlp_panels=1"
         )
     local_ff = md.d_ff // cfg.mesh.tensor
-    if local_ff % mem.mlp_blocks:
+    if local_ff % mem.mlp_panels:
         fail(
-            f"memory.mlp_blocks={mem.mlp_blocks} does not divide the {local_ff} hidden units "
+            f"memory.mlp_panels={mem.mlp_panels} does not divide the {local_ff} hidden units "
             "per tensor shard (model.d_ff/mesh.tensor); use a divisor of it"
         )
-    local_vocab = md.vocab // cfg.mesh.tensor
-    if mem.vocab_blocks > 1 and md.name != "gpt":
+    if mem.vocab_slices > 1 and md.name != "gpt":
         fail(
-            f"memory.vocab_blocks={mem.vocab_blocks} blocks GPT's token table; model.name="
-            f"{md.name} uses its table whole: set memory.vocab_blocks=1"
+            f"memory.vocab_slices={mem.vocab_slices} blocks GPT's token table; model.name="
+            f"{md.name} uses its table whole: set memory.vocab_slices=1"
         )
-    if local_vocab % mem.vocab_blocks:
+    local_vocab = md.vocab // cfg.mesh.tensor
+    if local_vocab % mem.vocab_slices:
         fail(
-            f"memory.vocab_blocks={mem.vocab_blocks} does not divide the {local_vocab} table rows "
+            f"memory.vocab_slices={mem.vocab_slices} does not divide the {local_vocab} table rows "
             "per tensor shard (model.vocab/mesh.tensor); use a divisor of it"
         )
     if mem.stream == "matrix" and md.remat == "none":
@@ -245,122 +333,57 @@ def _check_memory(cfg: Config, replica: int) -> None:
         )
 
 
-def _check_model(cfg: Config) -> None:
-    md, mesh = cfg.model, cfg.mesh
-    if md.name == "efficientnet":
-        _check_vision(cfg)
-        return
-    if md.pipeline_splits:
-        fail(
-            f"model.pipeline_splits={list(md.pipeline_splits)} is for model.name=efficientnet; "
-            "transformer layers split evenly, set model.pipeline_splits=[]"
-        )
-    if md.d_model % md.heads:
-        fail(
-            f"model.d_model={md.d_model} is not divisible by model.heads={md.heads}; "
-            "choose model.heads that divides model.d_model"
-        )
-    if md.seq_len % md.sequence_chunks:
-        fail(
-            f"model.sequence_chunks={md.sequence_chunks} does not divide "
-            f"model.seq_len={md.seq_len}; use a divisor of {md.seq_len}"
-        )
-    if md.sequence_parallel and md.seq_len % mesh.tensor:
-        fail(
-            f"model.sequence_parallel=true splits model.seq_len={md.seq_len} over "
-            f"mesh.tensor={mesh.tensor}, which does not divide it; use a multiple of "
-            f"{mesh.tensor} or model.sequence_parallel=false"
-        )
-    if md.layers % mesh.pipeline:
-        fail(
-            f"model.layers={md.layers} does not divide into mesh.pipeline={mesh.pipeline} stages; "
-            f"use a multiple of {mesh.pipeline}"
-        )
-    for name in ("heads", "d_ff", "vocab"):
-        value = getattr(md, name)
-        if value % mesh.tensor:
-            fail(
-                f"mesh.tensor={mesh.tensor} does not divide model.{name}={value}; "
-                f"use a mesh.tensor that divides it or a multiple of {mesh.tensor}"
-            )
-
-
-def _resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
+def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
+    """(grad_accum, global_batch), each derived from the other (default grad_accum=1); a
+    GPipe pass's micro-batches divide grad_accum, and its output tokens split over the
+    stages of a stacked pipeline (its head runs 1/S of them on every stage)."""
     t = cfg.train
     per_accum = t.micro_batch * replica
     if t.global_batch is None:
         grad_accum = 1 if t.grad_accum is None else t.grad_accum
-        return grad_accum, per_accum * grad_accum
-    if t.global_batch % per_accum:
+    elif t.global_batch % per_accum:
         fail(
             f"train.global_batch={t.global_batch} is not divisible by "
             f"train.micro_batch*mesh.replica = {t.micro_batch}*{replica} = {per_accum}; "
             f"use a multiple of {per_accum} or drop train.global_batch"
         )
-    grad_accum = t.global_batch // per_accum
-    if t.grad_accum is not None and t.grad_accum != grad_accum:
-        fail(
-            f"train.grad_accum={t.grad_accum} disagrees with train.global_batch={t.global_batch} "
-            f"(which needs grad_accum={grad_accum}); set only one, e.g. train.grad_accum=null"
-        )
-    return grad_accum, t.global_batch
-
-
-def _check_data(cfg: Config) -> None:
-    d = cfg.data
-    if d.name in PATH_DATA and not d.path:
-        kind = "text files" if d.name == "text-files" else "one subdirectory of images per class"
-        fail(f"data.name={d.name} needs data.path=DIR (a directory of {kind})")
-    if d.name not in PATH_DATA and d.path is not None:
-        fail(
-            f"data.path={d.path!r} is only used by data.name=text-files or image-folder; "
-            "set data.path=null"
-        )
-    if cfg.is_vision:
-        return
-    if d.name not in TEXT_DATA:
-        fail(
-            f"data.name={d.name} is images but model.name={cfg.model.name} reads tokens; "
-            f"use data.name one of {', '.join(TEXT_DATA)}"
-        )
-    if cfg.model.name == "bert" and cfg.model.vocab <= BYTE_VOCAB:
-        t = cfg.mesh.tensor
-        fail(
-            f"model.vocab={cfg.model.vocab}: BERT needs the {BYTE_VOCAB} byte values plus a "
-            f"[MASK] id ({BYTE_VOCAB}); use model.vocab>={BYTE_VOCAB + 1} divisible by "
-            f"mesh.tensor={t}, e.g. {-(-(BYTE_VOCAB + 1) // t) * t}"
-        )
-    if cfg.model.vocab < BYTE_VOCAB:
-        fail(
-            f"model.vocab={cfg.model.vocab} is smaller than {BYTE_VOCAB} byte values of "
-            f"data.name={d.name}; use model.vocab>={BYTE_VOCAB}"
-        )
-
-
-def validate_and_resolve(cfg: Config) -> Config:
-    for key, options in CHOICES.items():
-        if get(cfg, key) not in options:
-            fail(f"{key}={get(cfg, key)!r} is not one of {', '.join(options)}")
-    _check_ranges(cfg)
-    replica = _resolve_mesh(cfg)
-    _check_model(cfg)
-    _check_memory(cfg, replica)
-    grad_accum, global_batch = _resolve_batch(cfg, replica)
-    group = cfg.train.pipeline_group or grad_accum
+    else:
+        grad_accum = t.global_batch // per_accum
+        if t.grad_accum is not None and t.grad_accum != grad_accum:
+            fail(
+                f"train.grad_accum={t.grad_accum} disagrees with train.global_batch="
+                f"{t.global_batch} (which needs grad_accum={grad_accum}); set only one, e.g. "
+                "train.grad_accum=null"
+            )
+    group = t.pipeline_group or grad_accum
     if grad_accum % group:
         fail(
             f"train.pipeline_group={group} does not divide train.grad_accum={grad_accum}; "
             f"use a divisor of {grad_accum}"
         )
-    tokens = cfg.train.micro_batch * group * cfg.model.seq_len
-    if not cfg.is_vision and tokens % cfg.mesh.pipeline:
-        name = "train.pipeline_group" if cfg.train.pipeline_group else "train.grad_accum"
+    tokens = t.micro_batch * group * cfg.model.seq_len
+    if cfg.kind.stages == "stacked" and tokens % cfg.mesh.pipeline:
+        name = "train.pipeline_group" if t.pipeline_group else "train.grad_accum"
         fail(
-            f"train.micro_batch*{name}*model.seq_len = {cfg.train.micro_batch}*"
+            f"train.micro_batch*{name}*model.seq_len = {t.micro_batch}*"
             f"{group}*{cfg.model.seq_len} = {tokens} output tokens per pipeline pass is not "
             f"divisible by mesh.pipeline={cfg.mesh.pipeline}; change one of them"
         )
-    _check_data(cfg)
+    return grad_accum, per_accum * grad_accum
+
+
+def validate_and_resolve(cfg: Config) -> Config:
+    """Check every section, then return `cfg` with mesh.replica, train.grad_accum and
+    train.global_batch resolved."""
+    check_mesh(cfg)
+    replica = resolve_replica(cfg)
+    check_model(cfg)
+    check_train(cfg)
+    check_optim(cfg)
+    check_data(cfg)
+    check_precision(cfg)
+    check_memory(cfg, replica)
+    grad_accum, global_batch = resolve_batch(cfg, replica)
     return dataclasses.replace(
         cfg,
         mesh=dataclasses.replace(cfg.mesh, replica=replica),

@@ -8,8 +8,9 @@ data with gloo.
 
 How the rest of jaxpod behaves with several processes:
 
-- `devices` in the config counts the virtual CPU devices of *each* process; the mesh must
-  multiply to `devices × processes` (`global_devices`).
+- `devices` in the config counts the virtual CPU devices of *each* process; the loaded
+  `Config` also knows the process count (`load_config(..., processes=N)`), and the mesh must
+  multiply to `devices × processes` (`Config.total_devices`).
 - Batches are built with `jax.make_array_from_callback` (`Task.batch`), which calls the
   callback only for this process's devices: each process reads only its own rows, and the
   global array is assembled without any process seeing the others' data.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from jaxpod.config import Config, load_config, peek
 from jaxpod.errors import UserError
 
 DEFAULT_INIT_TIMEOUT = 60  # seconds to wait for every process to reach the coordinator
@@ -141,68 +143,37 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def per_process_devices(config: str, overrides: list[str]) -> int | None:
-    """The `devices` the user asked for (last `devices=` override, else the YAML's, else the
-    default), read without validating; None if it is not an integer (validation reports it)."""
-    import yaml
-
-    from jaxpod.config.load import Config
-
-    value: object = Config().devices
-    try:
-        with open(config, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-        if isinstance(raw, dict) and "devices" in raw:
-            value = raw["devices"]
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        pass  # load_config reports an unreadable file
-    for item in overrides:
-        key, _, text = item.partition("=")
-        if key.strip() == "devices":
-            try:
-                value = yaml.safe_load(text)
-            except yaml.YAMLError:
-                value = None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+def per_process_devices(config: str, overrides: list[str]) -> int:
+    """The `devices` each process has (the last `devices=` override, else the YAML's, else the
+    default), read by the config loader before the process count is known: the file, keys
+    and value are checked (one-line `ConfigError`), the mesh not yet."""
+    return peek(config, overrides, "devices")
 
 
-def load_run_config(config: str, overrides: list[str], spec: DistributedSpec):
+def load_run_config(config: str, overrides: list[str], spec: DistributedSpec) -> Config:
     """Validate the config, set up this process's devices and join the runtime, in that order.
 
-    `devices` counts each process's virtual CPU devices; the mesh is validated against
-    `devices × processes`. With explicit flags everything is validated before jax starts; with
-    `--distributed auto` the process count is only known after joining. Returns the `Config`
-    with `devices` per process.
+    `devices` counts each process's virtual CPU devices; the config is loaded with the
+    process count (`processes`), so the mesh is validated against `devices × processes`. With
+    explicit flags everything is validated before jax starts; with `--distributed auto` the
+    process count is only known after joining (before it, only `devices` is read).
     """
-    import dataclasses
-
-    from jaxpod.config.load import load_config
-    from jaxpod.errors import ConfigError
     from jaxpod.platform import use_virtual_cpu_devices
     from jaxpod.run.profiling import check_profile_steps
 
+    def load(processes: int) -> Config:
+        cfg = load_config(config, overrides, processes=processes)
+        check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
+        return cfg
+
     check_spec(spec)
     if not spec.enabled:
-        cfg = load_config(config, overrides)
-        check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
+        cfg = load(1)
         use_virtual_cpu_devices(cfg.devices)  # before jax starts
         return cfg
-    per = per_process_devices(config, overrides)
-
-    def load(processes: int):
-        if per is None:  # not an integer: let validation name it
-            return load_config(config, overrides)
-        total = per * processes
-        try:
-            cfg = load_config(config, [*overrides, f"devices={total}"])
-        except ConfigError as err:
-            shown = f"devices={per} per process x {processes} processes = {total} devices"
-            raise ConfigError(str(err).replace(f"devices={total}", shown)) from None
-        check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
-        return dataclasses.replace(cfg, devices=per)
-
-    cfg = load(spec.num_processes) if not spec.auto else None
-    use_virtual_cpu_devices(per or 1)
+    cfg = None if spec.auto else load(spec.num_processes)
+    per = cfg.devices if cfg is not None else per_process_devices(config, overrides)
+    use_virtual_cpu_devices(max(per, 1))  # before jax starts; validation names a bad count
     if spec.process_id not in (None, 0):
         wait_for_coordinator(spec.coordinator, spec.init_timeout)
     initialize(spec)

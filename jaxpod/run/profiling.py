@@ -102,25 +102,11 @@ class StepProfiler:
 
 
 def _configured_logdir(config: str, overrides: list[str]) -> str:
-    """`train.logdir` as given (last override, else the YAML's, else the default), unvalidated."""
-    import yaml
+    """`train.logdir` as `load_config` reads it (last override, else the YAML's, else the
+    default), before the rest of the config is validated."""
+    from jaxpod.config import peek
 
-    from jaxpod.config.load import TrainConfig
-
-    logdir = TrainConfig().logdir
-    try:
-        with open(config, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-        train = raw.get("train") if isinstance(raw, dict) else None
-        if isinstance(train, dict) and isinstance(train.get("logdir"), str):
-            logdir = train["logdir"]
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        pass  # load_config reports it
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key.strip() == "train.logdir":
-            logdir = value.strip()
-    return logdir
+    return peek(config, overrides, "train.logdir")
 
 
 def profile_overrides(config: str, overrides: list[str], steps: int, warmup: int) -> list[str]:

@@ -1,0 +1,26 @@
+"""What kind each model is, for the code that must not import it (jax-free): the config
+rules, the planner, the data loader and the engine's choice of stage layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """`data`: what a batch holds (`tokens[G, T+1]`, or `images[G, H, W, 3]` and labels);
+    `stages`: how its pipeline stages are laid out (slices of one stack of identical layers,
+    or heterogeneous stages packed into rows); `tensor_parallel`: whether its layers split
+    over the `tensor` axis."""
+
+    data: Literal["tokens", "images"]
+    stages: Literal["stacked", "packed"]
+    tensor_parallel: bool
+
+
+KINDS: dict[str, ModelKind] = {
+    "gpt": ModelKind("tokens", "stacked", True),
+    "bert": ModelKind("tokens", "stacked", True),
+    "efficientnet": ModelKind("images", "packed", False),
+}
