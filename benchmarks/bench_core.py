@@ -36,8 +36,8 @@ def _worker(job: dict) -> dict:
     import jax
     import numpy as np
 
-    from jaxpod.config.load import load_config
-    from jaxpod.engine.transformer import build_engine, make_loss_and_grads
+    from jaxpod.config import load_config
+    from jaxpod.engine import abstract_engine, build_engine
     from jaxpod.parallel.mesh import make_mesh, select_devices
 
     if job["kind"] == "matmul":
@@ -57,23 +57,23 @@ def _worker(job: dict) -> dict:
     overrides += [f"mesh.tensor={t}", "optim.warmup_steps=0", *job["overrides"]]
     cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
     mesh = make_mesh(cfg.mesh, select_devices(cfg.devices))
-    t0 = time.perf_counter()
-    engine, state = build_engine(cfg, mesh)
     shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
     out = {"global_batch": cfg.train.global_batch, "grad_accum": cfg.train.grad_accum}
 
     if job["kind"] == "flops":
-        tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=engine.batch_sharding)
-        fn = jax.jit(make_loss_and_grads(engine.graphdef, engine.specs, cfg, mesh, unroll=True))
-        cost = fn.lower(state.params, tokens).compile().cost_analysis()
+        engine, state = abstract_engine(cfg, mesh, unroll=True)
+        tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=engine.batch_sharding[0])
+        fn = jax.jit(engine.loss_and_grads)
+        cost = fn.lower(state.params, (tokens,)).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         out["flops_per_device"] = cost["flops"]
         out["flops_total"] = cost["flops"] * mesh.size
         return out
 
-    tokens = jax.device_put(
-        np.random.default_rng(0).integers(0, 256, shape).astype(np.int32), engine.batch_sharding
-    )
+    t0 = time.perf_counter()
+    engine, state = build_engine(cfg, mesh)
+    tokens = np.random.default_rng(0).integers(0, 256, shape).astype(np.int32)
+    tokens = jax.device_put((tokens,), engine.batch_sharding)
     step = engine.train_step.lower(state, tokens).compile()
     out["compile_s"] = time.perf_counter() - t0
     if job["kind"] == "compile":

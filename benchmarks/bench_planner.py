@@ -74,17 +74,17 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((1, 2, 1), "full", 8, ["train.pipeline_group=2"]),
     # streamed matrix by matrix (memory.stream=matrix), the MLP in 2 or 4 blocks; the d 512
     # case is tests/test_planner.py::test_matrix_stream_shrinks_compiled_memory's
-    ((4, 1, 1), "full", 2, [*RTS4, *MATRIX, "memory.mlp_blocks=2"]),
-    ((4, 2, 1), "full", 4, [*WEIGHTS, "model.layers=8", *RTS4, *MATRIX, "memory.mlp_blocks=2"]),
+    ((4, 1, 1), "full", 2, [*RTS4, *MATRIX, "memory.mlp_panels=2"]),
+    ((4, 2, 1), "full", 4, [*WEIGHTS, "model.layers=8", *RTS4, *MATRIX, "memory.mlp_panels=2"]),
     ((1, 2, 4), "full", 4, ["model.sequence_parallel=true", "model.sequence_chunks=8", *MATRIX]),
     ((4, 2, 1), "full", 4, [*D512, *RTS4]),
-    ((4, 2, 1), "full", 4, [*D512, *RTS4, *MATRIX, "memory.mlp_blocks=2"]),
-    ((4, 2, 1), "full", 4, [*D512, *RTS4, *MATRIX, "memory.mlp_blocks=4"]),
+    ((4, 2, 1), "full", 4, [*D512, *RTS4, *MATRIX, "memory.mlp_panels=2"]),
+    ((4, 2, 1), "full", 4, [*D512, *RTS4, *MATRIX, "memory.mlp_panels=4"]),
     # under tensor parallelism XLA keeps the layer's backward working set, not a step's
     ((1, 2, 4), "full", 4, ["model.sequence_parallel=true", *MATRIX]),
     ((1, 2, 4), "full", 4, []),
     ((1, 2, 4), "full", 4, [*MATRIX]),
-    ((1, 2, 4), "full", 4, [*SP_CHUNKS, *MATRIX, "memory.mlp_blocks=4"]),
+    ((1, 2, 4), "full", 4, [*SP_CHUNKS, *MATRIX, "memory.mlp_panels=4"]),
     ((1, 1, 4), "full", 2, ["model.sequence_parallel=true"]),
     ((1, 1, 4), "full", 2, ["model.sequence_parallel=true", *MATRIX]),
     ((1, 1, 4), "full", 2, []),
@@ -95,29 +95,28 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((2, 2, 2), "full", 4, ["memory.rts=2", "model.sequence_chunks=8"]),
     ((2, 2, 2), "full", 4, ["memory.rts=2", *SP_CHUNKS]),
     ((2, 1, 4), "full", 2, ["memory.rts=2", *SP_CHUNKS]),
-    ((2, 1, 4), "full", 2, ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_blocks=4"]),
+    ((2, 1, 4), "full", 2, ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_panels=4"]),
     # GPT-3's knobs in small (RTS, sequence parallel, token blocks, matrix streaming), a large
-    # vocabulary: the token table whole, then in 8 blocks of rows (memory.vocab_blocks)
-    ((2, 2, 2), "full", 4, ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_blocks=4"]),
-    ((2, 2, 2), "full", 4, ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_blocks=4", *VOCAB]),
+    # vocabulary: the token table whole, then in 8 blocks of rows (memory.vocab_slices)
+    ((2, 2, 2), "full", 4, ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_panels=4"]),
+    ((2, 2, 2), "full", 4, ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_panels=4", *VOCAB]),
     (
         (2, 2, 2),
         "full",
         4,
-        ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_blocks=4", *VOCAB]
-        + ["memory.vocab_blocks=8"],
+        ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_panels=4", *VOCAB]
+        + ["memory.vocab_slices=8"],
     ),  # fmt: skip
 ]
 
 
 def measure(case) -> dict:
     import jax
-    import numpy as np
 
-    from jaxpod.config.load import load_config
-    from jaxpod.engine.transformer import build_engine
+    from jaxpod.config import load_config
     from jaxpod.parallel.mesh import make_mesh
     from jaxpod.planner.plan import plan
+    from jaxpod.run.aot import abstract_inputs
 
     (r, p, t), remat, accum, extra = case
     overrides = [
@@ -132,10 +131,8 @@ def measure(case) -> dict:
     ]
     cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
     mesh = make_mesh(cfg.mesh, jax.devices()[: r * p * t])
-    engine, state = build_engine(cfg, mesh)
-    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
-    tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=engine.batch_sharding)
-    mem = engine.train_step.lower(state, tokens).compile().memory_analysis()
+    engine, state, batch = abstract_inputs(cfg, mesh)
+    mem = engine.train_step.lower(state, batch).compile().memory_analysis()
     planned = plan(cfg)
     compiled = mem.argument_size_in_bytes + mem.temp_size_in_bytes
     total = planned["bytes_per_device"]["device_total"]

@@ -37,19 +37,23 @@ def _worker(job: dict) -> dict:
     import jax
     import numpy as np
 
-    from jaxpod.config.load import load_config
+    from jaxpod.config import load_config
     from jaxpod.parallel.mesh import make_mesh, select_devices
     from jaxpod.run.mapping import bytes_per_device
     from jaxpod.run.tasks import build_task
+
+    def held(tree):  # device id -> bytes, every memory kind together
+        return {d: sum(kinds.values()) for d, kinds in bytes_per_device(tree).items()}
 
     cfg = load_config(job["config"], job["overrides"])
     mesh = make_mesh(cfg.mesh, select_devices(cfg.devices))
     task, state = build_task(cfg, mesh)
     out = {"devices": cfg.devices, "global_batch": cfg.global_batch}
     if job["kind"] == "bytes":
-        p, o = bytes_per_device(state.params), bytes_per_device(state.opt_state)
+        p, o = held(state.params), held(state.opt_state)
         worst = max(p, key=lambda d: p[d] + o.get(d, 0))
-        out |= {"params": task.params, "param_bytes": p[worst], "opt_bytes": o.get(worst, 0)}
+        count = task.engine.stages.params_count
+        out |= {"params": count, "param_bytes": p[worst], "opt_bytes": o.get(worst, 0)}
         return out
     batches = [task.batch(i) for i in range(4)]
     step = task.engine.train_step.lower(state, batches[0]).compile()

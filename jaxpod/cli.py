@@ -86,7 +86,7 @@ def _is_main() -> bool:
 def _plan(args: argparse.Namespace) -> None:
     import json
 
-    from jaxpod.config.load import load_config
+    from jaxpod.config import load_config
     from jaxpod.planner.plan import format_plan, plan
 
     cfg = load_config(*_split_config_and_overrides(args.items, "plan"))
@@ -98,7 +98,7 @@ def _plan(args: argparse.Namespace) -> None:
 def _compile(args: argparse.Namespace) -> None:
     import json
 
-    from jaxpod.config.load import load_config
+    from jaxpod.config import load_config
     from jaxpod.platform import use_virtual_cpu_devices
 
     cfg = load_config(*_split_config_and_overrides(args.items, "compile"))
@@ -108,8 +108,10 @@ def _compile(args: argparse.Namespace) -> None:
     from jaxpod.run.aot import compile_step, format_compile
 
     if not args.json:
-        print(f"lowering and compiling the train step on {cfg.devices} devices ...", flush=True)
-    result = compile_step(cfg, make_mesh(cfg.mesh, select_devices(cfg.devices)))
+        print(
+            f"lowering and compiling the train step on {cfg.total_devices} devices ...", flush=True
+        )
+    result = compile_step(cfg, make_mesh(cfg.mesh, select_devices(cfg.total_devices)))
     print(json.dumps(result, indent=2) if args.json else format_compile(result))
 
 

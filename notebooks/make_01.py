@@ -58,10 +58,12 @@ import optax
 from flax import nnx
 from matplotlib.patches import Patch
 
-from jaxpod.config.load import load_config
+from jaxpod.config import load_config
 from jaxpod.parallel.mesh import LOGICAL_TO_MESH, make_mesh
 from jaxpod.optim.chains import make_optimizer
-from jaxpod.engine.transformer import build_engine, build_model, init_params, make_loss_and_grads
+from jaxpod.engine import build_engine
+from jaxpod.engine.stacked import build_model
+from jaxpod.models.params import masks
 
 %matplotlib inline
 T0 = time.perf_counter()
@@ -136,11 +138,11 @@ mesh axis not named in a parameter's `PartitionSpec`, means *replicated*: in par
 parameter names `replica`, so every replica holds a full copy of the (pipeline × tensor)-sharded
 model: that is data parallelism.
 
-`init_params` creates the parameters **already sharded** (a jitted init with `out_shardings`):
+`build_engine` creates the parameters **already sharded** (a jitted init with `out_shardings`):
 no device ever materialises the full model, and the values depend only on the seed, never on
 the mesh.
 
-The layers are *stacked*: all `L` blocks share one parameter tree with a leading `[L]` axis.
+The layers are *stacked*: all `L` layers share one parameter tree with a leading `[L]` axis.
 Take the MLP's input matrix `W_in[L, D, F]` with spec `P('pipeline', None, 'tensor')`:
 the layer axis is cut into pipeline stages, the hidden axis `F` into tensor shards
 (column-parallel: each shard computes its own slice of the hidden units, no communication), and
@@ -148,9 +150,10 @@ the layer axis is cut into pipeline stages, the hidden axis `F` into tensor shar
 """)
 
 code(r"""
-graphdef, params, specs = init_params(cfg.model, cfg.train.seed, mesh)
+engine, state = build_engine(cfg, mesh)
+params = state.params
 print("LOGICAL_TO_MESH =", LOGICAL_TO_MESH)
-w_in = params["blocks"]["mlp"]["w_in"]
+w_in = params["layers"]["mlp"]["w_in"]
 coords = {dev.id: tuple(int(c) for c in np.argwhere(mesh.devices == dev)[0])
           for dev in mesh.devices.flat}
 
@@ -170,7 +173,7 @@ def shard_table(name: str, arr: jax.Array) -> None:
     print()
 
 
-shard_table("blocks.mlp.w_in", w_in)
+shard_table("layers.mlp.w_in", w_in)
 shard_table("wte (token embedding, tied with the output layer)", params["wte"])
 """)
 
@@ -201,7 +204,7 @@ L, D, F = w_in.shape
 V = params["wte"].shape[0]
 fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2), width_ratios=[2.2, 1])
 draw_owners(ax0, w_in, (0, 2), colour_of, lambda p, k: f"stage {p}, tensor {k}")
-ax0.set(title=f"blocks.mlp.w_in [L={L}, D={D}, F={F}]: the (layer, hidden) plane\n"
+ax0.set(title=f"layers.mlp.w_in [L={L}, D={D}, F={F}]: the (layer, hidden) plane\n"
               "spec P('pipeline', None, 'tensor'); every device holds all D rows of its block",
         xlabel="hidden unit f (d_ff)  - split over tensor", ylabel="layer  - split over pipeline",
         yticks=np.arange(L) + 0.5, yticklabels=range(L))
@@ -319,7 +322,7 @@ gradients over the replicas) followed by the optax update on the globally sharde
 The reference is the textbook step: `nnx.merge(graphdef, params)(tokens)` is the mean
 next-token loss, `jax.value_and_grad` of it, the same optimizer from
 `jaxpod.optim.chains.make_optimizer`. To compare gradients (which `train_step` does not return) we
-also run `make_loss_and_grads`, the function `train_step` calls inside. `train_step` *donates*
+also run `engine.loss_and_grads`, the function `train_step` calls inside. `train_step` *donates*
 its state (updates in place), so it runs last.
 
 The first compile of each function takes a few seconds.
@@ -339,12 +342,15 @@ engine, state = build_engine(cfg, mesh)
 rng = np.random.default_rng(0)
 tokens = rng.integers(0, cfg.model.vocab, (cfg.global_batch, cfg.model.seq_len + 1))
 tokens = tokens.astype(np.int32)
-sharded_tokens = jax.device_put(tokens, engine.batch_sharding)  # rows split over replicas
+sharded_tokens = jax.device_put((tokens,), engine.batch_sharding)  # rows split over replicas
 
 # Single-device reference: a fresh model from the same seed, on one device.
 ref_graphdef, ref_state = nnx.split(build_model(cfg.model, cfg.train.seed))
 ref_params = nnx.to_pure_dict(ref_state)
-optimizer, _ = make_optimizer(cfg.optim, cfg.train.steps)
+roles = masks(ref_state)  # no weight decay for biases and norms, per-layer trust ratios
+optimizer, _ = make_optimizer(
+    cfg.optim, cfg.train.steps, decay_mask=roles.decay, stacked_mask=roles.stacked
+)
 
 
 @jax.jit
@@ -358,8 +364,7 @@ def reference_step(params, opt_state, tokens):
 ref_loss, ref_grads, ref_new = reference_step(ref_params, optimizer.init(ref_params), tokens)
 
 # Sharded: the gradients, then the real optimizer step (which donates `state`).
-loss_and_grads = jax.jit(make_loss_and_grads(engine.graphdef, engine.specs, cfg, mesh))
-sh_loss, sh_grads = loss_and_grads(state.params, sharded_tokens)
+sh_loss, _, sh_grads = jax.jit(engine.loss_and_grads)(state.params, sharded_tokens)
 init_diff = max_abs_diff(state.params, ref_params)  # before train_step donates them
 state, metrics = engine.train_step(state, sharded_tokens)
 jax.block_until_ready(state)

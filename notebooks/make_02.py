@@ -147,7 +147,7 @@ injected at steps 25 and 60 and a period of 10.
 """)
 
 code(r"""
-from jaxpod.config.load import PrecisionConfig
+from jaxpod.config import PrecisionConfig
 from jaxpod.optim.precision import init_loss_scale, update_loss_scale
 
 pcfg = PrecisionConfig(
@@ -183,16 +183,17 @@ code(r"""
 import optax
 from flax import nnx
 
-from jaxpod.run.images import load_images, normalize
+from jaxpod.models.efficientnet import normalize
+from jaxpod.run.images import load_images
 from jaxpod.models.efficientnet import EfficientNet, count_params
-from jaxpod.optim.chains import decay_mask
+from jaxpod.models.params import masks
 
 digits = load_images("digits", image_size=32, seed=0)
 images, labels = digits.train_batch(0, 0, 64, 64)
 net = EfficientNet("b0", g16=True, num_classes=10, width_mult=0.5, depth_mult=0.5,
                    rngs=nnx.Rngs(0))
-graphdef, params = nnx.split(net)
-params = nnx.to_pure_dict(params)
+graphdef, state = nnx.split(net)
+params = nnx.to_pure_dict(state)
 print(f"{count_params(params):,} parameters")
 
 
@@ -202,7 +203,7 @@ def loss_fn(p):
 
 
 grads = jax.jit(jax.grad(loss_fn))(params)
-mask = decay_mask(params)
+mask = masks(state).decay  # the parameters' roles: no trust ratio for biases and norms
 names, ratios = [], []
 for (path, w), g, m in zip(
     jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(grads), jax.tree.leaves(mask)

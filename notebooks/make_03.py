@@ -24,7 +24,7 @@ weights, gradients, optimizer state and activations, which of them stay on the d
 live in host (IPU *streaming*) memory, and whether the mapping fits the device profile. This
 notebook draws those numbers for the reference mappings (section 1), shows what replicated
 tensor sharding (RTS) and phased execution change (section 2), and runs a tiny GPT whose layer
-weights live in host memory and are streamed in phases, with the measured ledger and a trace of
+weights live in host memory and are streamed in phases, with the measured bytes by memory kind and a trace of
 what XLA actually executes on CPU (section 3).
 
 The byte model is checked against XLA's `memory_analysis()` of the compiled step in
@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 import matplotlib.pyplot as plt
 import numpy as np
 
-from jaxpod.config.load import load_config
+from jaxpod.config import load_config
 from jaxpod.planner.plan import format_bytes, format_plan, plan
 
 CONFIGS = ROOT / "configs"
@@ -154,11 +154,11 @@ print(format_plan(plans["GPT-3 175B POD256\np8 x t8 x r4"]))
 md(r"""
 Why: at tensor 8 one layer's float16 weights are `12·d²/8 × 2 B ≈ 453 MB` per device once
 all-gathered over the RTS group for use, and 113 MB at rest (RTS 4). The preset therefore
-streams each layer matrix by matrix (`memory.stream=matrix`, the MLP in `memory.mlp_blocks=8`
+streams each layer matrix by matrix (`memory.stream=matrix`, the MLP in `memory.mlp_panels=8`
 blocks): each step fetches only the blocks it reads from streaming memory and gathers them,
 so two steps' blocks (19 MB), not two layers (226 MB), are on the device, and one 38 MB block
 is gathered at a time. The token table (155 MB once gathered) is used 16 blocks of rows at a
-time (`memory.vocab_blocks=16`), so a 10 MB block is gathered, never the table. What remains
+time (`memory.vocab_slices=16`), so a 10 MB block is gathered, never the table. What remains
 is mostly activations (510 MB: the pipeline's buffers, 233 MB, and the backward pass's working
 set, 264 MB — the recomputed layer's: under tensor parallelism XLA does not shrink it to one
 step's, but with RTS it keeps one token block's MLP hidden units, `docs/benchmarks.md`). The
@@ -200,7 +200,7 @@ rts_plans["rts 1\nrts_opt 4"] = plan(load_config(bert, [
     "memory.offload=[]", "memory.rts=1", "memory.rts_optimizer=4"]))
 bars(axes[0], rts_plans, "BERT-Large p4 x r4, nothing offloaded: RTS")
 gpt3 = CONFIGS / "gpt3_175b_pod256.yaml"
-LAYER_BY_LAYER = ["memory.stream=layer", "memory.mlp_blocks=1"]
+LAYER_BY_LAYER = ["memory.stream=layer", "memory.mlp_panels=1"]
 phase_plans = {
     f"K={k}": plan(load_config(gpt3, [f"memory.phases={k}", *LAYER_BY_LAYER]))
     for k in (1, 2, 3, 4, 6, 12)
@@ -223,7 +223,7 @@ phases are always resident) and the device total from 4.71 GB to 1.48 GB, still 
 GC200's 900 MB.
 
 **Streaming finer than a layer** (`memory.stream=matrix`): each layer runs as steps of one
-weight matrix each — queries, keys, values, `W_o`, and the MLP in `memory.mlp_blocks` blocks of
+weight matrix each — queries, keys, values, `W_o`, and the MLP in `memory.mlp_panels` blocks of
 hidden units. A step fetches only its blocks from streaming memory (the phase becomes the
 step: two steps' blocks resident, whatever `K`) and gathers only them (its gradient
 reduce-scattered and written back as soon as the step's backward pass produces it). The
@@ -233,18 +233,18 @@ third of `W_qkv` are as large as an MLP block. XLA agrees on small configs
 (`tests/test_planner.py`) and on GPT-3 itself its temporaries fall from 7.6 to 6.3 GB
 (`docs/benchmarks.md`); that the fetches happen step by step is checked in the program
 (`tests/test_memory.py`), but jax 0.10.2 executes host transfers once per step (see the
-README). The last unit is the token table's (`memory.vocab_blocks`, right): whole, its
+README). The last unit is the token table's (`memory.vocab_slices`, right): whole, its
 gathered copy and its gradient cost 155 MB; in 16 blocks of rows, 19 MB.
 """)
 
 code(r"""
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-stream_plans = {"layer": plan(load_config(gpt3, ["memory.stream=layer", "memory.mlp_blocks=1"]))}
+stream_plans = {"layer": plan(load_config(gpt3, ["memory.stream=layer", "memory.mlp_panels=1"]))}
 for k in (1, 2, 4, 8):
-    stream_plans[f"matrix\nmlp_blocks {k}"] = plan(load_config(gpt3, [f"memory.mlp_blocks={k}"]))
+    stream_plans[f"matrix\nmlp_panels {k}"] = plan(load_config(gpt3, [f"memory.mlp_panels={k}"]))
 bars(axes[0], stream_plans, "GPT-3 175B p8 x t8 x r4: streaming unit")
 vocab_plans = {
-    f"vocab_blocks {k}": plan(load_config(gpt3, [f"memory.vocab_blocks={k}"])) for k in (1, 4, 16)
+    f"vocab_slices {k}": plan(load_config(gpt3, [f"memory.vocab_slices={k}"])) for k in (1, 4, 16)
 }
 bars(axes[1], vocab_plans, "GPT-3 175B: the token table's unit")
 plt.tight_layout()
@@ -253,13 +253,13 @@ table({**stream_plans, **vocab_plans}, "weights", "grads", "gathered", "activati
 """)
 
 md(r"""
-## 3 · An offloaded run: the ledger and the trace
+## 3 · An offloaded run: bytes by memory kind, and the trace
 
 A tiny GPT (4 layers, d 64, the `tiny.yaml` preset) on 2 × 2 × 2 = 8 virtual devices, with its
 weights in host memory (`memory.offload=[params]`, JAX's `pinned_host` memory kind) and each
-stage's 2 layers run in `memory.phases=2` phases. The **ledger**
-(`jaxpod.parallel.offload.ledger`) measures the live arrays of the state by memory kind on every
-device, plus XLA's temporary bytes of the compiled step.
+stage's 2 layers run in `memory.phases=2` phases. `jaxpod.run.mapping.bytes_per_device`
+measures the live arrays of the state by memory kind on every device; XLA reports the
+temporary bytes of the compiled step.
 """)
 
 code(r"""
@@ -267,9 +267,10 @@ import time
 
 import jax
 
-from jaxpod.parallel.mesh import make_mesh
+from jaxpod.engine import build_engine
 from jaxpod.parallel import offload
-from jaxpod.engine.transformer import build_engine
+from jaxpod.parallel.mesh import make_mesh
+from jaxpod.run.mapping import bytes_per_device, most_on_one_device
 
 TINY = CONFIGS / "tiny.yaml"
 OVERRIDES = ["train.grad_accum=2", "model.remat=full"]
@@ -286,30 +287,31 @@ engine, state = build_engine(cfg, mesh)
 def tokens(step):
     rng = np.random.default_rng(step)
     batch = rng.integers(0, 256, (cfg.global_batch, cfg.model.seq_len + 1), np.int32)
-    return jax.device_put(batch, engine.batch_sharding)
+    return jax.device_put((batch,), engine.batch_sharding)
 
 
 lowered = engine.train_step.lower(state, tokens(0))
 compiled = lowered.compile()
 print(f"built and compiled in {time.perf_counter() - t0:.1f} s")
-ledgers = {"plain": offload.ledger(state_plain), "offload params, phases 2":
-           offload.ledger(state, compiled)}
-for name, led in ledgers.items():
-    print(f"{name:<26} device 0: {led['per_device'][0]}   temp bytes {led['temp_bytes']}")
+held = {"plain": bytes_per_device(state_plain), "offload params, phases 2":
+        bytes_per_device(state)}
+for name, per_device in held.items():
+    print(f"{name:<26} device 0: {per_device[0]}")
+print(f"XLA temp bytes of the offloaded step: {compiled.memory_analysis().temp_size_in_bytes:,}")
 """)
 
 code(r"""
 fig, ax = plt.subplots(figsize=(8, 3.2))
-devices = sorted(ledgers["plain"]["per_device"])
-for j, (name, led) in enumerate(ledgers.items()):
+devices = sorted(held["plain"])
+for j, (name, per_device) in enumerate(held.items()):
     x = np.arange(len(devices)) + (j - 0.5) * 0.38
-    dev = [led["per_device"][d].get(offload.DEVICE, 0) / 1e3 for d in devices]
-    host = [led["per_device"][d].get(offload.HOST, 0) / 1e3 for d in devices]
+    dev = [per_device[d].get(offload.DEVICE, 0) / 1e3 for d in devices]
+    host = [per_device[d].get(offload.HOST, 0) / 1e3 for d in devices]
     ax.bar(x, dev, 0.36, color=f"C{j}", label=f"{name}: device")
     ax.bar(x, host, 0.36, bottom=dev, color=f"C{j}", alpha=0.35, hatch="//",
            label=f"{name}: pinned_host")
 ax.set_xticks(np.arange(len(devices)), [f"dev {d}" for d in devices])
-ax.set(ylabel="KB of live state", title="measured ledger: live state per device by memory kind")
+ax.set(ylabel="KB of live state", title="measured: live state per device by memory kind")
 ax.legend(fontsize=7)
 plt.tight_layout()
 """)
@@ -412,9 +414,10 @@ print(f"compiled step, per device: arguments {mem.argument_size_in_bytes:,} B, "
       f"temporaries {mem.temp_size_in_bytes:,} B, host arguments "
       f"{getattr(mem, 'host_argument_size_in_bytes', 'n/a')}")
 p = plan(cfg)
+measured = most_on_one_device(state) + mem.temp_size_in_bytes
 print(f"planner for the same config: device {p['bytes_per_device']['device_total']:,} B, "
-      f"host {p['bytes_per_device']['host_total']:,} B;  ledger device total "
-      f"{ledgers['offload params, phases 2']['device_total_max']:,} B")
+      f"host {p['bytes_per_device']['host_total']:,} B;  measured device-resident state + "
+      f"XLA temporaries {measured:,} B")
 """)
 
 

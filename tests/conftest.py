@@ -39,7 +39,7 @@ def make_tiny_cfg(*overrides: str, mesh: tuple[int, int, int] | None = None, **k
     dot (`optim__name="sgd"`, values are YAML-parsed like on the CLI); `mesh=(r, p, t)` sets
     `mesh.*` and `devices = r * p * t`. Keyword/mesh overrides are applied after the strings.
     """
-    from jaxpod.config.load import load_config
+    from jaxpod.config import load_config
 
     args = list(overrides)
     if mesh is not None:
@@ -50,6 +50,18 @@ def make_tiny_cfg(*overrides: str, mesh: tuple[int, int, int] | None = None, **k
         text = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
         args.append(f"{key.replace('__', '.')}={text}")
     return load_config(TINY_YAML, args)
+
+
+def model_params_and_specs(cfg):
+    """The transformer of `cfg` as `(params ShapeDtypeStructs, PartitionSpecs)`: no weights,
+    no mesh (the model's own logical layout)."""
+    from flax import nnx
+
+    from jaxpod.engine.stacked import build_model
+    from jaxpod.parallel.mesh import param_specs
+
+    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, cfg.train.seed)))
+    return nnx.to_pure_dict(state), param_specs(state)
 
 
 def free_port() -> int:

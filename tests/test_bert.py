@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpod.engine.transformer import build_engine, build_model, init_params, make_loss_and_grads
+from jaxpod.engine import build_engine
+from jaxpod.engine.stacked import build_model
 from jaxpod.errors import ConfigError
 from jaxpod.models import mlm
 
@@ -52,11 +53,11 @@ def reference(cfg, step: int = 0):
 
 
 # Every axis sharded at once (2x2x2), tensor-heavy and pipeline-heavy meshes, post-LN on the
-# full mesh, sequence-parallel and streamed matrix by matrix (RTS 2, the MLP in 2 blocks:
-# `Block.steps`' post-LN order), and post-LN with sequence parallelism (the embedding
+# full mesh, sequence-parallel and streamed matrix by matrix (RTS 2, the MLP in 2 panels:
+# `Layer.steps`' post-LN order), and post-LN with sequence parallelism (the embedding
 # LayerNorm, the position table split over tensor and the MLM targets/weights on split
 # positions): each case is one XLA compile, so the list is kept to what adds evidence.
-MATRIX = "model.remat=full memory.rts=2 memory.stream=matrix memory.mlp_blocks=2"
+MATRIX = "model.remat=full memory.rts=2 memory.stream=matrix memory.mlp_panels=2"
 CASES = [((2, 2, 2), "pre", False, ""), ((1, 2, 4), "pre", False, "")]
 CASES += [((2, 2, 2), "post", True, MATRIX), ((1, 2, 4), "post", True, "")]
 
@@ -69,16 +70,15 @@ CASES += [((2, 2, 2), "post", True, MATRIX), ((1, 2, 4), "post", True, "")]
     ],
 )
 def test_sharded_mlm_loss_and_grads_match_reference(tiny_cfg, mesh_for, shape, norm, sp, more):
-    """`make_loss_and_grads` for BERT on replica/pipeline/tensor meshes == the plain model:
+    """`engine.loss_and_grads` for BERT on replica/pipeline/tensor meshes == the plain model:
     loss (mean over the masked positions of the global batch) and every gradient leaf
     (post-LN on two meshes: the same kernels in another order)."""
     extra = more.split()
     cfg = tiny_cfg(*BERT, f"model.norm={norm}", f"model.sequence_parallel={sp}", *extra, mesh=shape)
     mesh = mesh_for(cfg)
-    graphdef, params, specs = init_params(cfg.model, cfg.train.seed, mesh)
-    fn = jax.jit(make_loss_and_grads(graphdef, specs, cfg, mesh))
-    tokens = jax.device_put(batch(3), jax.sharding.NamedSharding(mesh, specs_batch()))
-    loss, grads = fn(params, tokens, None, jnp.int32(3))
+    engine, state = build_engine(cfg, mesh)
+    tokens = jax.device_put((batch(3),), engine.batch_sharding)
+    loss, _, grads = jax.jit(engine.loss_and_grads)(state.params, tokens, None, jnp.int32(3))
     want_loss, want_grads = reference(cfg, 3)
     err = abs(float(loss) - float(want_loss)) / float(want_loss)
     print(f"{shape} {norm}: loss {float(loss):.6f} rel err {err:.1e}")
@@ -90,10 +90,6 @@ def test_sharded_mlm_loss_and_grads_match_reference(tiny_cfg, mesh_for, shape, n
     worst = max(errs, key=errs.get)
     print(f"  worst grad leaf {worst} {errs[worst]:.1e}")
     assert errs[worst] <= GRAD_TOL, errs
-
-
-def specs_batch():
-    return jax.sharding.PartitionSpec("replica", None)
 
 
 def test_masking_rule():
@@ -134,10 +130,13 @@ def test_bert_engine_trains(tiny_cfg, mesh_for):
     engine, state = build_engine(cfg, mesh_for(cfg))
     losses = []
     for k in range(2):
-        state, metrics = engine.train_step(state, jax.device_put(batch(k), engine.batch_sharding))
+        state, metrics = engine.train_step(
+            state, jax.device_put((batch(k),), engine.batch_sharding)
+        )
         losses.append(float(metrics["loss"]))
     want = float(reference(cfg, 0)[0])
     assert abs(losses[0] - want) / want <= LOSS_RTOL
     assert all(np.isfinite(losses)) and float(metrics["update_norm"]) > 0
-    val = float(engine.eval_loss(state.params, jax.device_put(batch(9), engine.batch_sharding)))
+    val = engine.eval_step(state.params, jax.device_put((batch(9),), engine.batch_sharding))
+    val = float(val["val_loss"])
     assert np.isfinite(val) and 3.0 < val < 7.0

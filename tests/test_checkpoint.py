@@ -143,7 +143,7 @@ def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path
     """In process: saved from 2x2x2, restored on 1x2x4 with exactly the engine's shardings."""
     import jax
 
-    from jaxpod.engine.transformer import build_engine
+    from jaxpod.engine import build_engine
     from jaxpod.run.checkpoint import Checkpointer
 
     batch = ["train.global_batch=16", "train.grad_accum=null"]
@@ -169,8 +169,8 @@ def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path
 @pytest.mark.parametrize(
     "override, needle",
     [
-        ("model.d_model=128", "params.blocks.attn.b_o is [4, 64] float32 there but [4, 128]"),
-        ("model.layers=8", "params.blocks.attn.b_o is [4, 64] float32 there but [8, 64]"),
+        ("model.d_model=128", "params.layers.attn.b_o is [4, 64] float32 there but [4, 128]"),
+        ("model.layers=8", "params.layers.attn.b_o is [4, 64] float32 there but [8, 64]"),
         ("model.tie_embeddings=false", "params.unembed is in the model only"),
     ],
     ids=["d_model", "layers", "untied"],

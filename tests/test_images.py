@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxpod.errors import DataError
-from jaxpod.run.images import MEAN_RGB, STD_RGB, ImageDataset, load_images, normalize
+from jaxpod.models.efficientnet import MEAN_RGB, STD_RGB, normalize
+from jaxpod.run.images import ImageDataset, load_images
 from jaxpod.run.prefetch import Prefetcher
 
 PIL = pytest.importorskip("PIL")

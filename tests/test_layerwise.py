@@ -1,4 +1,4 @@
-"""The layer-by-layer optimizer update (`jaxpod.optim.per_layer`) against the whole-tree update.
+"""The layer-by-layer optimizer update (`jaxpod.optim.per_layer`) against the whole-tree one.
 
 Same arithmetic on float32 (to rounding), the same step up to one ulp of stochastic rounding on
 float16, skipped bit-identically on overflow, and XLA's temporaries measured in one run: the
@@ -12,15 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpod.engine.transformer import abstract_engine, build_engine
-from jaxpod.optim.chains import make_optimizer
-from jaxpod.optim.per_layer import layerwise_guarded_update
-from jaxpod.optim.precision import guarded_update
-from jaxpod.optim.strips import MIN_BLOCK, update_blocks
+from jaxpod.engine import abstract_engine, build_engine
+from jaxpod.optim.guarded import guarded_update, whole_tree
+from jaxpod.optim.per_layer import per_layer
+from jaxpod.optim.strips import MIN_STRIP, strips
 
 FP16 = ["precision.params=float16", "precision.master=same-as-params"]
 FP16 += ["precision.loss_scale=dynamic", "precision.loss_scale_init=1024"]
-BLOCK = 1024  # elements: every tiny weight matrix and the embedding are updated in 8 blocks
+STRIP = 1024  # elements: every tiny weight matrix and the embedding are updated in 8 strips
 
 
 def _setup(tiny_cfg, mesh_for, name, *extra):
@@ -40,16 +39,27 @@ def _setup(tiny_cfg, mesh_for, name, *extra):
     return cfg, engine, params, tx, state.opt_state.loss_scale, grads
 
 
-def _both(cfg, engine, params, tx, ls, grads, key):
-    unclipped, _ = make_optimizer(cfg.optim, cfg.train.steps, clip=False)
-    whole = jax.jit(lambda *a: guarded_update(engine.optimizer, *a, cfg.precision, key))
-    lean = jax.jit(
-        lambda *a: layerwise_guarded_update(
-            unclipped, *a, cfg.precision, key, stages=cfg.mesh.pipeline,
-            max_norm=cfg.optim.grad_clip, devices=cfg.devices, min_block=BLOCK,
-        )
+def _updates(cfg, engine, key, min_strip=STRIP):
+    """(whole-tree, layer-by-layer) guarded updates `(grads, tx, params, loss_scale) ->
+    (params, tx, loss_scale, info)` of the engine's optimizer."""
+    stages = engine.stages
+    grad_sq, apply = per_layer(
+        stages.optimizer, stages.masks.stacked, stages=cfg.mesh.pipeline, devices=cfg.devices,
+        min_strip=min_strip,
     )  # fmt: skip
-    return whole(grads, tx, params, ls), lean(grads, tx, params, ls)
+    kw = dict(max_norm=cfg.optim.grad_clip)
+    whole = lambda g, s, p, ls: guarded_update(  # noqa: E731
+        whole_tree(stages.optimizer), g, s, p, ls, key, cfg.precision, **kw
+    )
+    lean = lambda g, s, p, ls: guarded_update(  # noqa: E731
+        apply, g, s, p, ls, key, cfg.precision, grad_sum_squares=grad_sq, **kw
+    )
+    return whole, lean
+
+
+def _both(cfg, engine, params, tx, ls, grads, key):
+    whole, lean = _updates(cfg, engine, key)
+    return jax.jit(whole)(grads, tx, params, ls), jax.jit(lean)(grads, tx, params, ls)
 
 
 @pytest.mark.parametrize("name", ["lamb", "lars", "adamw"])
@@ -60,11 +70,12 @@ def test_float32_layerwise_equals_whole_tree(tiny_cfg, mesh_for, name):
     )
     assert float(i1["grad_norm"]) > cfg.optim.grad_clip  # the clip is exercised
     np.testing.assert_allclose(float(i2["grad_norm"]), float(i1["grad_norm"]), rtol=1e-6)
-    np.testing.assert_allclose(float(i2["update_norm"]), float(i1["update_norm"]), rtol=1e-5)
+    update_norm = lambda info: np.sqrt(float(info["update_sq"]))  # noqa: E731
+    np.testing.assert_allclose(update_norm(i2), update_norm(i1), rtol=1e-5)
     for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2)), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and a.sharding == b.sharding
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=1e-7)
-    assert not np.allclose(np.asarray(p2["blocks"]["mlp"]["w_in"]), params["blocks"]["mlp"]["w_in"])
+    assert not np.allclose(np.asarray(p2["layers"]["mlp"]["w_in"]), params["layers"]["mlp"]["w_in"])
     assert ls1 == ls2
 
 
@@ -84,7 +95,7 @@ def test_float16_layerwise_rounds_to_a_neighbour_of_the_whole_tree_step(tiny_cfg
 def test_overflow_leaves_the_state_bit_identical(tiny_cfg, mesh_for):
     cfg, engine, params, tx, ls, grads = _setup(tiny_cfg, mesh_for, "lamb", *FP16)
     bad = jax.tree.map(lambda g: g, grads)
-    bad["blocks"]["attn"]["w_o"] = grads["blocks"]["attn"]["w_o"].at[1, 0, 0].set(jnp.inf)
+    bad["layers"]["attn"]["w_o"] = grads["layers"]["attn"]["w_o"].at[1, 0, 0].set(jnp.inf)
     _, (p2, s2, ls2, info) = _both(cfg, engine, params, tx, ls, bad, jax.random.key(0))
     assert not bool(info["finite"])
     for a, b in zip(jax.tree.leaves((params, tx)), jax.tree.leaves((p2, s2)), strict=True):
@@ -95,46 +106,40 @@ def test_overflow_leaves_the_state_bit_identical(tiny_cfg, mesh_for):
 def test_float16_lamb_update_holds_a_fraction_of_the_whole_tree_temporaries(tiny_cfg, mesh_for):
     """XLA's temp bytes of the updates, compiled from abstract shapes in one run: the
     tensor-by-tensor update keeps one layer of one tensor in float32 (8 layers, 4 per stage),
-    and in blocks a fraction of that."""
+    and in strips a fraction of that."""
     cfg = tiny_cfg(
         *FP16, "optim.name=lamb", "model.layers=8", "model.d_model=512", "model.d_ff=2048",
         "model.heads=4", mesh=(1, 2, 2),
     )  # fmt: skip
     engine, state = abstract_engine(cfg, mesh_for(cfg))
-    unclipped, _ = make_optimizer(cfg.optim, cfg.train.steps, clip=False)
     args = (state.params, state.opt_state.tx, state.params, state.opt_state.loss_scale)
     key = jax.random.key(0)
 
     def temps(update):  # the step keeps the new params/state and two norms, as the engine does
         def fn(*a):
             params, opt_state, ls, info = update(*a)
-            return params, opt_state, ls, info["grad_norm"], info["update_norm"]
+            return params, opt_state, ls, info["grad_norm"], info["update_sq"]
 
         return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
-    whole = temps(lambda *a: guarded_update(engine.optimizer, *a, cfg.precision, key))
-    lean = lambda min_block: temps(
-        lambda *a: layerwise_guarded_update(
-            unclipped, *a, cfg.precision, key, stages=2, max_norm=cfg.optim.grad_clip,
-            devices=cfg.devices, min_block=min_block,
-        )
-    )  # fmt: skip
-    blocked, unblocked = lean(MIN_BLOCK), lean(2**62)
-    print(f"temporaries: whole {whole / 1e6:.1f} MB, layer by layer {unblocked / 1e6:.1f} MB, "
-          f"in blocks {blocked / 1e6:.1f} MB")  # fmt: skip
+    whole = temps(_updates(cfg, engine, key)[0])
+    lean = lambda min_strip: temps(_updates(cfg, engine, key, min_strip)[1])  # noqa: E731
+    in_strips, whole_layers = lean(MIN_STRIP), lean(2**62)
+    print(f"temporaries: whole {whole / 1e6:.1f} MB, layer by layer {whole_layers / 1e6:.1f} MB, "
+          f"in strips {in_strips / 1e6:.1f} MB")  # fmt: skip
     # measured: whole 82.0 MB; one layer of each tensor at a time 14.8 MB (a 16-bit copy of
     # the stacked weights for the loop carries + one layer of one tensor in float32); in
-    # blocks (8 of each MLP matrix's 1,048,576 values) 3.9 MB; 13 MB of float16 weights/device
-    assert unblocked < 0.25 * whole, (unblocked, whole)
-    assert blocked < 0.5 * unblocked, (blocked, unblocked)
+    # strips (8 of each MLP matrix's 1,048,576 values) 3.9 MB; 13 MB of float16 weights/device
+    assert whole_layers < 0.25 * whole, (whole_layers, whole)
+    assert in_strips < 0.5 * whole_layers, (in_strips, whole_layers)
 
 
-def test_update_blocks_keep_each_block_inside_its_shard():
-    """Strided blocks of the largest axis that blocks x devices divides, never the stage axis
-    of a layer slice, as many as keep MIN_BLOCK elements each (8 at most)."""
-    assert update_blocks((4096, 1024), devices=16, leading=False) == (0, 8)
-    assert update_blocks((8, 12288, 49152), devices=256, leading=True) == (2, 8)
-    assert update_blocks((8, 1024, 64), devices=1, leading=True) == (-1, 1)  # 65,536: whole
-    assert update_blocks((2, 256, 1024), devices=4, leading=True) == (2, 4)
-    assert update_blocks((30528, 1024), devices=16, leading=False) == (1, 8)  # 30528 % 128
-    assert update_blocks((3, 7), devices=1, leading=False, min_block=1) == (-1, 1)
+def test_strips_keep_each_strip_inside_its_shard():
+    """Strided strips of the largest axis that strips x devices divides, never the stage axis
+    of a layer slice, as many as keep MIN_STRIP elements each (8 at most)."""
+    assert strips((4096, 1024), devices=16, leading=False) == (0, 8)
+    assert strips((8, 12288, 49152), devices=256, leading=True) == (2, 8)
+    assert strips((8, 1024, 64), devices=1, leading=True) == (-1, 1)  # 65,536: whole
+    assert strips((2, 256, 1024), devices=4, leading=True) == (2, 4)
+    assert strips((30528, 1024), devices=16, leading=False) == (1, 8)  # 30528 % 128
+    assert strips((3, 7), devices=1, leading=False, min_strip=1) == (-1, 1)

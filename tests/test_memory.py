@@ -16,11 +16,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpod.engine.transformer import build_engine
-from jaxpod.models.layers import BLOCK_AXES
+from jaxpod.engine import build_engine
+from jaxpod.models.layers import PANEL_AXES
 from jaxpod.parallel import offload
 from jaxpod.parallel.replica import NO_GATHER
-from jaxpod.run.mapping import bytes_per_device
+from jaxpod.run.mapping import bytes_per_device, most_on_one_device
 
 BASE = ("train.global_batch=16", "train.grad_accum=null", "train.micro_batch=2")
 BASE += ("optim.grad_clip=0", "optim.warmup_steps=0", "optim.name=sgd")
@@ -35,6 +35,16 @@ PARAM_ATOL = 1e-7
 
 def batch(step: int) -> np.ndarray:
     return np.random.default_rng([2024, step]).integers(0, 256, (16, 65), np.int32)
+
+
+def abstract_batch(engine) -> tuple:
+    """The engine's batch `(tokens,)` as a `ShapeDtypeStruct` with its sharding."""
+    return (jax.ShapeDtypeStruct((16, 65), np.int32, sharding=engine.batch_sharding[0]),)
+
+
+def held(tree) -> dict[int, int]:
+    """Bytes each device holds of `tree`, every memory kind together."""
+    return {d: sum(kinds.values()) for d, kinds in bytes_per_device(tree).items()}
 
 
 _RUNS: dict = {}
@@ -57,7 +67,7 @@ def run(tiny_cfg, mesh_for, shape, *extra):
         initial = jax.tree.map(lambda a: a.copy(), state)
         out = []
         for k in range(STEPS):
-            state, m = engine.train_step(state, jax.device_put(batch(k), engine.batch_sharding))
+            state, m = engine.train_step(state, jax.device_put((batch(k),), engine.batch_sharding))
             out.append(jax.device_get(m))
         _RUNS[key] = (engine, initial, out, state)
     return _RUNS[key]
@@ -81,11 +91,11 @@ def assert_same_training(a, b, what: str) -> None:
 RTS_CASES = {  # name: (mesh, overrides, weight factor, optimizer factor)
     "rts2-2x2x2": ((2, 2, 2), ("memory.rts=2",), 2, 2),
     "rts1-opt2-2x1x4": ((2, 1, 4), ("memory.rts=1", "memory.rts_optimizer=2"), 1, 2),
-    # one matrix (the MLP's in 2 blocks) gathered at a time, each step a remat unit nested in
+    # one matrix (the MLP's in 2 panels) gathered at a time, each step a remat unit nested in
     # the layer's
     "rts2-matrix-2x2x2": (
         (2, 2, 2),
-        ("memory.rts=2", "memory.stream=matrix", "memory.mlp_blocks=2", "model.remat=full"),
+        ("memory.rts=2", "memory.stream=matrix", "memory.mlp_panels=2", "model.remat=full"),
         2,
         2,
     ),
@@ -103,12 +113,12 @@ def test_replicated_tensor_sharding(tiny_cfg, mesh_for, name):
     assert_same_training(rts, plain, name)
     engine, state = rts[0], rts[3]
     if k_w > 1:
-        assert NO_GATHER not in jax.tree.leaves(engine.layout.plan)
-    p_plain, p_rts = bytes_per_device(plain[3].params), bytes_per_device(state.params)
+        assert NO_GATHER not in jax.tree.leaves(engine.stages.layout.rts_dims)
+    p_plain, p_rts = held(plain[3].params), held(state.params)
     assert p_plain.keys() == p_rts.keys() and len(p_rts) == 8
     for d in p_plain:
         assert p_rts[d] * k_w == p_plain[d], (d, p_rts[d], p_plain[d])
-    o_plain, o_rts = bytes_per_device(momentum(plain[3])), bytes_per_device(momentum(state))
+    o_plain, o_rts = held(momentum(plain[3])), held(momentum(state))
     for d in o_plain:
         assert o_rts[d] * k_o == o_plain[d], (d, o_rts[d], o_plain[d])
     print(f"{name}: device 0 params {p_plain[0]:,} -> {p_rts[0]:,} B, ", end="")
@@ -127,8 +137,8 @@ OFFLOAD_CASES = {  # name: (mesh, overrides)
 @pytest.mark.parametrize("name", list(OFFLOAD_CASES))
 def test_offload_and_phases(tiny_cfg, mesh_for, name):
     """Host-resident state (pinned_host) and phased execution train exactly like the plain
-    engine; the state stays in the memory kinds it was given, and the ledger moves exactly
-    the offloaded bytes from device to host."""
+    engine; the state stays in the memory kinds it was given, and exactly the offloaded
+    bytes move from device to host memory."""
     shape, extra = OFFLOAD_CASES[name]
     plain, off = run(tiny_cfg, mesh_for, shape), run(tiny_cfg, mesh_for, shape, *extra)
     assert_same_training(off, plain, name)
@@ -138,18 +148,18 @@ def test_offload_and_phases(tiny_cfg, mesh_for, name):
         assert a.sharding.memory_kind == offload.HOST
     moments = jax.tree.leaves(momentum(state))
     assert {a.sharding.memory_kind for a in moments} == {offload.HOST if opt_off else "device"}
-    ledger, base = offload.ledger(state), offload.ledger(state_plain)
+    on = lambda tree, kind: most_on_one_device(tree, kind)  # noqa: E731
     host_bytes = sum(a.nbytes for a in jax.tree.leaves(state.params)) // (
         shape[1] * shape[2]
     )  # params per device (replicated over replicas); every device holds the same amount
-    assert base["host_resident_max"] == 0
-    moved = base["device_resident_max"] - ledger["device_resident_max"]
-    assert ledger["host_resident_max"] == moved
+    assert on(state_plain, offload.HOST) == 0
+    moved = on(state_plain, offload.DEVICE) - on(state, offload.DEVICE)
+    assert on(state, offload.HOST) == moved
     assert moved >= host_bytes * 0.9  # non-divisible leaves are replicated: slightly more
-    print(f"{name}: ledger {ledger['device_resident_max']:,} B device, {moved:,} B on host")
+    print(f"{name}: {on(state, offload.DEVICE):,} B on device, {moved:,} B on host")
 
 
-STEP_FETCH = ("memory.offload=[params]", "memory.stream=matrix", "memory.mlp_blocks=2")
+STEP_FETCH = ("memory.offload=[params]", "memory.stream=matrix", "memory.mlp_panels=2")
 STEP_FETCH += ("model.remat=full", "memory.rts=2")
 
 
@@ -190,48 +200,45 @@ def gathered_shapes(jaxpr) -> Counter:
     return eqn_shapes(jaxpr, pick, Counter())
 
 
-def test_matrix_stream_fetches_each_step_its_blocks(tiny_cfg, mesh_for):
+def test_matrix_stream_fetches_each_step_its_panels(tiny_cfg, mesh_for):
     """With host-resident layers and `memory.stream=matrix`, each step fetches only the
-    blocks it reads (a third of `W_qkv`, `W_o`, one of the 2 MLP blocks of `W_in`/`W_out`),
-    never a whole layer's matrix, and trains exactly like the plain engine (RTS 2, blocks
-    taken before the gather: the RTS plan splits the other dimension)."""
+    panels it reads (a third of `W_qkv`, `W_o`, one of the 2 MLP panels of `W_in`/`W_out`),
+    never a whole layer's matrix, and trains exactly like the plain engine (RTS 2, panels
+    cut before the gather: the RTS dimension is the other one)."""
     shape = (2, 1, 4)
     plain, off = run(tiny_cfg, mesh_for, shape), run(tiny_cfg, mesh_for, shape, *STEP_FETCH)
     assert_same_training(off, plain, "step fetch")
     engine, state = off[0], off[3]
     assert {a.sharding.memory_kind for a in jax.tree.leaves(state.params)} == {offload.HOST}
     local = lambda a: a.sharding.shard_shape(a.shape)
-    layers = {k: jax.tree.map(lambda a: local(a)[1:], v) for k, v in state.params["blocks"].items()}
-    plan = engine.layout.plan["blocks"]
-    assert plan["mlp"]["w_in"] == 1 and plan["mlp"]["w_out"] == 2  # D, not the hidden units
-    others = {k: v for k, v in state.params.items() if k != "blocks"}
+    layers = {k: jax.tree.map(lambda a: local(a)[1:], v) for k, v in state.params["layers"].items()}
+    dims = engine.stages.layout.rts_dims["layers"]
+    assert dims["mlp"]["w_in"] == 1 and dims["mlp"]["w_out"] == 2  # D, not the hidden units
+    others = {k: v for k, v in state.params.items() if k != "layers"}
     rest = Counter(local(a) for a in jax.tree.leaves(others))
-    tokens = jax.ShapeDtypeStruct((16, 65), np.int32, sharding=engine.batch_sharding)
-    jaxpr = jax.make_jaxpr(engine.eval_loss)(state.params, tokens).jaxpr
+    jaxpr = jax.make_jaxpr(engine.eval_step)(state.params, abstract_batch(engine)).jaxpr
     fetched = host_to_device_shapes(jaxpr, Counter())
     print(f"fetched (per-device shapes: count): {dict(fetched)}")
     for path, count in (("attn/w_qkv", 3), ("mlp/w_in", 2), ("mlp/w_out", 2)):
         group, name = path.split("/")
         whole = layers[group][name]
-        axis = BLOCK_AXES[path]
-        block = (*whole[:axis], whole[axis] // count, *whole[axis + 1 :])
-        assert fetched[block] > 0, (path, block)
+        axis = PANEL_AXES[path]
+        panel = (*whole[:axis], whole[axis] // count, *whole[axis + 1 :])
+        assert fetched[panel] > 0, (path, panel)
         assert fetched[whole] == rest[whole], (path, whole)  # only non-layer arrays that shape
     assert fetched[layers["attn"]["w_o"]] > 0
 
 
-def test_host_weights_are_placed_on_device_and_ledger_temp(tiny_cfg, mesh_for):
+def test_host_weights_are_placed_on_device(tiny_cfg, mesh_for):
     """The lowered step moves every host-resident weight to device memory (an
-    `annotate_device_placement` to "device" of each weight's global shape), and the ledger
-    adds XLA's temp bytes of the compiled step to the device-resident state.
+    `annotate_device_placement` to "device" of each weight's global shape).
 
     Not asserted (see the report in jaxpod.parallel.offload): jax 0.10.2 emits no placement
     inside the `shard_map` body, so the per-phase fetches are not visible as separate
     transfers in the lowered program."""
     shape, extra = OFFLOAD_CASES["params-phases2-2x1x4"]
     engine, _, _, state = run(tiny_cfg, mesh_for, shape, *extra)
-    tokens = jax.ShapeDtypeStruct((16, 65), np.int32, sharding=engine.batch_sharding)
-    lowered = engine.train_step.lower(state, tokens)
+    lowered = engine.train_step.lower(state, abstract_batch(engine))
     placed = [
         line.split(": (")[1].split(")")[0]
         for line in lowered.as_text().splitlines()
@@ -240,30 +247,28 @@ def test_host_weights_are_placed_on_device_and_ledger_temp(tiny_cfg, mesh_for):
     for a in jax.tree.leaves(state.params):
         want = f"tensor<{'x'.join(map(str, a.shape))}xf32>"
         assert want in placed, (want, placed)
-    ledger = offload.ledger(state, lowered.compile())
-    assert ledger["temp_bytes"] > 0
-    assert ledger["device_total_max"] == ledger["device_resident_max"] + ledger["temp_bytes"]
 
 
 VOCAB = ("model.vocab=512", "model.sequence_chunks=2")  # a table no layer matrix is shaped like
 
 
-def test_vocab_blocks_gather_the_table_a_block_at_a_time(tiny_cfg, mesh_for):
-    """With `memory.vocab_blocks=4` and RTS 2, the embedding and the loss head use GPT's token
-    table a quarter of each tensor shard's rows at a time: the RTS plan splits D, not the
-    rows; the train step (forward and backward) all-gathers blocks of rows, never the
+def test_vocab_slices_gather_the_table_a_slice_at_a_time(tiny_cfg, mesh_for):
+    """With `memory.vocab_slices=4` and RTS 2, the embedding and the loss head use GPT's token
+    table a quarter of each tensor shard's rows at a time: the RTS dimension is D, not the
+    rows; the train step (forward and backward) all-gathers slices of rows, never the
     table; and it trains exactly like the plain engine."""
     shape = (2, 2, 2)
     plain = run(tiny_cfg, mesh_for, shape, *VOCAB)
-    blocked = run(tiny_cfg, mesh_for, shape, *VOCAB, "memory.rts=2", "memory.vocab_blocks=4")
-    assert_same_training(blocked, plain, "vocab blocks")
-    engine, state = blocked[0], blocked[3]
-    assert engine.layout.plan["wte"] == 1
-    tokens = jax.ShapeDtypeStruct((16, 65), np.int32, sharding=engine.batch_sharding)
-    gathered = gathered_shapes(jax.make_jaxpr(engine.train_step)(state, tokens).jaxpr)
+    sliced = run(tiny_cfg, mesh_for, shape, *VOCAB, "memory.rts=2", "memory.vocab_slices=4")
+    assert_same_training(sliced, plain, "vocab slices")
+    engine, state = sliced[0], sliced[3]
+    assert engine.stages.layout.rts_dims["wte"] == 1
+    gathered = gathered_shapes(
+        jax.make_jaxpr(engine.train_step)(state, abstract_batch(engine)).jaxpr
+    )
     print(f"all-gathered (per-device shapes: count): {dict(gathered)}")
     rows = 512 // shape[2]
-    # the position table [64, 64] once; the embedding's block and the head's, each gathered
-    # in the forward pass and again in the backward pass (each block is a remat unit)
+    # the position table [64, 64] once; the embedding's slice and the head's, each gathered
+    # in the forward pass and again in the backward pass (each slice is a remat unit)
     assert gathered[(rows // 4, 64)] == 1 + 4
     assert gathered[(rows, 64)] == 0

@@ -1,6 +1,6 @@
-"""Optimizers and schedules: polynomial/warm-up values, masks from real GPT param names, LARS
-and LAMB equal to optax's on unstacked params, and per-layer trust ratios on stacked [L, ...]
-leaves equal to running the optimizer on L separate leaves."""
+"""Optimizers and schedules: polynomial/warm-up values, masks from the models' parameter roles,
+LARS and LAMB equal to optax's on unstacked params, and per-layer trust ratios on stacked
+[L, ...] leaves equal to running the optimizer on L separate leaves."""
 
 from __future__ import annotations
 
@@ -13,16 +13,14 @@ import numpy as np
 import optax
 import pytest
 
-from jaxpod.config.load import OptimConfig, load_config
+from jaxpod.config import OptimConfig, load_config
 from jaxpod.optim.chains import (
     clip_by_norm,
-    decay_mask,
     lamb,
     lars,
     make_optimizer,
     scale_by_layerwise_trust_ratio,
     schedule,
-    stacked_mask,
 )
 
 # Tolerances: the same math in a different reduction order (our per-layer sum of squares vs
@@ -57,7 +55,7 @@ def _assert_trees_close(a, b):
 
 
 def _flat_params():
-    """Unstacked params with weight, bias and norm-scale leaves (and one b_ name)."""
+    """Unstacked params with weight, bias and norm-scale leaves."""
     k = jax.random.split(jax.random.key(0), 4)
     return {
         "dense": {"kernel": jax.random.normal(k[0], (6, 5)), "bias": jnp.full((5,), 0.1)},
@@ -65,6 +63,15 @@ def _flat_params():
         "mlp": {"w_in": jax.random.normal(k[1], (5, 7)), "b_in": jax.random.normal(k[2], (7,))},
         "wte": jax.random.normal(k[3], (11, 5)),
     }
+
+
+# the role mask of `_flat_params`: no decay (and no trust ratio) for biases and norm scales
+FLAT_DECAY = {
+    "dense": {"kernel": True, "bias": False},
+    "norm": {"scale": False, "bias": False},
+    "mlp": {"w_in": True, "b_in": False},
+    "wte": True,
+}
 
 
 # --------------------------------------------------------------------------- schedules
@@ -101,24 +108,35 @@ def test_cosine_with_warmup_matches_closed_form():
 # ------------------------------------------------------------------------------- masks
 
 
-def test_masks_on_gpt_param_names():
-    from jaxpod.engine.transformer import abstract_params
+def test_masks_from_the_models_parameter_roles():
+    """GPT declares its biases and norms `NO_DECAY`, its tables `TABLE`, its layers stacked
+    (a leading "layers" axis); an EfficientNet stage's MBConv blocks are not stacked and
+    its biases and GroupNorm parameters are not decayed."""
+    from flax import nnx
 
-    cfg = load_config("configs/tiny.yaml")
-    _, params, _ = abstract_params(cfg.model)
-    dm, sm = decay_mask(params), stacked_mask(params)
-    assert dm["blocks"]["attn"] == {"b_o": False, "b_qkv": False, "w_o": True, "w_qkv": True}
-    assert dm["blocks"]["mlp"] == {"b_in": False, "b_out": False, "w_in": True, "w_out": True}
-    assert dm["blocks"]["ln1"] == {"bias": False, "scale": False}
+    from jaxpod.engine.stacked import build_model
+    from jaxpod.models.efficientnet import build_stages
+    from jaxpod.models.params import masks
+
+    cfg = load_config("configs/tiny.yaml", ["model.tie_embeddings=false"])
+    m = masks(nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, 0))))
+    dm, sm, tm = m.decay, m.stacked, m.table
+    assert dm["layers"]["attn"] == {"b_o": False, "b_qkv": False, "w_o": True, "w_qkv": True}
+    assert dm["layers"]["mlp"] == {"b_in": False, "b_out": False, "w_in": True, "w_out": True}
+    assert dm["layers"]["ln1"] == {"bias": False, "scale": False}
     assert dm["ln_f"] == {"bias": False, "scale": False}
-    assert dm["wte"] and dm["wpe"]
-    assert all(jax.tree.leaves(sm["blocks"]))
-    assert not any(jax.tree.leaves({k: v for k, v in sm.items() if k != "blocks"}))
-    # a "blocks" *list* (an EfficientNet stage: integer keys) is not stacked
-    stage = {"blocks": {0: {"conv": {"kernel": 1}}, 1: {"se": {"bias": 1}}}, "head": {"w": 1}}
-    assert not any(jax.tree.leaves(stacked_mask(stage)))
-    assert not any(jax.tree.leaves(stacked_mask({"blocks": {"0": {"kernel": 1}}})))
-    assert decay_mask(stage)["blocks"][1]["se"]["bias"] is False
+    assert dm["wte"] and dm["wpe"] and dm["unembed"]
+    assert all(jax.tree.leaves(sm["layers"]))
+    assert not any(jax.tree.leaves({k: v for k, v in sm.items() if k != "layers"}))
+    assert {k for k, v in tm.items() if v is True} == {"wte", "unembed"}
+    stage = nnx.eval_shape(
+        lambda: build_stages("b0", num_classes=10, width_mult=0.25, depth_mult=0.2,
+                             rngs=nnx.Rngs(0))[0]
+    )  # fmt: skip
+    sm = masks(nnx.state(stage))
+    assert not any(jax.tree.leaves(sm.stacked))
+    assert sm.decay["blocks"][1]["se_reduce"] == {"kernel": True, "bias": False}
+    assert sm.decay["blocks"][1]["spatial"]["norm"] == {"scale": False, "bias": False}
 
 
 # ------------------------------------------------------------------- vs optax reference
@@ -128,13 +146,11 @@ def test_lars_equals_optax_lars_unstacked():
     params = _flat_params()
     grads = _grads(params, 1)
     kw = dict(weight_decay=1e-2, trust_coefficient=0.02, momentum=0.9)
-    ours = lars(0.5, **kw, mask=decay_mask, stacked=False)
+    ours = lars(0.5, **kw, mask=FLAT_DECAY, stacked=False)
     ref = optax.lars(
-        0.5, weight_decay_mask=decay_mask, trust_ratio_mask=decay_mask, **kw
+        0.5, weight_decay_mask=FLAT_DECAY, trust_ratio_mask=FLAT_DECAY, **kw
     )  # same masks
     _assert_trees_close(_run(ours, params, grads), _run(ref, params, grads))
-    # default `stacked=stacked_mask` is all False here: identical too
-    _assert_trees_close(_run(lars(0.5, **kw), params, grads), _run(ref, params, grads))
 
 
 def test_lamb_equals_optax_lamb_unstacked():
@@ -145,11 +161,11 @@ def test_lamb_equals_optax_lamb_unstacked():
     ref = optax.lamb(1e-2, b1=0.9, b2=0.99, weight_decay=1e-2)
     _assert_trees_close(_run(ours, params, grads), _run(ref, params, grads))
     # masked: optax's own pieces with the trust ratio masked like the decay
-    ours = lamb(1e-2, b1=0.9, b2=0.99, weight_decay=1e-2)
+    ours = lamb(1e-2, b1=0.9, b2=0.99, weight_decay=1e-2, mask=FLAT_DECAY)
     ref = optax.chain(
         optax.scale_by_adam(b1=0.9, b2=0.99, eps=1e-6),
-        optax.add_decayed_weights(1e-2, mask=decay_mask),
-        optax.masked(optax.scale_by_trust_ratio(), decay_mask),
+        optax.add_decayed_weights(1e-2, mask=FLAT_DECAY),
+        optax.masked(optax.scale_by_trust_ratio(), FLAT_DECAY),
         optax.scale_by_learning_rate(1e-2),
     )
     _assert_trees_close(_run(ours, params, grads), _run(ref, params, grads))
@@ -160,9 +176,9 @@ def test_masked_leaves_get_no_decay_and_no_trust_ratio():
     the first LARS step of a masked leaf is exactly -lr * g (no trust ratio)."""
     params = _flat_params()
     zeros = jax.tree.map(jnp.zeros_like, params)
-    tx = lars(0.5, weight_decay=0.1, trust_coefficient=0.02)
+    tx = lars(0.5, weight_decay=0.1, trust_coefficient=0.02, mask=FLAT_DECAY)
     upd, _ = tx.update(zeros, tx.init(params), params)
-    mask = decay_mask(params)
+    mask = FLAT_DECAY
     for m, u in zip(jax.tree.leaves(mask), jax.tree.leaves(upd), strict=True):
         assert bool(jnp.any(u != 0)) == m
     ones = jax.tree.map(jnp.ones_like, params)
@@ -172,7 +188,7 @@ def test_masked_leaves_get_no_decay_and_no_trust_ratio():
     assert not np.allclose(upd["dense"]["kernel"], -0.5)
     for name in ("sgd", "adamw"):  # decay masked for every optimizer
         cfg = OptimConfig(name=name, weight_decay=0.1, schedule="constant", grad_clip=0.0)
-        tx, _ = make_optimizer(cfg, 10)
+        tx, _ = make_optimizer(cfg, 10, decay_mask=FLAT_DECAY)
         upd, _ = tx.update(zeros, tx.init(params), params)
         assert not bool(jnp.any(upd["norm"]["scale"] != 0)), name
         assert bool(jnp.any(upd["wte"] != 0)), name
@@ -188,7 +204,7 @@ def _stacked_params():
     k = jax.random.split(jax.random.key(5), 4)
     scales = jnp.arange(1, L + 1, dtype=jnp.float32)  # very different norms per layer
     return {
-        "blocks": {
+        "layers": {
             "attn": {
                 "w_qkv": jax.random.normal(k[0], (L, 4, 3, 4)) * scales[:, None, None, None],
                 "b_qkv": jax.random.normal(k[1], (L, 3, 4)),
@@ -200,25 +216,35 @@ def _stacked_params():
     }
 
 
+# the role masks of `_stacked_params`: the "layers" leaves are stacked; biases and norms
+# are not decayed
+STACKED = {"layers": True, "wte": False, "ln_f": False}
+STACKED_DECAY = {
+    "layers": {"attn": {"w_qkv": True, "b_qkv": False}, "ln1": {"scale": False, "bias": False}},
+    "wte": True,
+    "ln_f": {"scale": False, "bias": False},
+}
+
+
 def _unstack(tree):
-    """{"blocks": leaves [L, ...]} -> {"layer0": ..., "layer1": ...} + the other entries."""
-    out = {k: v for k, v in tree.items() if k != "blocks"}
+    """{"layers": leaves [L, ...]} -> {"layer0": ..., "layer1": ...} + the other entries."""
+    out = {k: v for k, v in tree.items() if k != "layers"}
     for i in range(L):
-        out[f"layer{i}"] = jax.tree.map(lambda x, i=i: x[i], tree["blocks"])
+        out[f"layer{i}"] = jax.tree.map(lambda x, i=i: x[i], tree["layers"])
     return out
 
 
 def _restack(tree):
     out = {k: v for k, v in tree.items() if not k.startswith("layer")}
-    out["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[tree[f"layer{i}"] for i in range(L)])
+    out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[tree[f"layer{i}"] for i in range(L)])
     return out
 
 
 @pytest.mark.parametrize(
     "make",
     [
-        lambda st: lars(2.0, weight_decay=1e-2, trust_coefficient=0.01, stacked=st),
-        lambda st: lamb(1e-2, weight_decay=1e-2, stacked=st),
+        lambda st, m: lars(2.0, weight_decay=1e-2, trust_coefficient=0.01, stacked=st, mask=m),
+        lambda st, m: lamb(1e-2, weight_decay=1e-2, stacked=st, mask=m),
     ],
     ids=["lars", "lamb"],
 )
@@ -227,19 +253,21 @@ def test_stacked_trust_ratio_equals_per_layer(make):
     leaves updated by it (trust ratios per layer), over several steps."""
     params = _stacked_params()
     grads = _grads(params, 3)
-    stacked = _run(make(stacked_mask), params, grads)
-    per_layer = _run(make(False), _unstack(params), [_unstack(g) for g in grads])
+    stacked = _run(make(STACKED, STACKED_DECAY), params, grads)
+    unstacked_decay = {k: v for k, v in STACKED_DECAY.items() if k != "layers"}
+    unstacked_decay |= {f"layer{i}": STACKED_DECAY["layers"] for i in range(L)}
+    per_layer = _run(make(False, unstacked_decay), _unstack(params), [_unstack(g) for g in grads])
     _assert_trees_close(stacked, _restack(per_layer))
     # and the test has power: a whole-leaf trust ratio on the stacked leaf differs
-    whole = _run(make(False), params, grads)
-    w_s, w_w = stacked["blocks"]["attn"]["w_qkv"], whole["blocks"]["attn"]["w_qkv"]
+    whole = _run(make(False, STACKED_DECAY), params, grads)
+    w_s, w_w = stacked["layers"]["attn"]["w_qkv"], whole["layers"]["attn"]["w_qkv"]
     assert not np.allclose(w_s, w_w, rtol=1e-3)
 
 
 def test_layerwise_transform_matches_optax_per_slice():
     """One application of the bare transform on a stacked leaf == optax.scale_by_trust_ratio
     on each slice (same coefficient and eps)."""
-    p = _stacked_params()["blocks"]["attn"]["w_qkv"]
+    p = _stacked_params()["layers"]["attn"]["w_qkv"]
     u = jax.random.normal(jax.random.key(9), p.shape)
     u = u.at[1].set(0.0)  # a zero-norm layer keeps ratio 1 (optax's rule), per layer
     ours, _ = scale_by_layerwise_trust_ratio(0.01, 1e-3, stacked=True).update(u, None, p)

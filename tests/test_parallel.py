@@ -26,14 +26,10 @@ from jax.extend.core import jaxprs_in_params
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpod.config.load import CHOICES
-from jaxpod.engine.transformer import (
-    abstract_params,
-    build_engine,
-    build_model,
-    init_params,
-    make_loss_and_grads,
-)
+from jaxpod.config import CHOICES
+from jaxpod.engine import abstract_engine, build_engine
+from jaxpod.engine.stacked import build_model
+from jaxpod.models.params import masks
 from jaxpod.optim.chains import make_optimizer
 from jaxpod.parallel.mesh import shardings
 from jaxpod.parallel.pipeline import gpipe
@@ -102,7 +98,7 @@ EXPECTED_SPECS = {
     "wte": P("tensor", None),
     "wpe": P(None, None),
     "ln_f": {"scale": P(None), "bias": P(None)},
-    "blocks": {
+    "layers": {
         "ln1": {"scale": P("pipeline", None), "bias": P("pipeline", None)},
         "ln2": {"scale": P("pipeline", None), "bias": P("pipeline", None)},
         "attn": {
@@ -124,6 +120,31 @@ EXPECTED_SPECS = {
 def batch(step: int, rows: int = GLOBAL_BATCH, seq_len: int = 64) -> np.ndarray:
     """Seeded token batch `int32[rows, seq_len + 1]` for optimizer step `step`."""
     return np.random.default_rng([2024, step]).integers(0, 256, (rows, seq_len + 1), np.int32)
+
+
+def put(engine, tokens):
+    """The engine's batch `(tokens,)`, split over its batch axes."""
+    return jax.device_put((tokens,), engine.batch_sharding)
+
+
+def reference_optimizer(cfg):
+    """`make_optimizer` masked by the model's parameter roles, as the engine builds it (but
+    clipping inside the chain: the plain optax way)."""
+    roles = masks(nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, cfg.train.seed))))
+    return make_optimizer(
+        cfg.optim, cfg.train.steps, decay_mask=roles.decay, stacked_mask=roles.stacked
+    )
+
+
+def loss_and_grads_of(lab, cfg, **kw):
+    """`(fn(params, tokens) -> (loss, grads), abstract params, specs)` of cfg's engine."""
+    engine, state = abstract_engine(cfg, lab.mesh_for(cfg), **kw)
+
+    def fn(params, tokens):
+        loss, _, grads = engine.loss_and_grads(params, (tokens,))
+        return loss, grads
+
+    return fn, state.params, engine.stages.specs
 
 
 def mesh_id(shape) -> str:
@@ -280,9 +301,7 @@ class Lab:
             cfg, mesh, engine, state = self.engine(shape, optim)
             state, out = copy_tree(state), []
             for k in range(n):
-                state, metrics = engine.train_step(
-                    state, jax.device_put(batch(k), engine.batch_sharding)
-                )
+                state, metrics = engine.train_step(state, put(engine, batch(k)))
                 out.append((copy_tree(state), jax.device_get(metrics)))
             return out
 
@@ -301,9 +320,10 @@ class Lab:
         return self.memo("reference", build)
 
     def ref_optimizer(self, optim):
-        """(optax chain, schedule) from `make_optimizer` for the reference."""
+        """(optax chain, schedule) from `make_optimizer` for the reference, masked by the
+        model's parameter roles (no decay of biases and norms; per-layer trust ratios)."""
         cfg = self.cfg((1, 1, 1), optim)
-        return make_optimizer(cfg.optim, cfg.train.steps)
+        return reference_optimizer(cfg)
 
     def ref_steps(self, optim, n: int = 3):
         """[{loss, grads, params, opt_state, updates, old_params}] of n plain optimizer steps
@@ -349,10 +369,10 @@ def lab(tiny_cfg, mesh_for):
 
 @pytest.mark.parametrize("shape", MESHES, ids=mesh_id)
 def test_init_params_match_reference(lab, shape):
-    """`init_params` on any mesh gives the reference model's values (they depend only on the
-    seed), bit-identical to the 1-device jitted init, and the engine starts from them."""
+    """The engine's initial params on any mesh are the reference model's values (they depend
+    only on the seed), bit-identical to the 1-device jitted init, in the engine's specs."""
     cfg, mesh, engine, state = lab.engine(shape, "adamw")
-    graphdef, params, specs = init_params(cfg.model, cfg.train.seed, mesh)
+    params, specs = state.params, engine.stages.specs
     _, ref_params, _ = lab.reference()
     g, w = leaves(params), leaves(ref_params)
     assert g.keys() == w.keys()
@@ -364,27 +384,25 @@ def test_init_params_match_reference(lab, shape):
     one_device = leaves(lab.engine((1, 1, 1), "adamw")[3].params)
     for k in w:
         np.testing.assert_array_equal(g[k], one_device[k], err_msg=k)
-    for k, v in leaves(state.params).items():
-        np.testing.assert_array_equal(v, g[k], err_msg=k)
-    assert specs == engine.specs
-    assert_sharded_as(params, specs, mesh, "init_params")
+    assert_sharded_as(params, specs, mesh, "initial params")
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=mesh_id)
 def test_specs_and_local_shards(lab, shape):
     """Specs are the Megatron/pipeline layout; params (initial and updated), the SGD trace
     (= grads) and AdamW moments live exactly there, and no device holds a whole tensor-split
-    weight. (Grads straight out of `make_loss_and_grads` are checked in the bubble tests.)"""
+    weight. (Grads straight out of `engine.loss_and_grads` are checked in the bubble tests.)"""
     cfg, mesh, engine, state = lab.engine(shape, "adamw")
-    assert engine.specs == EXPECTED_SPECS
-    assert_sharded_as(state.params, engine.specs, mesh, "params")
+    specs = engine.stages.specs
+    assert specs == EXPECTED_SPECS
+    assert_sharded_as(state.params, specs, mesh, "params")
     new_state, _ = lab.steps(shape, "adamw", 1)[0]
-    assert_sharded_as(new_state.params, engine.specs, mesh, "updated params")
+    assert_sharded_as(new_state.params, specs, mesh, "updated params")
     adam = adam_state(new_state.opt_state)
-    assert_sharded_as(adam.mu, engine.specs, mesh, "adam mu")
-    assert_sharded_as(adam.nu, engine.specs, mesh, "adam nu")
+    assert_sharded_as(adam.mu, specs, mesh, "adam mu")
+    assert_sharded_as(adam.nu, specs, mesh, "adam nu")
     sgd_state, _ = lab.steps(shape, "sgd", 1)[0]
-    assert_sharded_as(sgd_trace(sgd_state.opt_state), engine.specs, mesh, "grads (sgd trace)")
+    assert_sharded_as(sgd_trace(sgd_state.opt_state), specs, mesh, "grads (sgd trace)")
 
 
 def find_state(opt_state, type_name: str):
@@ -475,13 +493,12 @@ def test_three_adamw_steps_match(lab):
 
 
 def sharded_loss_and_grads(lab, cfg, *, bubble_fill=0.0):
-    """(loss, grads, specs, mesh): `make_loss_and_grads` on cfg's mesh, from `init_params`,
-    on batch(0) (the reference's first batch)."""
+    """(loss, grads, specs, mesh): `engine.loss_and_grads` on cfg's mesh, from the engine's
+    initial params, on batch(0) (the reference's first batch)."""
     mesh = lab.mesh_for(cfg)
-    graphdef, params, specs = init_params(cfg.model, cfg.train.seed, mesh)
-    fn = jax.jit(make_loss_and_grads(graphdef, specs, cfg, mesh, bubble_fill=bubble_fill))
-    loss, grads = fn(params, jax.device_put(batch(0), NamedSharding(mesh, P("replica", None))))
-    return loss, grads, specs, mesh
+    engine, state = build_engine(cfg, mesh, bubble_fill=bubble_fill)
+    loss, _, grads = jax.jit(engine.loss_and_grads)(state.params, put(engine, batch(0)))
+    return loss, grads, engine.stages.specs, mesh
 
 
 def test_pipeline_microbatches_equal_accumulation(lab):
@@ -603,9 +620,8 @@ def test_remat_policy_gradients(lab, policy):
     assert_trees_close(grads, ref["grads"], GRAD_TOL, f"remat grads {policy} vs reference")
 
     cfg = lab.cfg((1, 2, 2), "adamw", f"model.remat={policy}")
-    graphdef, params, specs = abstract_params(cfg.model, cfg.train.seed)
+    fn, params, _ = loss_and_grads_of(lab, cfg)
     tokens = jax.ShapeDtypeStruct((GLOBAL_BATCH, cfg.model.seq_len + 1), jnp.int32)
-    fn = make_loss_and_grads(graphdef, specs, cfg, lab.mesh_for(cfg))
     used = remat_policies_used(jax.make_jaxpr(fn)(params, tokens).jaxpr)
     assert used == ({REMAT_POLICIES[policy]} if policy != "none" else set()), used
 
@@ -634,8 +650,7 @@ def test_full_remat_uses_less_temp_memory(lab):
             f"model.remat={policy}",
             mesh=(1, 1, 1),
         )
-        graphdef, params, specs = abstract_params(cfg.model, cfg.train.seed)
-        fn = make_loss_and_grads(graphdef, specs, cfg, lab.mesh_for(cfg))
+        fn, params, _ = loss_and_grads_of(lab, cfg)
         tokens = jax.ShapeDtypeStruct((8, 129), jnp.int32)
         memory = jax.jit(fn).lower(params, tokens).compile().memory_analysis()
         temp[policy] = memory.temp_size_in_bytes
@@ -650,9 +665,9 @@ def test_full_remat_uses_less_temp_memory(lab):
 
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 1)], ids=mesh_id)
 def test_eval_loss_matches_reference(lab, shape):
-    """`engine.eval_loss` (forward only) == the plain loss of the same params and batch."""
+    """`engine.eval_step` (forward only) == the plain loss of the same params and batch."""
     cfg, mesh, engine, state = lab.engine(shape, "adamw")
-    loss = engine.eval_loss(state.params, jax.device_put(batch(0), engine.batch_sharding))
+    loss = engine.eval_step(state.params, put(engine, batch(0)))["val_loss"]
     assert_loss_close(loss, lab.ref_steps("adamw")[0]["loss"], "eval")
 
 
@@ -687,7 +702,7 @@ def executed_collectives(jaxpr, axis: str) -> Counter:
 
 
 def test_gradient_reduction_once_per_step(lab):
-    """On 2x1x1, the collectives over `replica` in `make_loss_and_grads` run once per step:
+    """On 2x1x1, the collectives over `replica` in `engine.loss_and_grads` run once per step:
     one psum per parameter leaf plus one for the loss, for 2 and for 4 micro-batches. The
     counter is not blind to loops: the per-micro-batch tensor-axis psums (Megatron, size-1
     axis here) double from 2 to 4 micro-batches."""
@@ -700,9 +715,8 @@ def test_gradient_reduction_once_per_step(lab):
             mesh=(2, 1, 1),
         )
         assert cfg.global_batch == 2 * 2 * accum
-        graphdef, params, specs = abstract_params(cfg.model, cfg.train.seed)
+        fn, params, _ = loss_and_grads_of(lab, cfg)
         tokens = jax.ShapeDtypeStruct((cfg.global_batch, cfg.model.seq_len + 1), jnp.int32)
-        fn = make_loss_and_grads(graphdef, specs, cfg, lab.mesh_for(cfg))
         jaxpr = jax.make_jaxpr(fn)(params, tokens).jaxpr
         replica[accum], tensor[accum] = (
             executed_collectives(jaxpr, a) for a in ("replica", "tensor")
@@ -737,12 +751,12 @@ def trust_updates(lab, shape, optim):
     and params, sharded with the engine's specs on `shape`."""
     cfg = lab.cfg(shape, optim)
     mesh = lab.mesh_for(cfg)
-    _, _, specs = abstract_params(cfg.model, cfg.train.seed)
+    specs = abstract_engine(cfg, mesh)[0].stages.specs
     ref = lab.ref_steps(optim, 2)[0]
     to_mesh = lambda tree: jax.device_put(tree, shardings(mesh, specs))
     grads, params = to_mesh(ref["grads"]), to_mesh(ref["old_params"])
     assert_sharded_as(grads, specs, mesh, "sharded reference grads")
-    opt, _ = make_optimizer(cfg.optim, cfg.train.steps)
+    opt, _ = reference_optimizer(cfg)
     return jax.jit(lambda g, p: opt.update(g, opt.init(p), p)[0])(grads, params)
 
 
@@ -758,8 +772,8 @@ def test_trust_ratio_optimizers_sharded_match_reference(lab, shape, optim):
     assert_trees_close(updates, ref["updates"], TRUST_TOL, f"{optim} updates {mesh_id(shape)}")
     t = lab.mesh_for(lab.cfg(shape, optim)).shape["tensor"]
     if t > 1:
-        p = np.asarray(ref["old_params"]["blocks"]["mlp"]["w_in"], np.float64)
-        u = np.asarray(ref["updates"]["blocks"]["mlp"]["w_in"], np.float64)
+        p = np.asarray(ref["old_params"]["layers"]["mlp"]["w_in"], np.float64)
+        u = np.asarray(ref["updates"]["layers"]["mlp"]["w_in"], np.float64)
         whole = np.linalg.norm(p, axis=(1, 2)) / np.linalg.norm(u, axis=(1, 2))
         shard = [
             np.linalg.norm(ps, axis=(1, 2)) / np.linalg.norm(us, axis=(1, 2))
@@ -807,7 +821,7 @@ def test_bfloat16_master_weights_step(lab):
     engine, state = build_engine(cfg, lab.mesh_for(cfg))
     assert {a.dtype for a in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
     old = leaves(state.params)
-    new, metrics = engine.train_step(state, jax.device_put(batch(0), engine.batch_sharding))
+    new, metrics = engine.train_step(state, put(engine, batch(0)))
     ref_loss = float(lab.ref_steps("adamw")[0]["loss"])
     err = abs(float(metrics["loss"]) - ref_loss) / ref_loss
     record("loss bfloat16 vs float32 reference", err)
@@ -835,7 +849,7 @@ def test_float16_overflow_skips_step(lab):
     engine, state = build_engine(cfg, lab.mesh_for(cfg))
     old_params, old_tx = leaves(state.params), leaves(state.opt_state.tx)
     assert {a.dtype for a in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
-    new, metrics = engine.train_step(state, jax.device_put(batch(0), engine.batch_sharding))
+    new, metrics = engine.train_step(state, put(engine, batch(0)))
     assert int(metrics["skipped_steps"]) == 1 and float(metrics["loss_scale"]) == 2.0**40
     assert float(new.opt_state.loss_scale.scale) == 2.0**39 and int(new.step) == 1
     for k, v in leaves(new.params).items():

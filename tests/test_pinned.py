@@ -10,6 +10,11 @@ Tolerance: the largest relative difference between the one-device and the sharde
 the same float32 config (the same math summed in another order) is 5.5e-7 after three
 steps; RTOL is four times that. A change of the arithmetic (another rounding key, another
 clip formula) moves these values by far more.
+
+Re-pinned once, with its cause shown: `gpt-fp16-222` when the stacked layers' key became
+`layers` (it was `blocks`). Stochastic rounding keys hash each parameter's path, so the
+rounding bits changed; hashing the old path instead, the new engine gave the old values
+bit for bit.
 """
 
 from __future__ import annotations
@@ -55,8 +60,8 @@ PINNED = {
                                                   (3.1665687561035156, 20.6570987701416),
                                                   (3.1731057167053223, 17.39470863342285)]),
     "gpt-fp16-222": ((*GPT, *FP16), (2, 2, 2), [(5.487253189086914, 3.9427688121795654),
-                                                (5.308182239532471, 3.1778247356414795),
-                                                (5.279425144195557, 2.3492496013641357)]),
+                                                (5.308175086975098, 3.177781820297241),
+                                                (5.279427528381348, 2.3492183685302734)]),
     "effnet-fp16-421": ((*VISION, *SPLIT, *FP16), (4, 2, 1),
                         [(3.0527524948120117, float("inf")),
                          (3.409079074859619, 22.84575080871582),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpod.config.load import load_config
+from jaxpod.config import load_config
 from jaxpod.errors import UserError
 from jaxpod.models.efficientnet import flops_per_image
 from jaxpod.planner.plan import (
@@ -160,7 +160,7 @@ def test_rts_and_offload_move_bytes():
     # streamed matrix by matrix, each step fetches its own blocks: two steps' blocks on the
     # device instead of two layers (the largest step: 2·D·F/k = 2 x 1024 x 4096 / 4 params),
     # whatever the phases
-    steps = [*base, "memory.offload=[params]", "memory.stream=matrix", "memory.mlp_blocks=4"]
+    steps = [*base, "memory.offload=[params]", "memory.stream=matrix", "memory.mlp_panels=4"]
     for phases in (1, 6):
         st = plan(cfg_of(*steps, f"memory.phases={phases}"))
         width = st["dtype_bytes"]["master"]
@@ -258,11 +258,10 @@ def test_a_smaller_gpipe_pass_is_suggested_and_fits():
 def test_param_layout_matches_the_model():
     """The formula's count equals the GPT's own parameter count (no weights: eval_shape)."""
     import jax
-
-    from jaxpod.engine.transformer import abstract_params
+    from conftest import model_params_and_specs
 
     cfg = cfg_of("model.layers=2", "model.tie_embeddings=false")
-    _, params, _ = abstract_params(cfg.model)
+    params, _ = model_params_and_specs(cfg)
     assert param_layout(cfg)["total"] == sum(x.size for x in jax.tree.leaves(params))
 
 
@@ -274,11 +273,10 @@ def test_param_layout_per_device_matches_the_specs(sp):
     import math
 
     import jax
-
-    from jaxpod.engine.transformer import abstract_params
+    from conftest import model_params_and_specs
 
     cfg = cfg_of("devices=8", "mesh.pipeline=2", "mesh.tensor=4", f"model.sequence_parallel={sp}")
-    _, params, specs = abstract_params(cfg.model)
+    params, specs = model_params_and_specs(cfg)
     sizes = {"pipeline": 2, "tensor": 4}
     split = lambda spec: math.prod(sizes.get(a, 1) for e in spec if e for a in jax.tree.leaves(e))
     held = jax.tree.map(lambda x, s: x.size // split(s), params, specs)
@@ -304,7 +302,7 @@ XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, more overrides
         "full",
         4,
         ["model.sequence_parallel=true", "model.sequence_chunks=8", "memory.stream=matrix"]
-        + ["memory.mlp_blocks=4"],
+        + ["memory.mlp_panels=4"],
     ),
     "1x2x4-full-ga4-chunks8-sp": (
         (1, 2, 4),
@@ -328,15 +326,10 @@ XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, more overrides
 
 
 def compiled_bytes(cfg, mesh) -> int:
-    import jax
-    import numpy as np
+    from jaxpod.run.aot import abstract_inputs
 
-    from jaxpod.engine.transformer import build_engine
-
-    engine, state = build_engine(cfg, mesh)
-    shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
-    tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=engine.batch_sharding)
-    mem = engine.train_step.lower(state, tokens).compile().memory_analysis()
+    engine, state, batch = abstract_inputs(cfg, mesh)
+    mem = engine.train_step.lower(state, batch).compile().memory_analysis()
     return mem.argument_size_in_bytes + mem.temp_size_in_bytes
 
 
@@ -398,24 +391,24 @@ def test_matrix_stream_shrinks_compiled_memory(tiny_cfg, mesh_for):
     within 15 % like the XLA_CASES (41.18 planned for 40.80)."""
     shape = ["model.d_model=512", "model.d_ff=2048", "model.seq_len=16", "train.micro_batch=1"]
     shape += ["train.grad_accum=4", "optim.name=sgd", "model.remat=full", *RTS4]
-    matrix = ["memory.stream=matrix", "memory.mlp_blocks=2"]
+    matrix = ["memory.stream=matrix", "memory.mlp_panels=2"]
     assert_planned_drop(tiny_cfg, mesh_for, (4, 2, 1), shape, [], matrix, 0.08)
 
 
-def test_vocab_blocks_shrink_compiled_memory(tiny_cfg, mesh_for):
-    """GPT's token table in 8 blocks of rows (`memory.vocab_blocks=8`) where the loss head
+def test_vocab_slices_shrink_compiled_memory(tiny_cfg, mesh_for):
+    """GPT's token table in 8 blocks of rows (`memory.vocab_slices=8`) where the loss head
     dominates (4x2x1, RTS 4, vocabulary 8192, no token blocks): the head's logits and the
     gathered table shrink to a block's. XLA's bytes drop from 61.16 to 16.03 MB, the planner
     predicts the drop (65.56 -> 18.38 MB), and both totals are within 15 %."""
     shape = ["model.vocab=8192", "train.grad_accum=4", "model.remat=full", *RTS4]
-    blocks = ["memory.vocab_blocks=8"]
+    blocks = ["memory.vocab_slices=8"]
     assert_planned_drop(tiny_cfg, mesh_for, (4, 2, 1), shape, [], blocks, 0.5)
 
 
 def test_suggestions_name_sequence_parallelism_and_chunks_with_their_bytes():
     """GPT-3 without sequence parallelism or chunks: both are suggested, each with the device
     total it would give, and each really is smaller than the plan's."""
-    from jaxpod.config.load import load_config, parse_bytes
+    from jaxpod.config import load_config, parse_bytes
 
     path = Path(__file__).resolve().parents[1] / "configs" / "gpt3_175b_pod256.yaml"
     cfg = load_config(path, ["model.sequence_parallel=false", "model.sequence_chunks=1"])
@@ -426,23 +419,23 @@ def test_suggestions_name_sequence_parallelism_and_chunks_with_their_bytes():
         assert parse_bytes(shown.replace(" ", "")) < total
 
 
-def test_suggestion_streams_with_the_fewest_mlp_blocks_that_fit():
+def test_suggestion_streams_with_the_fewest_mlp_panels_that_fit():
     """GPT-3 on a GC200 layer by layer (1.48 GB) or in 2 MLP blocks (1.07 GB) does not fit;
     the suggestion is the fewest MLP blocks that do (4: 842 MB; each block costs the MLP's
     collectives once more), with matrix streaming turned on if it is off. In a 700 MB budget
     none fits: the suggestion is then the fewest blocks with the smallest total (8: 729 MB).
     With the token table whole (864 MB) in an 800 MB budget: the fewest table blocks that
     fit (4: 787 MB)."""
-    from jaxpod.config.load import load_config
+    from jaxpod.config import load_config
 
     path = Path(__file__).resolve().parents[1] / "configs" / "gpt3_175b_pod256.yaml"
-    layer = ["memory.stream=layer", "memory.mlp_blocks=1"]
-    whole = ["memory.vocab_blocks=1", "memory.device_budget=800MB"]
+    layer = ["memory.stream=layer", "memory.mlp_panels=1"]
+    whole = ["memory.vocab_slices=1", "memory.device_budget=800MB"]
     for overrides, knob, fits in (
-        (layer, "memory.stream=matrix memory.mlp_blocks=4", True),
-        (["memory.mlp_blocks=2"], "memory.mlp_blocks=4", True),
-        (["memory.mlp_blocks=4", "memory.device_budget=700MB"], "memory.mlp_blocks=8", False),
-        (whole, "memory.vocab_blocks=4", True),
+        (layer, "memory.stream=matrix memory.mlp_panels=4", True),
+        (["memory.mlp_panels=2"], "memory.mlp_panels=4", True),
+        (["memory.mlp_panels=4", "memory.device_budget=700MB"], "memory.mlp_panels=8", False),
+        (whole, "memory.vocab_slices=4", True),
     ):
         p = plan(load_config(path, overrides))
         assert not p["fits"] and f"try: {knob} (" in p["suggestion"], p["suggestion"]

@@ -12,15 +12,15 @@ import numpy as np
 import optax
 import pytest
 
-from jaxpod.config.load import OptimConfig, PrecisionConfig
+from jaxpod.config import OptimConfig, PrecisionConfig
 from jaxpod.optim.chains import make_optimizer
+from jaxpod.optim.guarded import guarded_update, whole_tree
 from jaxpod.optim.precision import (
     LossScaleState,
     all_finite,
     apply_updates,
     cast_tree_like,
     compute_dtype,
-    guarded_update,
     init_loss_scale,
     master_dtype,
     param_dtype,
@@ -229,8 +229,9 @@ def _setup(master_dtype_, name="lars"):
         "bias": jnp.zeros((4,), master_dtype_),
     }
     tx, _ = make_optimizer(
-        OptimConfig(name=name, lr=0.5, schedule="constant", weight_decay=1e-4), 100
-    )
+        OptimConfig(name=name, lr=0.5, schedule="constant", weight_decay=1e-4), 100,
+        decay_mask={"w": True, "bias": False}, clip=False,
+    )  # fmt: skip
     return params, tx, tx.init(params)
 
 
@@ -251,7 +252,9 @@ def test_overflow_step_is_skipped_and_scale_halves(dtype, name):
     )  # fmt: skip
     params, tx, opt = _setup(dtype, name)
     ls = init_loss_scale(cfg)
-    step = jax.jit(lambda g, o, p, s, k: guarded_update(tx, g, o, p, s, cfg, k))
+    step = jax.jit(
+        lambda g, o, p, s, k: guarded_update(whole_tree(tx), g, o, p, s, k, cfg, max_norm=1.0)
+    )
     grads = jax.tree.map(lambda p: (jnp.ones_like(p) * 1024.0 * 0.01).astype(dtype), params)
     params, opt, ls, info = step(grads, opt, params, ls, jax.random.key(1))  # a normal step
     assert bool(info["finite"]) and int(ls.good_steps) == 1 and int(ls.skipped) == 0

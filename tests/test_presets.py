@@ -16,7 +16,7 @@ import math
 import pytest
 from test_cli import ROOT, jaxpod
 
-from jaxpod.config.load import load_config
+from jaxpod.config import load_config
 from jaxpod.planner.plan import plan
 
 CONFIGS = ROOT / "configs"
@@ -77,7 +77,7 @@ def test_gpt3_175b_pod256_plan():
     assert p["weight_fraction_per_device"] == pytest.approx(1 / (8 * 8 * 4))
     assert (p["rts"], p["configured_phases"]) == (4, 12)
     assert set(p["offload"]) == {"params", "optimizer", "activations"}
-    assert (p["configured_stream"], p["mlp_blocks"], p["vocab_blocks"]) == ("matrix", 8, 16)
+    assert (p["configured_stream"], p["mlp_panels"], p["vocab_slices"]) == ("matrix", 8, 16)
     b = p["bytes_per_device"]
     # on the device: the non-layer weights (token table and positions split over tensor 8,
     # everything over rts 4) and two steps' blocks, the largest step D^2 = 2·D·F/8 params
@@ -90,10 +90,10 @@ def test_gpt3_175b_pod256_plan():
     assert b["device_total"] == pytest.approx(729e6, rel=0.01)
     assert p["fits"] and p["phases"] == 12
     # the table gathered whole instead of a block and its gradient at a time
-    whole = plan(preset("gpt3_175b_pod256", "memory.vocab_blocks=1"))["bytes_per_device"]
+    whole = plan(preset("gpt3_175b_pod256", "memory.vocab_slices=1"))["bytes_per_device"]
     assert whole["gathered"] - b["gathered"] == pytest.approx((table - 2 * table / 16) * fp16)
     assert whole["device_total"] == pytest.approx(864e6, rel=0.01)
-    layer = plan(preset("gpt3_175b_pod256", "memory.stream=layer", "memory.mlp_blocks=1"))
+    layer = plan(preset("gpt3_175b_pod256", "memory.stream=layer", "memory.mlp_panels=1"))
     gathered = layer["bytes_per_device"]["gathered"] - b["gathered"]
     assert gathered == pytest.approx(378e6, rel=0.01)
     assert layer["bytes_per_device"]["device_total"] > 1.4e9 and not layer["fits"]
@@ -119,7 +119,7 @@ def test_emulated_keeps_the_topology_and_recipe(emulated, full):
     assert set(e.memory.offload) == set(f.memory.offload)
     assert (e.memory.rts, e.memory.rts_optimizer) == (f.memory.rts, f.memory.rts_optimizer)
     assert e.memory.stream == f.memory.stream  # the MLP in 2 blocks, not 8: 3 steps in 65 s
-    assert (e.memory.vocab_blocks > 1) == (f.memory.vocab_blocks > 1)
+    assert (e.memory.vocab_slices > 1) == (f.memory.vocab_slices > 1)
 
 
 # ----------------------------------------------------------------------------- subprocesses

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 
-from jaxpod.config.load import dump_yaml
+from jaxpod.config import dump_yaml
 from jaxpod.run.metrics import MetricsWriter, flat_hparams, hparams_event, write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def jaxpod(*args: str) -> subprocess.CompletedProcess:
 
 def fake_run(logdir: Path, *overrides: str, losses=(), vals=(), eval_json=True, mtime=0) -> None:
     """A run directory as `jaxpod train` leaves it (config.yaml, metrics.jsonl, eval.json)."""
-    from jaxpod.config.load import load_config
+    from jaxpod.config import load_config
 
     logdir.mkdir(parents=True)
     (logdir / "config.yaml").write_text(dump_yaml(load_config(TINY, list(overrides))))

@@ -20,7 +20,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxpod.parallel.tensor import (
-    VocabBlocks,
+    VocabSlices,
     column_dense,
     row_dense,
     vocab_cross_entropy,
@@ -140,40 +140,40 @@ def test_row_dense(t, bias):
     check_all("row_dense", (y_s, *g_s), (y_p, *g_p), want)
 
 
-def _tokens(rng: np.random.Generator, t: int, blocks: int = 1, rows: int = B) -> np.ndarray:
-    """[rows, T] ids: random, with every shard-boundary id (and every block's, when each
-    shard's rows are used in `blocks` blocks) and a repeat of id V/t."""
+def _tokens(rng: np.random.Generator, t: int, slices: int = 1, rows: int = B) -> np.ndarray:
+    """[rows, T] ids: random, with every shard-boundary id (and every slice's, when each
+    shard's rows are used in `slices` slices) and a repeat of id V/t."""
     ids = rng.integers(0, V, size=rows * T).astype(np.int32)
-    edges = boundary_ids(t * blocks)
+    edges = boundary_ids(t * slices)
     ids[: len(edges)] = edges
     ids[len(edges)] = V // t  # a repeated id: its table-gradient rows must accumulate
     return rng.permutation(ids).reshape(rows, T)
 
 
-def vocab_blocks(blocks: int, prepared: list) -> VocabBlocks | None:
-    """`blocks` blocks of rows, each `prepare`d on its own (shapes recorded in `prepared`)."""
-    if blocks == 1:
-        return None
-    return VocabBlocks(blocks, lambda rows: prepared.append(rows.shape) or rows)
+def vocab_table(table, slices: int, prepared: list):
+    """`table` whole, or used in `slices` slices of rows, each `prepare`d on its own (shapes
+    recorded in `prepared`)."""
+    if slices == 1:
+        return table
+    return VocabSlices(table, slices, lambda rows: prepared.append(rows.shape) or rows)
 
 
-@pytest.mark.parametrize("blocks", [1, 2])
+@pytest.mark.parametrize("slices", [1, 2])
 @pytest.mark.parametrize("t", TENSOR_SIZES)
-def test_vocab_embed(t, blocks):
+def test_vocab_embed(t, slices):
     """Vocab-parallel lookup == `table[tokens]`; its table gradient is a scatter-add. With
-    `blocks`, a block of each shard's rows at a time (`VocabBlocks`)."""
+    `slices`, a slice of each shard's rows at a time (`VocabSlices`)."""
     rng = np.random.default_rng(3)
-    tokens = _tokens(rng, t, blocks, rows=2 * B)  # room for every block's boundary ids
+    tokens = _tokens(rng, t, slices, rows=2 * B)  # room for every slice's boundary ids
     table, cot = normal(rng, V, D), normal(rng, 2 * B, T, D)
     prepared = []
-    vocab = vocab_blocks(blocks, prepared)
     sharded = jax.shard_map(
-        lambda tok, tab: vocab_embed(tok, tab, "tensor", vocab=vocab),
+        lambda tok, tab: vocab_embed(tok, vocab_table(tab, slices, prepared), "tensor"),
         mesh=tensor_mesh(t),
         in_specs=(P(), P("tensor", None)),
         out_specs=P(),
     )
-    plain = lambda tok, tab: vocab_embed(tok, tab, None, vocab=vocab)
+    plain = lambda tok, tab: vocab_embed(tok, vocab_table(tab, slices, prepared), None)
     loss = lambda f: lambda tab: jnp.sum(f(tokens, tab) * cot)
     x_s, x_p = jax.jit(sharded)(tokens, table), plain(tokens, table)
     g_s, g_p = jax.jit(jax.grad(loss(sharded)))(table), jax.grad(loss(plain))(table)
@@ -185,29 +185,28 @@ def test_vocab_embed(t, blocks):
     np.testing.assert_array_equal(np.asarray(x_p), table[tokens])
     check_all("vocab_embed", (x_s, g_s), (x_p, g_p), (table[tokens], g_ref))
     assert np.all(np.asarray(g_s)[np.setdiff1d(np.arange(V), tokens)] == 0)
-    assert set(prepared) == ({(V // t // blocks, D), (V // blocks, D)} if blocks > 1 else set())
+    assert set(prepared) == ({(V // t // slices, D), (V // slices, D)} if slices > 1 else set())
 
 
-@pytest.mark.parametrize("blocks", [1, 2])
+@pytest.mark.parametrize("slices", [1, 2])
 @pytest.mark.parametrize("t", TENSOR_SIZES)
-def test_vocab_cross_entropy(t, blocks):
+def test_vocab_cross_entropy(t, slices):
     """Vocab-parallel CE of `h @ table.T` == optax's CE on the full logits, and float64. With
-    `blocks`, the logits of a block of each shard's rows at a time, softmax online."""
+    `slices`, the logits of a slice of each shard's rows at a time, softmax online."""
     rng = np.random.default_rng(4)
     n = 2 * V
-    targets = _tokens(rng, t, blocks, rows=2 * B).ravel()
+    targets = _tokens(rng, t, slices, rows=2 * B).ravel()
     targets = np.concatenate([targets, rng.integers(0, V, n - targets.size)]).astype(np.int32)
     h = normal(rng, n, D, scale=3.0)  # logits spread over ~+-25: the max shift matters
     table, weights = normal(rng, V, D, scale=0.5), normal(rng, n)
     prepared = []
-    vocab = vocab_blocks(blocks, prepared)
     sharded = jax.shard_map(
-        lambda h, tab, y: vocab_cross_entropy(h, tab, y, "tensor", vocab),
+        lambda h, tab, y: vocab_cross_entropy(h, vocab_table(tab, slices, prepared), y, "tensor"),
         mesh=tensor_mesh(t),
         in_specs=(P(), P("tensor", None), P()),
         out_specs=P(),
     )
-    plain = lambda h, tab, y: vocab_cross_entropy(h, tab, y, None, vocab)
+    plain = lambda h, tab, y: vocab_cross_entropy(h, vocab_table(tab, slices, prepared), y, None)
     optax_ce = lambda h, tab, y: optax.softmax_cross_entropy_with_integer_labels(h @ tab.T, y)
     loss = lambda f: lambda h, tab: jnp.sum(f(h, tab, targets) * weights)
     l_s, l_p = jax.jit(sharded)(h, table, targets), plain(h, table, targets)
@@ -231,4 +230,4 @@ def test_vocab_cross_entropy(t, blocks):
     at_edges = np.isin(targets, boundary_ids(t))
     assert at_edges.sum() >= len(boundary_ids(t))
     check("vocab_ce boundary targets", np.asarray(l_s)[at_edges], l_ref[at_edges], FLOAT64_TOL)
-    assert set(prepared) == ({(V // t // blocks, D), (V // blocks, D)} if blocks > 1 else set())
+    assert set(prepared) == ({(V // t // slices, D), (V // slices, D)} if slices > 1 else set())

@@ -46,18 +46,16 @@ def vision_cfg(tiny_cfg, mesh, *extra):
 
 def global_batch(engine, cfg, digits, step=0):
     g = cfg.global_batch
-    images, labels = digits.train_batch(step, 0, g, g)
-    put = lambda a: jax.device_put(a, engine.batch_sharding)  # noqa: E731
-    return put(images), put(labels)
+    return jax.device_put(digits.train_batch(step, 0, g, g), engine.batch_sharding)
 
 
 def reference_step(cfg, engine, trees, batch):
     """Plain single-device loss and updated stage trees."""
+    from jaxpod.models.efficientnet import normalize
     from jaxpod.optim.chains import make_optimizer
-    from jaxpod.run.images import normalize
 
     images, labels = (np.asarray(a) for a in batch)
-    graphdefs = engine.model.graphdefs
+    graphdefs = engine.stages.graphdefs
 
     def loss_fn(trees):
         x = normalize(jnp.asarray(images), jnp.float32)
@@ -65,14 +63,15 @@ def reference_step(cfg, engine, trees, batch):
             x = nnx.merge(g, t)(x)
         return optax.softmax_cross_entropy_with_integer_labels(x, jnp.asarray(labels)).mean()
 
-    tx, _ = make_optimizer(cfg.optim, cfg.train.steps)
+    decay = [m.decay for m in engine.stages.masks]  # each stage's parameter roles
+    tx, _ = make_optimizer(cfg.optim, cfg.train.steps, decay_mask=decay)
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(trees)
     updates, _ = tx.update(grads, tx.init(trees), trees)
     return float(loss), optax.apply_updates(trees, updates)
 
 
 def host_trees(engine, params):
-    return [jax.tree.map(np.asarray, t) for t in engine.model.packing.unpack_all(params)]
+    return [jax.tree.map(np.asarray, t) for t in engine.stages.packing.unpack_all(params)]
 
 
 def test_stage_packing_round_trip():
@@ -98,18 +97,18 @@ def test_stage_packing_round_trip():
 
 
 def test_stage_rows_live_on_their_stage(tiny_cfg, mesh_for):
-    from jaxpod.engine.vision import build_vision_engine
+    from jaxpod.engine import build_engine
 
     cfg = vision_cfg(tiny_cfg, (2, 2, 1), *LARS_GA2)
     mesh = mesh_for(cfg)
-    engine, state = build_vision_engine(cfg, mesh)
+    engine, state = build_engine(cfg, mesh)
     for buf in state.params.values():
         for shard in buf.addressable_shards:
             stage = int(np.argwhere(mesh.devices == shard.device)[0][1])
             assert shard.index[0] == slice(stage, stage + 1)
     trees = host_trees(engine, state.params)
-    assert sum(x.size for x in jax.tree.leaves(trees)) == engine.model.params
-    assert engine.model.packing.num_stages == 2
+    assert sum(x.size for x in jax.tree.leaves(trees)) == engine.stages.params_count
+    assert engine.stages.packing.num_stages == 2
 
 
 # Each distinct config is one XLA compile (tens of seconds for a CNN on CPU): the tests share
@@ -123,10 +122,10 @@ LARS_GA2 = ("optim.name=lars", "train.grad_accum=2")
     ids=["2x2x1-lars", "2x1x1-lars"],
 )
 def test_step_matches_single_device_reference(tiny_cfg, mesh_for, digits, shape, extra):
-    from jaxpod.engine.vision import build_vision_engine
+    from jaxpod.engine import build_engine
 
     cfg = vision_cfg(tiny_cfg, shape, *extra)
-    engine, state = build_vision_engine(cfg, mesh_for(cfg))
+    engine, state = build_engine(cfg, mesh_for(cfg))
     trees = host_trees(engine, state.params)
     batch = global_batch(engine, cfg, digits)
     want_loss, want = reference_step(cfg, engine, trees, batch)
@@ -147,13 +146,13 @@ def test_two_stage_losses_equal_one_stage(tiny_cfg, mesh_for, digits):
     """Same seed, same network (parameters are drawn in network order): S=2 == S=1. The
     two-stage run takes its 2 micro-batches in two GPipe passes (`train.pipeline_group=1`,
     gradients summed); `test_step_matches_single_device_reference` covers one pass."""
-    from jaxpod.engine.vision import build_vision_engine
+    from jaxpod.engine import build_engine
 
     losses = {}
     for shape in [(2, 1, 1), (2, 2, 1)]:
         passes = ["train.pipeline_group=1"] if shape[1] == 2 else []
         cfg = vision_cfg(tiny_cfg, shape, *LARS_GA2, *passes)
-        engine, state = build_vision_engine(cfg, mesh_for(cfg))
+        engine, state = build_engine(cfg, mesh_for(cfg))
         run = []
         for step in range(3):
             state, metrics = engine.train_step(state, global_batch(engine, cfg, digits, step))
@@ -167,7 +166,7 @@ def digits_cfg(*overrides):
     rounding, dynamic loss scaling, LARS, G16, 2 stages x 4 replicas (one compile, shared)."""
     from conftest import ROOT
 
-    from jaxpod.config.load import load_config
+    from jaxpod.config import load_config
 
     return load_config(ROOT / "configs" / "efficientnet_digits.yaml", list(overrides))
 
@@ -178,18 +177,18 @@ DIGITS_STEPS = "train.steps=50"
 
 
 def test_overflow_is_skipped_and_halves_the_scale(mesh_for, digits):
-    from jaxpod.engine.vision import build_vision_engine
+    from jaxpod.engine import build_engine
 
     # scaled float16 gradients overflow
     cfg = digits_cfg(DIGITS_STEPS, "precision.loss_scale_init=1e30")
-    engine, state = build_vision_engine(cfg, mesh_for(cfg))
+    engine, state = build_engine(cfg, mesh_for(cfg))
     assert set(state.params) == {"float16"}  # no float32 master copy anywhere
-    before = jax.tree.map(np.asarray, (state.params, state.opt_state["tx"]))
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state.tx))
     state, metrics = engine.train_step(state, global_batch(engine, cfg, digits))
-    after = jax.tree.map(np.asarray, (state.params, state.opt_state["tx"]))
+    after = jax.tree.map(np.asarray, (state.params, state.opt_state.tx))
     jax.tree.map(np.testing.assert_array_equal, after, before)
     assert int(metrics["skipped_steps"]) == 1
-    assert float(state.opt_state["loss_scale"].scale) == pytest.approx(0.5e30, rel=1e-6)
+    assert float(state.opt_state.loss_scale.scale) == pytest.approx(0.5e30, rel=1e-6)
     assert int(state.step) == 1
 
 

@@ -4,7 +4,7 @@ embedding, and the MLM head (dense + GELU + LayerNorm, then logits against the t
 vocab-parallel embedding plus an output bias).
 
 The layer stack and the pipeline pieces are GPT's (`embed`, `layers`, `token_loss`), so the
-same engine trains both; `inputs_and_targets` turns byte windows into masked examples
+one engine trains both; `inputs_and_targets` turns byte windows into masked examples
 (`jaxpod.models.mlm`) and the loss counts only the masked positions.
 """
 
@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpod.config.load import ModelConfig
-from jaxpod.models.layers import INIT_STD, Block, LayerNorm
+from jaxpod.config import ModelConfig
+from jaxpod.models.layers import INIT_STD, Layer, LayerNorm, apply_layers
 from jaxpod.models.mlm import check_vocab, mask_tokens
-from jaxpod.parallel.stream import apply_stack
+from jaxpod.models.params import NO_DECAY, TABLE, param
 from jaxpod.parallel.tensor import (
     column_dense,
     position_rows,
@@ -30,7 +30,7 @@ TOKEN_TYPES = 2  # segments A/B; the byte corpora have one segment, so every id 
 
 class BERT(nnx.Module):
     """Params `wte[V, D]` (vocab-parallel), `wpe[T, D]`, `wtt[2, D]`, `ln_emb`,
-    `blocks[L, ...]`, `ln_f` (pre-LN only), MLM head `w_head[D, D]`, `b_head[D]`, `ln_head`,
+    `layers[L, ...]`, `ln_f` (pre-LN only), MLM head `w_head[D, D]`, `b_head[D]`, `ln_head`,
     output bias `b_out[V]` (vocab-parallel), and `unembed[V, D]` when untied."""
 
     masked = True  # the loss is on masked positions only (weights from inputs_and_targets)
@@ -39,12 +39,12 @@ class BERT(nnx.Module):
         check_vocab(cfg.vocab)
         d, v = cfg.d_model, cfg.vocab
         normal = lambda shape: INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
-        self.wte = nnx.Param(normal((v, d)), axes=("vocab", "embed"))
+        self.wte = param(normal((v, d)), ("vocab", "embed"), TABLE)
         rows = "positions" if cfg.sequence_parallel else None  # split over tensor with SP
-        self.wpe = nnx.Param(normal((cfg.seq_len, d)), axes=(rows, "embed"))
-        self.wtt = nnx.Param(normal((TOKEN_TYPES, d)), axes=(None, "embed"))
+        self.wpe = param(normal((cfg.seq_len, d)), (rows, "embed"))
+        self.wtt = param(normal((TOKEN_TYPES, d)), (None, "embed"))
         self.ln_emb = LayerNorm(d)
-        self.blocks = Block(
+        self.layers = Layer(
             d,
             cfg.heads,
             cfg.d_ff,
@@ -57,14 +57,13 @@ class BERT(nnx.Module):
         )
         self.sequence_parallel = cfg.sequence_parallel
         self.ln_f = LayerNorm(d) if cfg.norm == "pre" else None
-        self.w_head = nnx.Param(normal((d, d)), axes=("embed", None))
-        self.b_head = nnx.Param(jnp.zeros((d,), jnp.float32), axes=(None,))
+        self.w_head = param(normal((d, d)), ("embed", None))
+        self.b_head = param(jnp.zeros((d,), jnp.float32), (None,), NO_DECAY)
         self.ln_head = LayerNorm(d)
-        self.b_out = nnx.Param(jnp.zeros((v,), jnp.float32), axes=("vocab",))
+        self.b_out = param(jnp.zeros((v,), jnp.float32), ("vocab",), NO_DECAY)
         self.unembed = (
-            None if cfg.tie_embeddings else nnx.Param(normal((v, d)), axes=("vocab", "embed"))
+            None if cfg.tie_embeddings else param(normal((v, d)), ("vocab", "embed"), TABLE)
         )
-        self.remat_policy = cfg.remat
 
     def inputs_and_targets(self, tokens: jax.Array, keys: jax.Array):
         """`tokens[B, T+1]` byte windows, `keys[B]` -> `(inputs[B, T], targets[B, T],
@@ -77,10 +76,6 @@ class BERT(nnx.Module):
         positions = position_rows(self.wpe[...], t, tp, sp)  # SP: this shard's, [T_tensor, D]
         x = vocab_embed(tokens, self.wte[...], tp, scatter=sp) + positions + self.wtt[...][0]
         return self.ln_emb(x)
-
-    def layers(self, x: jax.Array, tp: str | None = None, unroll: bool = False, **hooks):
-        """Every (local) encoder layer, `x[B, T, D] -> [B, T, D]` (see `GPT.layers`)."""
-        return apply_stack(self.blocks, self.remat_policy, x, tp, unroll, **hooks)
 
     def token_loss(self, h: jax.Array, targets: jax.Array, tp: str | None = None) -> jax.Array:
         """MLM head + vocab-parallel cross-entropy: `h[..., D], targets[...] -> loss[...]`.
@@ -102,5 +97,5 @@ class BERT(nnx.Module):
         """Plain single-device mean MLM loss over the masked positions of `tokens[B, T+1]`
         with row keys `keys[B]` (the reference)."""
         inputs, targets, weights = self.inputs_and_targets(tokens, keys)
-        loss = self.token_loss(self.layers(self.embed(inputs)), targets)
+        loss = self.token_loss(apply_layers(self.layers, self.embed(inputs)), targets)
         return jnp.sum(loss * weights) / jnp.sum(weights)

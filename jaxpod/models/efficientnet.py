@@ -1,13 +1,14 @@
 """EfficientNet B0..B4 in Flax NNX, with GroupNorm and the G16 variant. Math only: no mesh.
 
 The network is a sequence of *pieces*: the stem (3x3/2 conv, norm, swish), the MBConv blocks
-named like the reference (`"1a"`, `"2a"`, `"2b"`, `"3a"`, ...: stage number, one letter per
-repeat), and the head (1x1 conv, norm, swish, global average pool, classifier). A pipeline cuts
-that sequence at block names: `build_stages(..., splits=["4a"])` gives two `Stage`s, stem..3b
-and 4a..head. Parameters are drawn from `rngs` piece by piece in network order, so for one seed
-they do not depend on `splits`; `restage` regroups existing pieces (sharing their parameters)
-under other splits. `EfficientNet` is just `stages` called in order, so the whole net and its
-stages compute the same function with the same parameters by construction.
+named like the reference (`"1a"`, `"2a"`, `"2b"`, `"3a"`, ...: block group and repeat;
+`jaxpod.models.efficientnet_specs`), and the head (1x1 conv, norm, swish, global average
+pool, classifier). A pipeline cuts that sequence at block names: `build_stages(...,
+splits=["4a"])` gives two pipeline `Stage`s, stem..3b and 4a..head. Parameters are drawn from
+`rngs` piece by piece in network order, so for one seed they do not depend on `splits`;
+`restage` regroups existing pieces (sharing their parameters) under other splits.
+`EfficientNet` is just `stages` called in order, so the whole net and its stages compute the
+same function with the same parameters by construction.
 
 Differences from the reference (TF "efficientnet_model.py"), all deliberate:
 - GroupNorm (per-channel affine, `groups` groups, default 4) instead of BatchNorm everywhere;
@@ -28,183 +29,29 @@ pool and the classifier run in float32, and the logits are float32.
 from __future__ import annotations
 
 import math
-import string
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-# variant -> (width coefficient, depth coefficient, resolution)
-VARIANTS: dict[str, tuple[float, float, int]] = {
-    "b0": (1.0, 1.0, 224),
-    "b1": (1.0, 1.1, 240),
-    "b2": (1.1, 1.2, 260),
-    "b3": (1.2, 1.4, 300),
-    "b4": (1.4, 1.8, 380),
-}
-
-# B0 stages: (expand, kernel, stride, in_ch, out_ch, repeats); squeeze-excitation ratio 0.25.
-BASE_BLOCKS: tuple[tuple[int, int, int, int, int, int], ...] = (
-    (1, 3, 1, 32, 16, 1),
-    (6, 3, 2, 16, 24, 2),
-    (6, 5, 2, 24, 40, 2),
-    (6, 3, 2, 40, 80, 3),
-    (6, 5, 1, 80, 112, 3),
-    (6, 5, 2, 112, 192, 4),
-    (6, 3, 1, 192, 320, 1),
+from jaxpod.models.efficientnet_specs import (  # noqa: F401 (re-exported)
+    BASE_BLOCKS,
+    IMAGE_CH,
+    VARIANTS,
+    BlockSpec,
+    block_specs,
+    default_image_size,
+    flops_per_image,
+    g16_group_size,
+    norm_groups,
+    split_specs,
+    stem_head_channels,
 )
-STEM_CH = 32
-HEAD_CH = 1280
-SE_RATIO = 0.25
-G16_GROUP_SIZE = 16
-G16_EXPAND = 4  # expansion 6 -> 4 in the G16 variant
-IMAGE_CH = 3
+from jaxpod.models.params import NO_DECAY, metadata, param
+
 F32 = jnp.float32
-
-
-def round_filters(filters: int, width: float, divisor: int = 8) -> int:
-    """Channels scaled by `width`, rounded to a multiple of `divisor`, never more than 10 %
-    below `filters * width` (the reference rule)."""
-    scaled = filters * width
-    rounded = max(divisor, int(scaled + divisor / 2) // divisor * divisor)
-    if rounded < 0.9 * scaled:
-        rounded += divisor
-    return int(rounded)
-
-
-def round_repeats(repeats: int, depth: float) -> int:
-    """Block repeats scaled by `depth`: `ceil(depth * repeats)`."""
-    return int(math.ceil(depth * repeats))
-
-
-def largest_divisor_at_most(n: int, limit: int) -> int:
-    """The largest divisor of `n` that is <= `limit` (>= 1)."""
-    return max(d for d in range(1, min(n, max(limit, 1)) + 1) if n % d == 0)
-
-
-def norm_groups(channels: int, groups: int) -> int:
-    """GroupNorm group count used for `channels`: `groups` if it divides `channels`, else the
-    largest divisor of `channels` that is <= `groups`."""
-    return largest_divisor_at_most(channels, groups)
-
-
-def g16_group_size(channels: int) -> int:
-    """Channels per group of a G16 spatial conv: 16 if it divides `channels`, else the largest
-    divisor of `channels` that is <= 16 (so `channels < 16` gives a single full group)."""
-    return largest_divisor_at_most(channels, G16_GROUP_SIZE)
-
-
-@dataclass(frozen=True)
-class BlockSpec:
-    """One MBConv block. `group_size` is the channels per group of the spatial conv (1 =
-    depthwise); `expand` the expansion ratio of the (optional, `expand > 1`) 1x1 conv."""
-
-    name: str
-    in_ch: int
-    out_ch: int
-    kernel: int
-    stride: int
-    expand: int
-    group_size: int
-
-    @property
-    def mid_ch(self) -> int:
-        """Channels of the expanded activation (the spatial conv's width)."""
-        return self.in_ch * self.expand
-
-    @property
-    def feature_groups(self) -> int:
-        """`feature_group_count` of the spatial conv."""
-        return self.mid_ch // self.group_size
-
-    @property
-    def se_ch(self) -> int:
-        """Squeeze-excitation bottleneck width: `max(1, int(in_ch * 0.25))`."""
-        return max(1, int(self.in_ch * SE_RATIO))
-
-    @property
-    def residual(self) -> bool:
-        """Identity skip connection (stride 1 and `in_ch == out_ch`)."""
-        return self.stride == 1 and self.in_ch == self.out_ch
-
-
-def _variant(variant: str) -> tuple[float, float, int]:
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown EfficientNet variant {variant!r}; valid: {', '.join(VARIANTS)}")
-    return VARIANTS[variant]
-
-
-def _coefficients(variant: str, width_mult: float | None, depth_mult: float | None):
-    width, depth, _ = _variant(variant)
-    return (width if width_mult is None else width_mult), (
-        depth if depth_mult is None else depth_mult
-    )
-
-
-def stem_head_channels(variant: str, *, width_mult: float | None = None) -> tuple[int, int]:
-    """`(stem_ch, head_ch)`: output channels of the stem conv and of the head 1x1 conv."""
-    width, _ = _coefficients(variant, width_mult, None)
-    return round_filters(STEM_CH, width), round_filters(HEAD_CH, width)
-
-
-def default_image_size(variant: str) -> int:
-    """The variant's published training resolution (any size >= 32 works)."""
-    return _variant(variant)[2]
-
-
-def block_specs(
-    variant: str,
-    *,
-    g16: bool = False,
-    width_mult: float | None = None,
-    depth_mult: float | None = None,
-) -> list[BlockSpec]:
-    """The MBConv blocks of `variant` in order; `width_mult`/`depth_mult` override its
-    compound-scaling coefficients. The first block of a stage has the stage's stride and input
-    width; its repeats have stride 1 and `in_ch == out_ch`."""
-    width, depth = _coefficients(variant, width_mult, depth_mult)
-    specs = []
-    for stage, (expand, kernel, stride, c_in, c_out, repeats) in enumerate(BASE_BLOCKS, 1):
-        c_in, c_out = round_filters(c_in, width), round_filters(c_out, width)
-        if g16 and expand == 6:
-            expand = G16_EXPAND
-        for i in range(round_repeats(repeats, depth)):
-            in_ch = c_in if i == 0 else c_out
-            group_size = g16_group_size(in_ch * expand) if g16 else 1
-            specs.append(
-                BlockSpec(
-                    name=f"{stage}{string.ascii_lowercase[i]}",
-                    in_ch=in_ch,
-                    out_ch=c_out,
-                    kernel=kernel,
-                    stride=stride if i == 0 else 1,
-                    expand=expand,
-                    group_size=group_size,
-                )
-            )
-    return specs
-
-
-def split_specs(specs: Sequence[BlockSpec], splits: Sequence[str]) -> list[list[BlockSpec]]:
-    """Cut `specs` before each block named in `splits` (strictly increasing): `len(splits)+1`
-    runs (a run may be empty: `splits=["1a"]` makes stage 0 the stem alone).
-
-    Raises ValueError naming the valid block names for an unknown or out-of-order split."""
-    names = [s.name for s in specs]
-    valid = f"valid block names: {', '.join(names)}"
-    cuts = []
-    for name in splits:
-        if name not in names:
-            raise ValueError(f"unknown split block {name!r}; {valid}")
-        cut = names.index(name)
-        if cuts and cut <= cuts[-1]:
-            raise ValueError(f"splits must be strictly increasing, got {list(splits)}; {valid}")
-        cuts.append(cut)
-    bounds = [0, *cuts, len(specs)]
-    return [list(specs[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def _fan_out_normal(fan_out: int):
@@ -240,7 +87,7 @@ def _conv(in_ch, out_ch, kernel, stride, *, feature_groups, dtype, param_dtype, 
         dtype=dtype,
         param_dtype=param_dtype,
         kernel_init=_fan_out_normal(kernel * kernel * out_ch // feature_groups),
-        kernel_metadata={"axes": (None, None, None, None)},
+        kernel_metadata=metadata(axes=(None, None, None, None)),
         rngs=rngs,
     )
 
@@ -253,8 +100,8 @@ def _dense(in_f, out_f, *, init, dtype, param_dtype, rngs) -> nnx.Linear:
         dtype=dtype,
         param_dtype=param_dtype,
         kernel_init=init,
-        kernel_metadata={"axes": (None, None)},
-        bias_metadata={"axes": (None,)},
+        kernel_metadata=metadata(axes=(None, None)),
+        bias_metadata=metadata(NO_DECAY, axes=(None,)),
         rngs=rngs,
     )
 
@@ -267,8 +114,8 @@ class GroupNorm(nnx.Module):
     def __init__(self, channels: int, groups: int, *, eps: float = 1e-5, param_dtype=F32):
         self.groups = norm_groups(channels, groups)
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((channels,), param_dtype), axes=(None,))
-        self.bias = nnx.Param(jnp.zeros((channels,), param_dtype), axes=(None,))
+        self.scale = param(jnp.ones((channels,), param_dtype), (None,), NO_DECAY)
+        self.bias = param(jnp.zeros((channels,), param_dtype), (None,), NO_DECAY)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         c = x.shape[-1]
@@ -439,6 +286,22 @@ class EfficientNet(nnx.Module):
         return x
 
 
+# ImageNet per-channel statistics (RGB), on the 0..255 scale of the uint8 pixels.
+MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+STD_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
+def normalize(images: jax.Array, dtype) -> jax.Array:
+    """uint8 RGB images [..., 3] -> (x - ImageNet mean) / ImageNet std per channel, in `dtype`.
+
+    Called on the device, inside the jitted step: the host sends uint8 pixels, 1/4 of the bytes
+    of float32 (1/2 of bfloat16). The arithmetic is done in float32, then cast to `dtype`.
+    """
+    mean = jnp.asarray(MEAN_RGB, dtype=jnp.float32)
+    inv_std = 1.0 / jnp.asarray(STD_RGB, dtype=jnp.float32)
+    return ((images.astype(jnp.float32) - mean) * inv_std).astype(dtype)
+
+
 def count_params(tree) -> int:
     """Number of parameter scalars in a module (its `nnx.Param`s), a state, or any pytree of
     arrays / `ShapeDtypeStruct`s (e.g. from `nnx.eval_shape`)."""
@@ -461,37 +324,3 @@ def stage_io_shapes(
         out.append((x, y))
         x = y
     return out
-
-
-def flops_per_image(
-    variant: str = "b0",
-    image_size: int | None = None,
-    num_classes: int = 1000,
-    *,
-    g16: bool = False,
-    width_mult: float | None = None,
-    depth_mult: float | None = None,
-) -> int:
-    """Forward FLOPs of one image, counted as 2 x multiply-adds of every conv and dense layer
-    (stem, expand, spatial, squeeze-excitation, project, head, classifier). Norms,
-    activations, pools, the SE gating multiply and residual adds are not counted. (Published
-    "0.39B FLOPs" for B0 are multiply-adds, i.e. ~0.78e9 here.) `image_size` defaults to the
-    variant's resolution."""
-    size = default_image_size(variant) if image_size is None else image_size
-    specs = block_specs(variant, g16=g16, width_mult=width_mult, depth_mult=depth_mult)
-    stem_ch, head_ch = stem_head_channels(variant, width_mult=width_mult)
-
-    def conv(hw: int, k: int, c_in: int, c_out: int, groups: int = 1) -> int:
-        return 2 * hw * hw * k * k * (c_in // groups) * c_out
-
-    hw = -(-size // 2)
-    total = conv(hw, 3, IMAGE_CH, stem_ch)
-    for s in specs:
-        if s.expand != 1:
-            total += conv(hw, 1, s.in_ch, s.mid_ch)
-        hw = -(-hw // s.stride)
-        total += conv(hw, s.kernel, s.mid_ch, s.mid_ch, s.feature_groups)
-        total += 2 * 2 * s.mid_ch * s.se_ch
-        total += conv(hw, 1, s.mid_ch, s.out_ch)
-    total += conv(hw, 1, specs[-1].out_ch, head_ch) + 2 * head_ch * num_classes
-    return int(total)

@@ -1,9 +1,9 @@
-"""Transformer building blocks in Flax NNX. Math only: no mesh, no device logic.
+"""Transformer layers in Flax NNX. Math only: no mesh, no device logic.
 
-Parameters carry logical axis names in their `axes` metadata (`"embed"`, `"heads"`,
-`"mlp"`, `"vocab"`, `"layers"`); `jaxpod.parallel.mesh` maps those names onto mesh axes. Every
-module can be created *stacked*: with `layers=L` each parameter gets a leading `[L]` axis
-named `"layers"`, and the forward is applied to one layer's slice inside a `scan`.
+Parameters carry logical axis names and roles (`jaxpod.models.params`); `jaxpod.parallel.mesh`
+maps the names onto mesh axes. Every module can be created *stacked*: with `layers=L` each
+parameter gets a leading `[L]` axis named `"layers"`, and the forward is applied to one
+layer's slice inside a `scan` (`scan_layers`; `jaxpod.parallel.stream` for the sharded run).
 
 The tensor-parallel collectives come from `jaxpod.parallel.tensor`; the `tp` argument is
 the mesh axis to use (`None` = plain single-device math). Because shapes are read off the
@@ -25,19 +25,20 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpod.parallel.pipeline import vary_like
+from jaxpod.models.params import LAYERS, NO_DECAY, param
+from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.tensor import column_dense, gather_sequence, reduce_rows, row_dense
 
 INIT_STD = 0.02
 F32 = jnp.float32
-# The axis of one layer's array along which `Block.steps` takes its blocks (`Slice`s).
-BLOCK_AXES = {"attn/w_qkv": 1, "attn/b_qkv": 0, "mlp/w_in": 1, "mlp/b_in": 0, "mlp/w_out": 0}
+# The axis of one layer's array along which `Layer.steps` cuts its panels.
+PANEL_AXES = {"attn/w_qkv": 1, "attn/b_qkv": 0, "mlp/w_in": 1, "mlp/b_in": 0, "mlp/w_out": 0}
 
 
-class Slice(NamedTuple):
-    """Block `index` of `count` equal blocks of the parameter at `path` (e.g. `"mlp/w_in"`)
-    along `axis` of one layer's array; `index=None`: each block in turn (the step runs
-    `count` times, a loop over the blocks)."""
+class Panel(NamedTuple):
+    """Panel `index` of `count` equal panels (contiguous rows or columns) of the
+    parameter at `path` (e.g. `"mlp/w_in"`) along `axis` of one layer's array;
+    `index=None`: each panel in turn (the step runs `count` times, a loop over them)."""
 
     path: str
     axis: int
@@ -46,21 +47,20 @@ class Slice(NamedTuple):
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, layers: int | None, fill: float | None = None):
-    """A `nnx.Param` of `shape` (leading `[layers]` axis if stacked): normal(0.02) or `fill`."""
+    """A parameter of `shape` (leading `[layers]` axis if stacked): normal(0.02) weights, or
+    `fill` for biases and norm parameters (role `NO_DECAY`)."""
     if layers is not None:
-        shape, axes = (layers, *shape), ("layers", *axes)
+        shape, axes = (layers, *shape), (LAYERS, *axes)
     if fill is None:
-        value = INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
-    else:
-        value = jnp.full(shape, fill, jnp.float32)
-    return nnx.Param(value, axes=axes)
+        return param(INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), axes)
+    return param(jnp.full(shape, fill, jnp.float32), axes, NO_DECAY)
 
 
-def serialize(fn: Callable, x: jax.Array, chunks: int, axis: int) -> jax.Array:
-    """`fn(block, i)` on each of `chunks` equal blocks of `x` along `axis`, one block after
-    another (`lax.map`), each block a checkpoint: only one block's intermediates are ever
-    alive, forward or backward (they are recomputed, never saved). The blocks' outputs are
-    concatenated back along `axis`. `chunks=1` is `fn(x, 0)`.
+def map_chunks(fn: Callable, x: jax.Array, chunks: int, axis: int) -> jax.Array:
+    """`fn(chunk, i)` on each of `chunks` equal chunks of `x` along `axis`, one after
+    another (a scan), each chunk a checkpoint: only one chunk's intermediates are ever
+    alive, forward or backward (they are recomputed, never saved). The chunks' outputs are
+    written back in place along `axis`. `chunks=1` is `fn(x, 0)`.
 
     The serialisation factor of pod recipes (attention queries, MLP tokens, the loss head):
     the same math, 1/chunks of the working memory, a little recomputation.
@@ -69,11 +69,11 @@ def serialize(fn: Callable, x: jax.Array, chunks: int, axis: int) -> jax.Array:
         return fn(x, 0)
     axis %= x.ndim
     n = x.shape[axis] // chunks
-    block = jax.checkpoint(lambda i: fn(jax.lax.dynamic_slice_in_dim(x, i * n, n, axis), i))
-    like = jax.eval_shape(block, 0)
+    chunk = jax.checkpoint(lambda i: fn(jax.lax.dynamic_slice_in_dim(x, i * n, n, axis), i))
+    like = jax.eval_shape(chunk, 0)
 
-    def body(out, i):  # each block's output written into place: no stacked copies
-        return jax.lax.dynamic_update_slice_in_dim(out, block(i), i * like.shape[axis], axis), None
+    def body(out, i):  # each chunk's output written into place: no stacked copies
+        return jax.lax.dynamic_update_slice_in_dim(out, chunk(i), i * like.shape[axis], axis), None
 
     shape = (*like.shape[:axis], chunks * like.shape[axis], *like.shape[axis + 1 :])
     out = vary_like(jnp.zeros(shape, like.dtype), like)
@@ -84,16 +84,16 @@ def token_loss_in_chunks(
     model: nnx.Module, h: jax.Array, targets: jax.Array, tp: str | None, chunks: int, **kw
 ) -> jax.Array:
     """`model.token_loss` of `h[..., D]` against `targets[...]` -> `loss[N]` (tokens
-    flattened), the N tokens in `gcd(chunks, N)` blocks (`serialize`): one block's logits
+    flattened), the N tokens in `gcd(chunks, N)` chunks (`map_chunks`): one chunk's logits
     `[N/chunks, V_tensor]` alive at a time instead of all of them. `kw`: passed on to
-    `token_loss` (GPT's `vocab`: the table's rows in blocks too, `[N/chunks, V_tensor/k]`)."""
+    `token_loss`."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     chunks = math.gcd(chunks, targets.shape[0])
     n = targets.shape[0] // chunks
-    block = lambda hb, i: model.token_loss(
-        hb, jax.lax.dynamic_slice_in_dim(targets, i * n, n), tp, **kw
+    chunk_loss = lambda hc, i: model.token_loss(
+        hc, jax.lax.dynamic_slice_in_dim(targets, i * n, n), tp, **kw
     )
-    return serialize(block, h, chunks, axis=0)
+    return map_chunks(chunk_loss, h, chunks, axis=0)
 
 
 class LayerNorm(nnx.Module):
@@ -117,7 +117,7 @@ class SelfAttention(nnx.Module):
 
     `W_qkv[D, 3, HD_tensor]` (column-parallel, q/k/v of the local heads), `W_o[HD_tensor, D]`
     (row-parallel, one psum). `x[B, T, D] -> [B, T, D]`. With `chunks=C` the queries go
-    through in C blocks of T/C (`serialize`): only one block's scores `[B, H_tensor, T/C, T]`
+    through in C chunks of T/C (`map_chunks`): only one chunk's scores `[B, H_tensor, T/C, T]`
     are ever alive, forward or backward. Same math for any C.
     `sequence_parallel`: `x[B, T_tensor, D] -> [B, T_tensor, D]` (see
     `jaxpod.parallel.tensor`): all-gather T in, reduce-scatter T out.
@@ -157,18 +157,18 @@ class SelfAttention(nnx.Module):
         return gather_sequence(x, tp) if self.sequence_parallel else x
 
     def qkv(self, x: jax.Array) -> jax.Array:
-        """`x[B, T, D] @ W_qkv -> [B, T, n, HD_tensor]` (`n` = 3, or 1 for a block of
+        """`x[B, T, D] @ W_qkv -> [B, T, n, HD_tensor]` (`n` = 3, or 1 for a panel of
         `W_qkv[D, 1, HD_tensor]`: queries, keys or values alone)."""
         return checkpoint_name(column_dense(x, self.w_qkv[...], self.b_qkv[...]), "qkv")
 
     def attend_qkv(self, qkv: jax.Array) -> jax.Array:
-        """`qkv[B, T, 3, HD_tensor] -> o[B, T, HD_tensor]`, the queries in `chunks` blocks."""
+        """`qkv[B, T, 3, HD_tensor] -> o[B, T, HD_tensor]`, the queries in `chunks` chunks."""
         b, t = qkv.shape[:2]
         qkv = qkv.reshape(b, t, 3, -1, self.head_dim)  # [B, T, 3, H_tensor, hd]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        n = t // self.chunks  # queries per block
-        attend_block = lambda qb, i: attend(qb, k, v, self.causal, i * n)
-        out = serialize(attend_block, q, self.chunks, axis=1)
+        n = t // self.chunks  # queries per chunk
+        attend_chunk = lambda qc, i: attend(qc, k, v, self.causal, i * n)
+        out = map_chunks(attend_chunk, q, self.chunks, axis=1)
         return checkpoint_name(out.reshape(b, t, -1), "attn_out")
 
     def project(self, o: jax.Array, tp: str | None) -> jax.Array:
@@ -194,7 +194,7 @@ def attend(
 
 class Mlp(nnx.Module):
     """GELU MLP: `W_in[D, F_tensor]` column-parallel, `W_out[F_tensor, D]` row-parallel;
-    `chunks`: the tokens go through in blocks (`serialize`: one block's `[B, T/C, F_tensor]`
+    `chunks`: the tokens go through in chunks (`map_chunks`: one chunk's `[B, T/C, F_tensor]`
     hidden activations alive at a time); `sequence_parallel` as in `SelfAttention`."""
 
     def __init__(
@@ -223,15 +223,15 @@ class Mlp(nnx.Module):
 
     def partial(self, x: jax.Array) -> jax.Array:
         """`x[B, T, D] -> [B, T, D]`, this shard's hidden units only (reads `W_in`, `b_in`,
-        `W_out`, or one block of each): both matmuls per token block, one block's hidden
+        `W_out`, or one panel of each): both matmuls per chunk of tokens, one chunk's hidden
         activations alive at a time."""
         w_in, b_in, w_out = self.w_in[...], self.b_in[...], self.w_out[...]
 
-        def partial_sums(xb, _):  # [B, n, D] -> [B, n, D], this shard's F columns only
-            h = jax.nn.gelu(column_dense(xb, w_in, b_in), approximate=True)
+        def partial_sums(xc, _):  # [B, n, D] -> [B, n, D], this shard's F columns only
+            h = jax.nn.gelu(column_dense(xc, w_in, b_in), approximate=True)
             return jnp.tensordot(h, w_out, axes=1)
 
-        return serialize(partial_sums, x, self.chunks, axis=1)
+        return map_chunks(partial_sums, x, self.chunks, axis=1)
 
     def reduce(self, y: jax.Array, tp: str | None, bias: bool = True) -> jax.Array:
         """Sum the partial sums `y[B, T, D]` over `tp` (reduce-scatter over T when
@@ -239,8 +239,8 @@ class Mlp(nnx.Module):
         return reduce_rows(y, self.b_out[...] if bias else None, tp, self.sequence_parallel)
 
 
-class Block(nnx.Module):
-    """Transformer block. Pre-LayerNorm (GPT, `norm="pre"`): `x + attn(ln1(x))`, then
+class Layer(nnx.Module):
+    """A transformer layer. Pre-LayerNorm (GPT, `norm="pre"`): `x + attn(ln1(x))`, then
     `x + mlp(ln2(x))`. Post-LayerNorm (original BERT, `norm="post"`): `ln1(x + attn(x))`,
     then `ln2(x + mlp(x))`. `causal=False` lets every position attend to every other;
     `sequence_chunks`, `sequence_parallel` (then `x` is `[B, T_tensor, D]` in and out): see
@@ -286,47 +286,60 @@ class Block(nnx.Module):
         return x + self.mlp(self.ln2(x), tp)
 
     def steps(
-        self, tp: str | None, mlp_blocks: int = 1
-    ) -> list[tuple[tuple[str | Slice, ...], Callable]]:
-        """The block as a sequence of steps that each read at most one weight matrix, or one
-        block of one: `(reads, step)`, with `reads` the parameters the step uses (`"ln1"`: a
-        sub-module's all; `Slice("attn/w_qkv", 1, j, 3)`: block j of 3 along axis 1) and
-        `step(block, carry) -> carry` a function of the block it is given (whose parameters
+        self, tp: str | None, mlp_panels: int = 1
+    ) -> list[tuple[tuple[str | Panel, ...], Callable]]:
+        """The layer as a sequence of steps that each read at most one weight matrix, or one
+        panel of one: `(reads, step)`, with `reads` the parameters the step uses (`"ln1"`: a
+        sub-module's all; `Panel("attn/w_qkv", 1, j, 3)`: panel j of 3 along axis 1) and
+        `step(layer, carry) -> carry` a function of the layer it is given (whose parameters
         are the `reads`, already sliced), not of `self`. The carry starts as `(x,)` and ends
         as `(y,)` with `y = self(x, tp)`; in between it holds only residual-stream-sized
         values (x, q, k, v, the attention output, the MLP's partial sums), so that what a
         layer's backward pass keeps of its steps' inputs stays small.
 
-        Attention: queries, keys and values, one `W_qkv` block each (each step makes its
+        Attention: queries, keys and values, one `W_qkv` panel each (each step makes its
         input ready again: LayerNorm, sequence all-gather), the attention itself (no
-        weights), `W_o`. MLP: one step run once per block of the hidden units (`Slice`
-        index None; `mlp_blocks` blocks: a column block of `W_in`, `b_in` and the matching
-        row block of `W_out` each; the input made ready and the partial sums reduced over
-        `tp` per block, so k blocks cost k times the MLP's activation traffic), then
-        `b_out`. The same math as `__call__`, summed in another
-        order."""
+        weights), `W_o`. MLP: one step run once per panel of the hidden units (`Panel`
+        index None; `mlp_panels` panels: a column panel of `W_in`, `b_in` and the matching
+        row panel of `W_out` each; the input made ready and the partial sums reduced over
+        `tp` per panel, so k panels cost k times the MLP's activation traffic), then
+        `b_out`. The same math as `__call__`, summed in another order."""
         pre = not self.post_norm
         norm = lambda m, name, x: getattr(m, name)(x) if pre else x
-        # the residual connection with the sub-block's output u
+        # the residual connection with the sub-layer's output u
         post = lambda m, name, x, u: x + u if pre else getattr(m, name)(x + u)
         ln1, ln2 = (("ln1",), ("ln2",)) if pre else ((), ())
         out: list = []
-        cut = lambda path, index, count: Slice(path, BLOCK_AXES[path], index, count)
-        for j in range(3):  # carry (x[, q[, k]]) -> + this block's [B, T, 1, HD_tensor]
+        cut = lambda path, index, count: Panel(path, PANEL_AXES[path], index, count)
+        for j in range(3):  # carry (x[, q[, k]]) -> + this panel's [B, T, 1, HD_tensor]
             reads = (*ln1, cut("attn/w_qkv", j, 3), cut("attn/b_qkv", j, 3))
             ready = lambda m, x: m.attn.gather_input(norm(m, "ln1", x), tp)
             out.append((reads, lambda m, c, r=ready: (*c, m.attn.qkv(r(m, c[0])))))
         out.append(((), lambda m, c: (c[0], m.attn.attend_qkv(jnp.concatenate(c[1:], 2)))))
         reads = ("attn/w_o", "attn/b_o", *(() if pre else ("ln1",)))
         out.append((reads, lambda m, c: (post(m, "ln1", c[0], m.attn.project(c[1], tp)),)))
-        k = mlp_blocks
+        k = mlp_panels
         ready = lambda m, x: m.mlp.gather_input(norm(m, "ln2", x), tp)
         partial = lambda m, x: m.mlp.reduce(m.mlp.partial(ready(m, x)), tp, bias=False)
         add = lambda c, y: y if len(c) == 1 else c[1] + y
-        # carry (x[, the reduced partial sums so far]), once per block (index None: a loop)
+        # carry (x[, the reduced partial sums so far]), once per panel (index None: a loop)
         reads = (*ln2, cut("mlp/w_in", None, k), cut("mlp/b_in", None, k))
         reads += (cut("mlp/w_out", None, k),)
         out.append((reads, lambda m, c: (c[0], add(c, partial(m, c[0])))))
         reads = ("mlp/b_out", *(() if pre else ("ln2",)))
         out.append((reads, lambda m, c: (post(m, "ln2", c[0], c[1] + m.mlp.b_out[...]),)))
         return out
+
+
+def scan_layers(layer_fn: Callable, x: jax.Array, stacked: dict, unroll: bool = False):
+    """`layer_fn(x, one_layer_params) -> x` over every layer of `stacked` (`[L, ...]`
+    leaves), in one `lax.scan`: compile time does not grow with depth."""
+    return jax.lax.scan(lambda c, p: (layer_fn(c, p), None), x, stacked, unroll=unroll)[0]
+
+
+def apply_layers(layers: Layer, x: jax.Array, tp: str | None = None) -> jax.Array:
+    """The plain run of a stacked `Layer` (`[L, ...]` params) over `x`: every layer in turn
+    (the single-device reference; `jaxpod.parallel.stream` runs it sharded)."""
+    graphdef, stacked = nnx.split(layers)
+    layer = lambda h, p: nnx.merge(graphdef, p)(h, tp)
+    return scan_layers(layer, x, nnx.to_pure_dict(stacked))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpod.config.rules import BYTE_VOCAB
+from jaxpod.config import BYTE_VOCAB
 from jaxpod.errors import ConfigError
 
 MASK_ID = BYTE_VOCAB  # 256: the first id after the byte values
@@ -51,7 +51,7 @@ def mask_tokens(tokens: jax.Array, keys: jax.Array):
     `targets` are the original tokens, `weights` 1.0 at the chosen positions, 0 elsewhere.
     """
 
-    def one(row, key):
+    def mask_row(row, key):
         choose, fate, rand = jax.random.split(key, 3)
         t = row.shape[0]
         picked = jax.lax.top_k(jax.random.uniform(choose, (t,)), masked_count(t))[1]
@@ -62,4 +62,4 @@ def mask_tokens(tokens: jax.Array, keys: jax.Array):
         inputs = jnp.where(chosen & (u >= 0.8) & (u < 0.9), random_byte, inputs)
         return inputs.astype(row.dtype), row, chosen.astype(jnp.float32)
 
-    return jax.vmap(one)(tokens, keys)
+    return jax.vmap(mask_row)(tokens, keys)

@@ -1,16 +1,14 @@
-"""Optimizers as optax chains: global-norm clipping; SGD with momentum, AdamW, LAMB or LARS;
-a learning-rate schedule (constant, cosine or polynomial) with linear warm-up.
+"""Optimizers as optax chains: SGD with momentum, AdamW, LAMB or LARS, a learning-rate
+schedule (constant, cosine or polynomial) with linear warm-up, and global-norm clipping.
 
-Weight decay and the LARS/LAMB trust ratio are masked off biases and normalisation scales
-(`decay_mask`). Transformer blocks are *stacked*: leaves under the top-level key "blocks"
-have a leading layer axis `[L, ...]` (`stacked_mask`), and their trust ratios are per layer
-(`scale_by_layerwise_trust_ratio`), exactly as if each layer were a separate leaf.
+Weight decay and the LARS/LAMB trust ratio apply where the parameters' role masks say
+(`jaxpod.models.params.masks`: not to biases and norm scales). Stacked layer parameters
+`[L, ...]` get per-layer trust ratios (`scale_by_layerwise_trust_ratio`), exactly as if each
+layer were a separate leaf.
 
-The chain runs outside `shard_map` on globally sharded arrays, so every norm (clipping, trust
-ratios) is over whole parameters (or whole layers), never over shards. To run the same update
-inside `shard_map` where each device holds whole parameters of its own pipeline stage, build
-it with `make_optimizer(..., clip=False)` and clip with `clip_by_norm` using a global norm
-reduced across stages (e.g. `sqrt(psum(sum of squares, "pipeline"))`).
+The engine clips outside the chain (`clip_by_norm` with the global norm the guarded update
+computes, summed across devices where each holds a part), so it builds the chain with
+`clip=False`; `clip=True` prepends `optax.clip_by_global_norm` for plain single-device use.
 """
 
 from __future__ import annotations
@@ -21,66 +19,22 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpod.config.load import OptimConfig
+from jaxpod.config import OptimConfig
 from jaxpod.optim.precision import stochastic_round  # the issue names it jaxpod.optim.chains's
 
 __all__ = [
     "LAMB_EPS",
     "clip_by_norm",
-    "decay_mask",
     "lamb",
     "lars",
     "make_optimizer",
     "scale_by_layerwise_trust_ratio",
     "schedule",
-    "stacked_mask",
     "stochastic_round",
 ]
 
 LAMB_EPS = 1e-6  # Adam epsilon of LAMB (optax.lamb's default)
-STACKED_KEY = "blocks"  # top-level key of the stacked [L, ...] transformer-block params
-
 MaskOrFn = Any  # bool, a pytree of bools (a prefix of the params), or params -> such a pytree
-
-
-def _key_name(k) -> Any:
-    """The plain name of one path entry (dict key, attribute name or sequence index)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return getattr(k, attr)
-    return k
-
-
-def _no_decay(name: Any) -> bool:
-    name = str(name)
-    return name in ("bias", "scale") or name.startswith("b_")
-
-
-def decay_mask(params) -> Any:
-    """Pytree of bools like `params`: True where weight decay and the trust ratio apply.
-
-    A leaf is excluded (False) when the last key of its path is "bias" or "scale" or starts
-    with "b_" (GPT's b_qkv, b_o, b_in, b_out; LayerNorm/GroupNorm bias and scale; Linear/Conv
-    biases). Only the path is read, so `ShapeDtypeStruct` leaves work too."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: not (path and _no_decay(_key_name(path[-1]))), params
-    )
-
-
-def stacked_mask(params) -> Any:
-    """Pytree of bools like `params`: True for leaves with a leading layer axis `[L, ...]`.
-
-    Those are the leaves under the top-level key "blocks" whose next key is a name (GPT:
-    `blocks/attn/w_qkv`). A "blocks" holding a *list* of modules (an EfficientNet stage:
-    `blocks/0/...`, integer or digit keys) is not stacked."""
-
-    def stacked(path, _):
-        if len(path) < 2 or _key_name(path[0]) != STACKED_KEY:
-            return False
-        index = _key_name(path[1])
-        return not (isinstance(index, int) or (isinstance(index, str) and index.isdigit()))
-
-    return jax.tree_util.tree_map_with_path(stacked, params)
 
 
 def _resolve(mask: MaskOrFn, params) -> Any:
@@ -162,8 +116,8 @@ def lars(
     momentum: float = 0.9,
     eps: float = 0.0,
     nesterov: bool = False,
-    mask: MaskOrFn = decay_mask,
-    stacked: MaskOrFn = stacked_mask,
+    mask: MaskOrFn = True,
+    stacked: MaskOrFn = False,
 ) -> optax.GradientTransformation:
     """`optax.lars` with per-layer trust ratios for stacked leaves. `mask` selects the leaves
     that get weight decay *and* the trust ratio (optax's weight_decay_mask and
@@ -184,8 +138,8 @@ def lamb(
     b2: float = 0.999,
     eps: float = LAMB_EPS,
     weight_decay: float = 0.0,
-    mask: MaskOrFn = decay_mask,
-    stacked: MaskOrFn = stacked_mask,
+    mask: MaskOrFn = True,
+    stacked: MaskOrFn = False,
 ) -> optax.GradientTransformation:
     """`optax.lamb` with per-layer trust ratios for stacked leaves and the trust ratio masked
     like the weight decay (optax.lamb applies its trust ratio to every leaf; with `mask=True`
@@ -227,16 +181,22 @@ def clip_by_norm(grads, norm: jax.Array, max_norm: float):
 
 
 def make_optimizer(
-    cfg: OptimConfig, total_steps: int, *, clip: bool = True
+    cfg: OptimConfig,
+    total_steps: int,
+    *,
+    decay_mask: MaskOrFn = True,
+    stacked_mask: MaskOrFn = False,
+    clip: bool = True,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax chain named by `cfg.name` and its learning-rate schedule.
 
     `clip=True` (and `grad_clip > 0`) prepends `optax.clip_by_global_norm(grad_clip)`;
     `clip=False` puts `optax.identity()` in its place (same state tree, so either optimizer
     updates the other's state) for callers that clip themselves (`clip_by_norm`). Weight decay
-    (all optimizers) and trust ratios (lars, lamb) skip biases and norm scales (`decay_mask`);
-    lars/lamb trust ratios are per layer for stacked blocks (`stacked_mask`). LARS uses
-    `trust_coefficient`; LAMB uses coefficient 1 and Adam eps 1e-6 (optax.lamb's)."""
+    (all optimizers) and trust ratios (lars, lamb) apply where `decay_mask` is True (the
+    role masks: not biases, not norm scales); lars/lamb trust ratios are per layer where
+    `stacked_mask` is True. LARS uses `trust_coefficient`; LAMB uses coefficient 1 and Adam
+    eps 1e-6 (optax.lamb's)."""
     lr = schedule(cfg, total_steps)
     base = {
         "sgd": lambda: optax.chain(
@@ -246,12 +206,21 @@ def make_optimizer(
         "adamw": lambda: optax.adamw(
             lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
         ),
-        "lamb": lambda: lamb(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+        "lamb": lambda: lamb(
+            lr,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+            stacked=stacked_mask,
+        ),
         "lars": lambda: lars(
             lr,
             weight_decay=cfg.weight_decay,
             trust_coefficient=cfg.trust_coefficient,
             momentum=cfg.momentum,
+            mask=decay_mask,
+            stacked=stacked_mask,
         ),
     }[cfg.name]()
     clips = []

@@ -15,20 +15,19 @@ Loss scaling (`LossScaleState`): the loss is multiplied by `scale` before differ
 the gradients divided by it. A step whose gradients are not all finite is *skipped*: params
 and optimizer state are left bit-identical (`select_tree`) and `skipped` counts it, for every
 `loss_scale` mode including `none` (a NaN/inf step is dropped instead of poisoning the
-weights). `guarded_update` does the whole sequence.
+weights). `jaxpod.optim.guarded.guarded_update` does the whole sequence.
 """
 
 from __future__ import annotations
 
 import zlib
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from jaxpod.config.load import PrecisionConfig
+from jaxpod.config import PrecisionConfig
 
 __all__ = [
     "LossScaleState",
@@ -36,7 +35,6 @@ __all__ = [
     "apply_updates",
     "cast_tree_like",
     "compute_dtype",
-    "guarded_update",
     "init_loss_scale",
     "is_half",
     "leaf_key",
@@ -165,11 +163,11 @@ def apply_updates(params, updates, key: jax.Array):
     (per-leaf key `leaf_key(key, path)`) for 16-bit params, a plain cast otherwise (so for
     float32 params it equals `optax.apply_updates`)."""
 
-    def one(path, p, u):
+    def updated(path, p, u):
         new = p.astype(F32) + u.astype(F32)
         return _round_to(new, p.dtype, leaf_key(key, path))
 
-    return jax.tree_util.tree_map_with_path(one, params, updates)
+    return jax.tree_util.tree_map_with_path(updated, params, updates)
 
 
 @jax.jit
@@ -178,20 +176,20 @@ def cast_tree_like(new_tree, like_tree, key: jax.Array):
     rounding into 16-bit floats (per-leaf keys), a plain cast otherwise (ints, float32).
     Keeps optimizer-state dtypes fixed across steps (jit/scan carries)."""
 
-    def one(path, new, like):
+    def cast(path, new, like):
         return _round_to(jnp.asarray(new), jnp.asarray(like).dtype, leaf_key(key, path))
 
-    return jax.tree_util.tree_map_with_path(one, new_tree, like_tree)
+    return jax.tree_util.tree_map_with_path(cast, new_tree, like_tree)
 
 
 def to_float32(tree):
     """Floating leaves upcast to float32; others (step counts) unchanged."""
 
-    def one(x):
+    def upcast(x):
         x = jnp.asarray(x)
         return x.astype(F32) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
-    return jax.tree.map(one, tree)
+    return jax.tree.map(upcast, tree)
 
 
 # ------------------------------------------------------------------------ loss scaling
@@ -259,35 +257,3 @@ def select_tree(pred: jax.Array, new_tree, old_tree):
     """Leafwise `where(pred, new, old)` (same dtypes): with pred False the result is
     bit-identical to `old_tree`."""
     return jax.tree.map(lambda n, o: jnp.where(pred, n, o.astype(n.dtype)), new_tree, old_tree)
-
-
-def guarded_update(
-    optimizer: optax.GradientTransformation,
-    grads,
-    opt_state,
-    params,
-    loss_scale: LossScaleState,
-    cfg: PrecisionConfig,
-    key: jax.Array,
-) -> tuple[Any, Any, LossScaleState, dict[str, jax.Array]]:
-    """One optimizer step under the precision policy.
-
-    `grads` are gradients of `scale_loss(loss)` (any float dtype); `params` in the master
-    dtype; `key` the per-step key. Unscales to float32, checks finiteness, runs the optimizer
-    on float32 upcasts of grads/state/params, applies the updates (`apply_updates`:
-    stochastic rounding for 16-bit masters), returns state leaves to their dtypes
-    (`cast_tree_like`), and keeps old params/state bit-identical if any gradient was not
-    finite. Returns `(params, opt_state, loss_scale, info)`, info = {"finite": bool[],
-    "grads": float32 unscaled grads, "updates": float32 updates, "grad_norm" and
-    "update_norm": their global norms}."""
-    grads32 = unscale_grads(grads, loss_scale)
-    finite = all_finite(grads32)
-    updates, state32 = optimizer.update(grads32, to_float32(opt_state), to_float32(params))
-    new_params = apply_updates(params, updates, jax.random.fold_in(key, 0))
-    new_state = cast_tree_like(state32, opt_state, jax.random.fold_in(key, 1))
-    params = select_tree(finite, new_params, params)
-    opt_state = select_tree(finite, new_state, opt_state)
-    loss_scale = update_loss_scale(loss_scale, finite, cfg)
-    info = {"finite": finite, "grads": grads32, "updates": updates}
-    info |= {"grad_norm": optax.tree.norm(grads32), "update_norm": optax.tree.norm(updates)}
-    return params, opt_state, loss_scale, info

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpod.config.load import MeshConfig
+from jaxpod.config import MeshConfig
 from jaxpod.errors import ConfigError
 
 AXES = ("replica", "pipeline", "tensor")

@@ -23,18 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-
-def varying_axes(x) -> frozenset[str]:
-    """The manual mesh axes over which `x` (an array or `ShapeDtypeStruct`) may differ."""
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-    manual = aval.manual_axis_type  # None outside shard_map (and for a plain eval_shape)
-    return frozenset() if manual is None else manual.varying
-
-
-def vary_like(x: jax.Array, like) -> jax.Array:
-    """Mark `x` as varying over the same manual mesh axes as `like` (scan carries must agree)."""
-    missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+from jaxpod.parallel.manual import vary_like
 
 
 def gpipe(

@@ -12,7 +12,7 @@ Megatron kernels' own collectives already produce complete gradients there.
 **Replicated tensor sharding** (`memory.rts = k`). The engine splits the replica axis into
 `(replica, rts_outer, rts_inner)` (`jaxpod.parallel.mesh.split_replica`) so that k consecutive
 replicas form a group along `rts` axes. Each weight is stored with one more dimension split
-over the group (`rts_plan`, `with_rts`): a device holds 1/(t·p·k) of the weights. Inside
+over the group (`rts_dims`, `with_rts`): a device holds 1/(t·p·k) of the weights. Inside
 `shard_map` the engine calls `gather` right before use — for stacked layers inside the
 layer scan, one layer at a time — an `all_gather` over the group; autodiff transposes it
 into a `psum_scatter` (reduce-scatter), so each device receives the group's summed gradient
@@ -45,40 +45,40 @@ def reduction_axes(spec: P, data_axes: tuple[str, ...] = DATA_AXES) -> tuple[str
 def vary_params(params, specs, data_axes: tuple[str, ...] = DATA_AXES):
     """`pcast` each local parameter to varying over its reduction axes (no data moves)."""
 
-    def one(p, s):
+    def varying(p, s):
         axes = reduction_axes(s, data_axes)
         return jax.lax.pcast(p, axes, to="varying") if axes else p
 
-    return jax.tree.map(one, params, specs)
+    return jax.tree.map(varying, params, specs)
 
 
 def reduce_grads(grads, specs, data_axes: tuple[str, ...] = DATA_AXES):
     """Sum each gradient over its reduction axes: the once-per-step data-parallel all-reduce."""
 
-    def one(g, s):
+    def reduced(g, s):
         axes = reduction_axes(s, data_axes)
         return jax.lax.psum(g, axes) if axes else g
 
-    return jax.tree.map(one, grads, specs)
+    return jax.tree.map(reduced, grads, specs)
 
 
-NO_GATHER = -1  # plan entry of a leaf that is not split over the rts group
+NO_GATHER = -1  # the RTS dimension of a leaf that is not split over the RTS group
 
 
-def rts_plan(shapes, specs, stacked, mesh_shape, axes: tuple[str, ...], avoid=None):
+def rts_dims(shapes, specs, stacked, mesh_shape, axes: tuple[str, ...], avoid=None):
     """Per leaf, the dimension to split over the mesh `axes` (product k), or `NO_GATHER`.
 
     The chosen dimension is the one with the largest local size (after its existing split)
     that k divides; the leading layer dimension of stacked leaves (`stacked` True) is never
     chosen, so the layer scan can slice layers and gather one at a time, nor a dimension in
     the leaf's `avoid` entry (a tuple of dimensions; `avoid=None`: none), e.g. the one a
-    block is taken along before the gather.
+    panel is cut along before the gather.
     """
     k = math.prod(mesh_shape[a] for a in axes)
     if avoid is None:
         avoid = jax.tree.map(lambda _: (), stacked)
 
-    def one(shape, spec, is_stacked, avoided):
+    def best_dim(shape, spec, is_stacked, avoided):
         if k == 1:
             return NO_GATHER
         entries = tuple(spec) + (None,) * (len(shape.shape) - len(spec))
@@ -90,13 +90,14 @@ def rts_plan(shapes, specs, stacked, mesh_shape, axes: tuple[str, ...], avoid=No
                 best, best_size = d, local
         return best
 
-    return jax.tree.map(one, shapes, specs, stacked, avoid, is_leaf=lambda x: isinstance(x, P))
+    is_spec = lambda x: isinstance(x, P)
+    return jax.tree.map(best_dim, shapes, specs, stacked, avoid, is_leaf=is_spec)
 
 
-def with_rts(specs, plan, axes: tuple[str, ...]):
-    """`specs` with `axes` appended (as the minor split) to each leaf's planned dimension."""
+def with_rts(specs, dims, axes: tuple[str, ...]):
+    """`specs` with `axes` appended (as the minor split) to each leaf's RTS dimension."""
 
-    def one(spec, dim):
+    def split(spec, dim):
         if dim == NO_GATHER:
             return spec
         entries = list(spec) + [None] * (dim + 1 - len(spec))
@@ -105,49 +106,49 @@ def with_rts(specs, plan, axes: tuple[str, ...]):
         entries[dim] = (*old, *axes)
         return P(*entries)
 
-    return jax.tree.map(one, specs, plan, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(split, specs, dims, is_leaf=lambda x: isinstance(x, P))
 
 
-def gather(tree, plan, axes: tuple[str, ...], leading: int = 0, blocks=None):
-    """Inside `shard_map`: all-gather each planned leaf over `axes` along its planned
-    dimension (shifted by `leading` for slices of stacked leaves). `tree` may hold a subset
-    of `plan`'s entries (one step's matrices of a layer). `blocks` (same structure as
-    `tree`, entries `jaxpod.models.layers.Slice` or None) asks for one block of a leaf along
-    a dimension of the gathered array: sliced from the local shard before the gather when
-    the gathered dimension is another one (only the block is gathered), after it otherwise.
-    Its transpose, in the backward pass, is the reduce-scatter of the gradients."""
+def gather(tree, dims, axes: tuple[str, ...], leading: int = 0, panels=None):
+    """Inside `shard_map`: all-gather each leaf over `axes` along its RTS dimension (`dims`,
+    shifted by `leading` for slices of stacked leaves). `tree` may hold a subset of `dims`'s
+    entries (one step's matrices of a layer). `panels` (same structure as `tree`, entries a
+    `jaxpod.models.layers.Panel` or None) asks for one panel of a leaf along a dimension of
+    the gathered array: cut from the local shard before the gather when the gathered
+    dimension is another one (only the panel is gathered), after it otherwise. Its
+    transpose, in the backward pass, is the reduce-scatter of the gradients."""
     if not axes:
-        return take_blocks(tree, blocks)
-    if blocks is None:
-        blocks = jax.tree.map(lambda _: None, tree)
+        return take_panels(tree, panels)
+    if panels is None:
+        panels = jax.tree.map(lambda _: None, tree)
     gathered = lambda x, d: jax.lax.all_gather(x, axes, axis=d, tiled=True)
-    take = lambda x, b: take_block(x, b.axis, b.index, b.count)
+    take = lambda x, p: take_panel(x, p.axis, p.index, p.count)
 
-    def one(x, dim, block):
+    def prepared(x, dim, panel):
         if dim == NO_GATHER:
-            return x if block is None else take(x, block)
+            return x if panel is None else take(x, panel)
         d = dim - leading
-        if block is None:
+        if panel is None:
             return gathered(x, d)
-        if block.axis == d:
-            return take(gathered(x, d), block)
-        return gathered(take(x, block), d)
+        if panel.axis == d:
+            return take(gathered(x, d), panel)
+        return gathered(take(x, panel), d)
 
     is_leaf = lambda x: x is None
-    return jax.tree.map(one, tree, _like(plan, tree), blocks, is_leaf=is_leaf)
+    return jax.tree.map(prepared, tree, _like(dims, tree), panels, is_leaf=is_leaf)
 
 
-def take_blocks(tree, blocks=None):
-    """`take_block` of each leaf of `tree` with a `Slice` in `blocks` (same structure as
-    `tree`, entries a `jaxpod.models.layers.Slice` or None; `blocks=None`: `tree` whole)."""
-    if blocks is None:
+def take_panels(tree, panels=None):
+    """`take_panel` of each leaf of `tree` with a `Panel` in `panels` (same structure as
+    `tree`, entries a `jaxpod.models.layers.Panel` or None; `panels=None`: `tree` whole)."""
+    if panels is None:
         return tree
-    one = lambda a, b: a if b is None else take_block(a, b.axis, b.index, b.count)
-    return jax.tree.map(one, tree, blocks, is_leaf=lambda x: x is None)
+    take = lambda a, p: a if p is None else take_panel(a, p.axis, p.index, p.count)
+    return jax.tree.map(take, tree, panels, is_leaf=lambda x: x is None)
 
 
-def take_block(a: jax.Array, axis: int, index, count: int) -> jax.Array:
-    """Block `index` (an int, or a traced index inside a loop) of `count` equal blocks of `a`
+def take_panel(a: jax.Array, axis: int, index, count: int) -> jax.Array:
+    """Panel `index` (an int, or a traced index inside a loop) of `count` equal panels of `a`
     along `axis`."""
     n = a.shape[axis] // count
     if isinstance(index, int):
@@ -155,8 +156,8 @@ def take_block(a: jax.Array, axis: int, index, count: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(a, index * n, n, axis=axis)
 
 
-def _like(plan, tree):
-    """The entries of the nested-dict `plan` that `tree` (a subset of its keys) has."""
-    if isinstance(tree, dict) and isinstance(plan, dict):
-        return {k: _like(plan[k], v) for k, v in tree.items()}
-    return plan
+def _like(dims, tree):
+    """The entries of the nested-dict `dims` that `tree` (a subset of its keys) has."""
+    if isinstance(tree, dict) and isinstance(dims, dict):
+        return {k: _like(dims[k], v) for k, v in tree.items()}
+    return dims

@@ -10,8 +10,8 @@ projection and one after the MLP's second matmul. In the backward pass JAX inser
 matching all-reduces on the activations' gradients (the transpose of the implicit
 `pvary` that happens when a tensor-replicated activation meets a tensor-sharded weight).
 
-Sequence parallelism (Megatron-SP, `model.sequence_parallel`): between the two matmul
-blocks the residual stream `x[B, T_tensor, D]` is split over `tensor` along the sequence,
+Sequence parallelism (Megatron-SP, `model.sequence_parallel`): between the tensor-parallel
+matmuls the residual stream `x[B, T_tensor, D]` is split over `tensor` along the sequence,
 so LayerNorms, residual adds, dropout-free elementwise math and the activations saved or
 carried between layers and pipeline stages are 1/t the size. Each all-reduce becomes its
 two halves: `gather_sequence` (all-gather over T) before the column-parallel matmul and a
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpod.parallel.pipeline import vary_like
+from jaxpod.parallel.manual import vary_like
 
 # Remat policies may save values tagged with this name so the backward pass never
 # recomputes (and re-synchronises) a collective.
@@ -50,9 +50,9 @@ def row_dense(
 ) -> jax.Array:
     """`x[..., T, F_tensor] @ W[F_tensor, D]`, summed over `axis`, plus `b[D]` (replicated).
 
-    The one `psum` of a Megatron MLP / attention block: each shard holds a partial sum.
+    The one `psum` of a Megatron MLP / attention layer: each shard holds a partial sum.
     `scatter=True` (sequence parallelism) reduce-scatters over the sequence instead:
-    `-> y[..., T / |axis|, D]`, this shard's block of positions.
+    `-> y[..., T / |axis|, D]`, this shard's range of positions.
     """
     return reduce_rows(jnp.tensordot(x, w, axes=1), b, axis, scatter)
 
@@ -71,7 +71,7 @@ def reduce_rows(
 
 
 def gather_sequence(x: jax.Array, axis: str | None, dim: int = -2) -> jax.Array:
-    """All-gather the sequence blocks of `x[..., T / |axis|, D]` -> `x[..., T, D]` (in order).
+    """All-gather the sequence ranges of `x[..., T / |axis|, D]` -> `x[..., T, D]` (in order).
 
     Not tagged for the remat policies: under `comms` the backward pass gathers again rather
     than keeping a full-length copy per layer (what sequence parallelism is for).
@@ -82,7 +82,7 @@ def gather_sequence(x: jax.Array, axis: str | None, dim: int = -2) -> jax.Array:
 
 
 def local_sequence(x: jax.Array, axis: str | None, dim: int = -2) -> jax.Array:
-    """This shard's block of positions of a full-length `x` (along `dim`), in the layout
+    """This shard's range of positions of a full-length `x` (along `dim`), in the layout
     `row_dense(..., scatter=True)` produces."""
     if axis is None:
         return x
@@ -93,7 +93,7 @@ def local_sequence(x: jax.Array, axis: str | None, dim: int = -2) -> jax.Array:
 
 def position_rows(table: jax.Array, t: int, axis: str | None, sequence_parallel: bool):
     """The rows of the position table `table[T, D]` that this shard adds to a `t`-token
-    sequence: `table[:t]`; sequence-parallel inside `shard_map`, this shard's block
+    sequence: `table[:t]`; sequence-parallel inside `shard_map`, this shard's range
     `[t / |axis|, D]`, which is the table's stored shard (sequence-parallel models split it
     over `axis` along T: logical axis `"positions"`), so no shard holds the whole table."""
     if not sequence_parallel or axis is None:
@@ -103,56 +103,59 @@ def position_rows(table: jax.Array, t: int, axis: str | None, sequence_parallel:
     return table
 
 
-class VocabBlocks(NamedTuple):
-    """Use the vocabulary table `count` blocks of rows at a time (`memory.vocab_blocks`):
-    `prepare(block)` turns one stored block of this shard's table into what the math uses
-    (the engine's RTS gather and cast), so the whole table never exists prepared at once,
-    and in the backward pass each block's gradient is reduce-scattered as it is made."""
+class VocabSlices(NamedTuple):
+    """A token table used `count` slices of rows at a time (`memory.vocab_slices`): `rows` is
+    this shard's table as stored, `prepare(slice)` turns one slice of it into what the math
+    uses (the engine's RTS gather and cast), so the whole table never exists prepared at
+    once, and in the backward pass each slice's gradient is reduce-scattered as it is made.
+    The engine puts it where the model reads its table (`table[...]` returns it unchanged);
+    the kernels below accept it wherever they accept a table."""
 
+    rows: jax.Array
     count: int
     prepare: Callable[[jax.Array], jax.Array]
 
+    def __getitem__(self, index) -> VocabSlices:  # `param[...]` in the model: the table itself
+        if index is not Ellipsis:
+            raise TypeError("a VocabSlices table is used whole by the vocabulary kernels")
+        return self
 
-def _vocab_range(table: jax.Array, axis: str | None) -> tuple[jax.Array | int, int]:
+
+def _vocab_range(table, axis: str | None) -> tuple[jax.Array | int, int]:
     """First vocabulary id held by this shard and the shard's size (`table[V_tensor, D]`)."""
-    size = table.shape[0]
+    size = (table.rows if isinstance(table, VocabSlices) else table).shape[0]
     start = 0 if axis is None else jax.lax.axis_index(axis) * size
     return start, size
 
 
-def _over_blocks(
-    fn: Callable, table: jax.Array, axis: str | None, vocab: VocabBlocks | None, empty=None
-):
-    """`fn(block, first_id)` on the prepared table, or folded over its `vocab.count` blocks:
-    `fn(block, first_id, carry) -> carry` in a `lax.scan` from the carry `empty(shapes)`
-    (default zeros), each block a remat unit (prepared again in the backward pass)."""
+def _over_slices(fn: Callable, table, axis: str | None, empty=None):
+    """`fn(rows, first_id)` on the whole table, or folded over the slices of a `VocabSlices`:
+    `fn(rows, first_id, carry) -> carry` in a `lax.scan` from the carry `empty(shapes)`
+    (default zeros), each slice a remat unit (prepared again in the backward pass)."""
     start, size = _vocab_range(table, axis)
-    if vocab is None or vocab.count == 1:
-        prepare = (lambda a: a) if vocab is None else vocab.prepare
-        return fn(prepare(table), start)
-    n = size // vocab.count
-    step = jax.checkpoint(lambda carry, b, j: fn(vocab.prepare(b), start + j * n, carry))
-    blocks = table.reshape(vocab.count, n, *table.shape[1:])  # rows: no copy
-    first = jax.eval_shape(lambda b: fn(vocab.prepare(b), start), blocks[0])
+    if not isinstance(table, VocabSlices):
+        return fn(table, start)
+    if table.count == 1:
+        return fn(table.prepare(table.rows), start)
+    n = size // table.count
+    step = jax.checkpoint(lambda carry, b, j: fn(table.prepare(b), start + j * n, carry))
+    slices = table.rows.reshape(table.count, n, *table.rows.shape[1:])  # rows: no copy
+    first = jax.eval_shape(lambda b: fn(table.prepare(b), start), slices[0])
     zeros = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
     init = jax.tree.map(vary_like, (empty or zeros)(first), first)
     body = lambda carry, xs: (step(carry, *xs), None)
-    return jax.lax.scan(body, init, (blocks, jnp.arange(vocab.count)))[0]
+    return jax.lax.scan(body, init, (slices, jnp.arange(table.count)))[0]
 
 
 def vocab_embed(
-    tokens: jax.Array,
-    table: jax.Array,
-    axis: str | None,
-    scatter: bool = False,
-    vocab: VocabBlocks | None = None,
+    tokens: jax.Array, table: jax.Array | VocabSlices, axis: str | None, scatter: bool = False
 ) -> jax.Array:
     """Vocab-parallel embedding: `tokens[..., T] int`, `table[V_tensor, D]` -> `x[..., T, D]`.
 
     Each shard looks up the ids in its vocabulary range (zeros elsewhere); a `psum` over
     `axis` assembles the full embedding. No shard ever holds the whole table. `scatter=True`
     (sequence parallelism) reduce-scatters over T instead: `-> x[..., T / |axis|, D]`.
-    `vocab` (`VocabBlocks`): the lookups of the blocks of rows, one after another, summed.
+    A `VocabSlices` table: the lookups of its slices, one after another, summed.
     """
 
     def lookup(rows, first, x=None):
@@ -162,9 +165,9 @@ def vocab_embed(
         found = jnp.where(inside[..., None], found, 0)
         return found if x is None else x + found
 
-    if axis is None and vocab is None:
+    if axis is None and not isinstance(table, VocabSlices):
         return jnp.take(table, tokens, axis=0)
-    x = _over_blocks(lookup, table, axis, vocab)
+    x = _over_slices(lookup, table, axis)
     if axis is None:
         return x
     if scatter:
@@ -173,11 +176,7 @@ def vocab_embed(
 
 
 def vocab_cross_entropy(
-    h: jax.Array,
-    table: jax.Array,
-    targets: jax.Array,
-    axis: str | None,
-    vocab: VocabBlocks | None = None,
+    h: jax.Array, table: jax.Array | VocabSlices, targets: jax.Array, axis: str | None
 ) -> jax.Array:
     """Per-token cross-entropy of `logits = h @ table.T` without gathering the logits.
 
@@ -185,26 +184,26 @@ def vocab_cross_entropy(
     `targets[...]` int -> `loss[...]` float32. Each shard computes `logits[..., V_tensor]`;
     the softmax normaliser is assembled with a `pmax` and a `psum` of per-token scalars and
     the target logit with one more `psum`, so only `O(tokens)` numbers cross the wire.
-    `vocab` (`VocabBlocks`): the logits a block of rows at a time, `[..., V_tensor / count]`,
+    A `VocabSlices` table: the logits a slice of rows at a time, `[..., V_tensor / count]`,
     the normaliser accumulated online (a running max and the sum rescaled to it).
     """
 
-    blocked = vocab is not None and vocab.count > 1
+    sliced = isinstance(table, VocabSlices) and table.count > 1
 
     def stats(rows, first, carry=None):
-        """This block's `(max, sum of exp(logit - max), target logit)`, merged into `carry`.
-        Whole (not blocked), the max is the shards' (a `pmax`) and the target logit is taken
+        """This slice's `(max, sum of exp(logit - max), target logit)`, merged into `carry`.
+        Whole (not sliced), the max is the shards' (a `pmax`) and the target logit is taken
         relative to it."""
         logits = jnp.tensordot(h, rows, axes=((h.ndim - 1,), (1,))).astype(jnp.float32)
         # The max only stabilises exp(); it cancels in the loss, so no gradient flows through.
         top = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
-        if axis is not None and not blocked:
+        if axis is not None and not sliced:
             top = jax.lax.pmax(top, axis)
         z = logits - top[..., None]
         local = targets - first
         inside = (local >= 0) & (local < rows.shape[0])
         picked = jnp.take_along_axis(z, jnp.clip(local, 0, rows.shape[0] - 1)[..., None], -1)
-        picked = jnp.where(inside, picked[..., 0] + (top if blocked else 0.0), 0.0)
+        picked = jnp.where(inside, picked[..., 0] + (top if sliced else 0.0), 0.0)
         out = (top, jnp.sum(jnp.exp(z), axis=-1), picked)
         return out if carry is None else _merge(carry, out)
 
@@ -212,8 +211,8 @@ def vocab_cross_entropy(
         top, sum_exp, picked = (jnp.zeros(a.shape, a.dtype) for a in shapes)
         return top + jnp.finfo(top.dtype).min, sum_exp, picked
 
-    top, sum_exp, picked = _over_blocks(stats, table, axis, vocab, empty)
-    if not blocked:
+    top, sum_exp, picked = _over_slices(stats, table, axis, empty)
+    if not sliced:
         if axis is not None:
             sum_exp, picked = jax.lax.psum((sum_exp, picked), axis)
         return jnp.log(sum_exp) - picked
@@ -225,7 +224,7 @@ def vocab_cross_entropy(
 
 
 def _merge(a, b):
-    """Two blocks' `(max, sum of exp(logit - max), target logit)` -> the union's."""
+    """Two slices' `(max, sum of exp(logit - max), target logit)` -> the union's."""
     top = jnp.maximum(a[0], b[0])
     sum_exp = a[1] * jnp.exp(a[0] - top) + b[1] * jnp.exp(b[0] - top)
     return top, sum_exp, a[2] + b[2]

@@ -24,7 +24,7 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   block: one layer of the largest tensor or the token embedding, each cut into up to 8
   blocks (`jaxpod.optim.strips`; measured in `docs/benchmarks.md`).
 - gathered: with rts > 1 the weights are all-gathered (params dtype) right before use: the
-  non-layer weights for the step (with `memory.vocab_blocks = k`, GPT's token table a block
+  non-layer weights for the step (with `memory.vocab_slices = k`, GPT's token table a block
   of rows at a time: one block and its full-size gradient, 2/k of the table), the layers
   one at a time (remat recomputes the gather in the backward pass; with `pipeline > 1` on
   every GPipe tick: `stack.tie` keeps XLA from hoisting the stage's gather out of the tick
@@ -32,7 +32,7 @@ Bytes per device (P_local = parameters this device holds, divided by `memory.rts
   for all ticks: the gather is hoisted).
   With `memory.stream = matrix` one step's weights are gathered at a time instead of a
   layer's: the largest (a third of `W_qkv`, `W_o`, or a block of `W_in` and `W_out`,
-  `memory.mlp_blocks`) and, in the backward pass, their full-size gradient before the
+  `memory.mlp_panels`) and, in the backward pass, their full-size gradient before the
   reduce-scatter: 2 x max(D², 2·D·F/k) of the layer's parameters; the backward pass
   recomputes one step at a time (`_layer_sets`; under tensor parallelism XLA keeps the
   layer's working set anyway, and that is what is counted).
@@ -56,8 +56,8 @@ from __future__ import annotations
 
 import math
 
-from jaxpod.config.load import Config
-from jaxpod.optim.strips import update_blocks
+from jaxpod.config import Config
+from jaxpod.optim.strips import strips
 from jaxpod.planner.counts import block_params
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -91,7 +91,7 @@ def _layer_sets(cfg: Config) -> dict:
     # layer's weights all-gathered inside its remat unit): without it XLA holds the whole
     # sequence's hidden units anyway (measured: docs/benchmarks.md, "MLP token blocks").
     # The loss head's logits shrink by C. The blocks are sliced from their input and their
-    # outputs written in place (`serialize`): no stacked copies.
+    # outputs written in place (`map_chunks`): no stacked copies.
     chunked = md.sequence_chunks > 1
     kept_scores = 0 if chunked else scores
     block = scores // md.sequence_chunks
@@ -135,7 +135,7 @@ def _layer_sets(cfg: Config) -> dict:
     if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
         work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
     elif cfg.memory.stream == "matrix" and t == 1:
-        k = cfg.memory.mlp_blocks
+        k = cfg.memory.mlp_panels
         mlp_block = mlp_in + btd * cb + 6 * btf // k * cb
         work = max(max(attention, mlp_block) + step_inputs - kept, 0)
     else:
@@ -156,7 +156,7 @@ def activation_bytes(cfg: Config) -> dict:
     - `pipeline_buffers`: the embedded micro-batches [M, mb, T, D], the last stage's outputs
       and their gradient, the carry, and one tick's layer stack before it joins the scan's.
     - `head`: the loss head: float32 logits over this device's tokens (mb·T; M·mb·T/S when the
-      pipeline spreads the head over the stages) x V/t (/ `memory.vocab_blocks`), x 3 live
+      pipeline spreads the head over the stages) x V/t (/ `memory.vocab_slices`), x 3 live
       copies, plus the final LN; the tokens in `sequence_chunks` blocks.
     - `layer_work`: one layer's backward working set (recomputation under remat).
     Peak = saved + pipeline_buffers + max(head, layer_work): the head's temporaries die before
@@ -188,7 +188,7 @@ def activation_bytes(cfg: Config) -> dict:
     buffers = 0 if stages == 1 else (3 * micro + 1) * sets["btd"] + per_stage * sets["saved"]
     head_tokens = tr.micro_batch * md.seq_len * (1 if stages == 1 else micro) // stages
     head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head blocks (as the engine)
-    vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_blocks  # logits of a row block
+    vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_slices  # logits of a row block
     head = head_tokens * vocab_rows * 4 * HEAD_LOGIT_COPIES // head_chunks
     head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // head_chunks
     offloaded = "activations" in cfg.memory.offload
@@ -212,9 +212,9 @@ def activation_bytes(cfg: Config) -> dict:
 # ----------------------------------------------------------------------------- the bytes
 def _step_share(cfg: Config) -> float:
     """With `memory.stream=matrix`: the largest step's share of a layer's parameters (a third
-    of `W_qkv`, `W_o`, or one of the `mlp_blocks` blocks of `W_in` and `W_out`)."""
+    of `W_qkv`, `W_o`, or one of the `mlp_panels` blocks of `W_in` and `W_out`)."""
     d, f = cfg.model.d_model, cfg.model.d_ff
-    return max(d * d, 2 * d * f / cfg.memory.mlp_blocks) / sum(block_params(d, f))
+    return max(d * d, 2 * d * f / cfg.memory.mlp_panels) / sum(block_params(d, f))
 
 
 def _window(cfg: Config, layout: dict) -> float:
@@ -256,10 +256,10 @@ def device_bytes(cfg: Config, layout: dict, acts: dict) -> dict:
         if mem.stream == "matrix":  # the largest step's weights and their full-size grads
             layer *= 2 * _step_share(cfg)
         other = layout["local_other"]
-        if mem.vocab_blocks > 1:  # GPT's tables: one block of rows and its gradient at a time
+        if mem.vocab_slices > 1:  # GPT's tables: one block of rows and its gradient at a time
             table = cfg.model.vocab // cfg.mesh.tensor * cfg.model.d_model
             tables = table * (1 if cfg.model.tie_embeddings else 2)
-            other += 2 * table / mem.vocab_blocks - tables
+            other += 2 * table / mem.vocab_slices - tables
         gathered = (other + layer) * pb
 
     weights = weights_all * window
@@ -267,20 +267,21 @@ def device_bytes(cfg: Config, layout: dict, acts: dict) -> dict:
     optimizer = 0 if "optimizer" in offload else optimizer_all
     activations = acts["total"]
     inputs = cfg.train.grad_accum * cfg.train.micro_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
-    if cfg.is_vision:
+    if cfg.kind.data == "images":
         inputs = cfg.train.grad_accum * cfg.train.micro_batch * 3 * cfg.model.image_size**2
     backward_peak = grads + activations
     # the update holds the reduced grads, a same-size copy (unscaled/clipped) and the updates
     update_peak = 2 * grads_update * window + updates
-    if mb < 4 and not cfg.is_vision:  # 16-bit masters: `jaxpod.optim.per_layer`, tensor by tensor
-        md, mesh, devices = cfg.model, cfg.mesh, cfg.devices
+    # 16-bit masters of stacked layers: `jaxpod.optim.per_layer`, tensor by tensor
+    if mb < 4 and cfg.kind.stages == "stacked":
+        md, mesh, devices = cfg.model, cfg.mesh, cfg.total_devices
         # the largest stacked tensor (one layer of every stage: `jaxpod.optim.strips`) and
         # the token embedding, each updated in blocks
         layer = (mesh.pipeline, md.d_model, max(3 * md.d_model, md.d_ff))
         table = (md.vocab, md.d_model)
         block = max(
-            math.prod(layer[1:]) / mesh.tensor / rts / update_blocks(layer, devices, True)[1],
-            math.prod(table) / mesh.tensor / rts / update_blocks(table, devices, False)[1],
+            math.prod(layer[1:]) / mesh.tensor / rts / strips(layer, devices, True)[1],
+            math.prod(table) / mesh.tensor / rts / strips(table, devices, False)[1],
         )
         # the grads, a 16-bit copy of the stacked layer weights (XLA's loop carries), and the
         # working set of the largest block: float32 upcasts, moments, update and threefry's

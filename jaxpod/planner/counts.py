@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 
-from jaxpod.config.load import Config
+from jaxpod.config import Config
 
 
 @functools.cache

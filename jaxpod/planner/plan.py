@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpod.config.load import Config, parse_bytes
+from jaxpod.config import Config, parse_bytes
 from jaxpod.errors import UserError
 from jaxpod.planner.bytes import DTYPE_BYTES, activation_bytes, device_bytes
 from jaxpod.planner.counts import (
@@ -75,7 +75,7 @@ def _divisors(n: int) -> list[int]:
 
 def _phases_needed(cfg: Config, limit: int, params_override: int | None) -> int | None:
     """The fewest phases (a divisor of the stage's layers) that fit, with params offloaded."""
-    if cfg.is_vision:
+    if cfg.kind.stages == "packed":
         return 1 if _device_total(cfg, params_override) <= limit else None
     offload = tuple(sorted({*cfg.memory.offload, "params"}))
     for k in _divisors(cfg.model.layers // cfg.mesh.pipeline):
@@ -107,9 +107,9 @@ def _finer_stream(cfg: Config, limit: int, params_override: int | None) -> dict:
     device's hidden units, up to 64) that fits, or gives the smallest total (`_fewest`)."""
     counts = [k for k in _divisors(cfg.model.d_ff // cfg.mesh.tensor) if k <= 64]
     if cfg.memory.stream == "matrix":
-        counts = [k for k in counts if k > cfg.memory.mlp_blocks]
-        return _fewest(cfg, limit, params_override, counts, lambda k: {"mlp_blocks": k})
-    changes = lambda k: {"stream": "matrix", "mlp_blocks": k}
+        counts = [k for k in counts if k > cfg.memory.mlp_panels]
+        return _fewest(cfg, limit, params_override, counts, lambda k: {"mlp_panels": k})
+    changes = lambda k: {"stream": "matrix", "mlp_panels": k}
     return _fewest(cfg, limit, params_override, counts, changes)
 
 
@@ -117,8 +117,8 @@ def _finer_vocab(cfg: Config, limit: int, params_override: int | None) -> dict:
     """GPT's token table in the fewest blocks of rows (dividing the device's rows, up to 64,
     more than now) that fits (`_fewest`), or {}."""
     rows = cfg.model.vocab // cfg.mesh.tensor
-    counts = [k for k in _divisors(rows) if cfg.memory.vocab_blocks < k <= 64]
-    changes = lambda k: {"vocab_blocks": k}
+    counts = [k for k in _divisors(rows) if cfg.memory.vocab_slices < k <= 64]
+    changes = lambda k: {"vocab_slices": k}
     return _fewest(cfg, limit, params_override, counts, changes, fit_only=True)
 
 
@@ -137,7 +137,7 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
             _with_memory(cfg, phases=phases, offload=tuple(offload)),
         )
     streamed = mem.rts > 1 or "params" in mem.offload  # gathered or fetched per matrix
-    if not cfg.is_vision and streamed and md.remat != "none":
+    if cfg.kind.stages == "stacked" and streamed and md.remat != "none":
         stream = _finer_stream(cfg, limit, params_override)
         if stream:
             option(
@@ -146,19 +146,19 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
     if md.name == "gpt" and mem.rts > 1:  # the token table gathered a block at a time
         vocab = _finer_vocab(cfg, limit, params_override)
         if vocab:
-            option(f"memory.vocab_blocks={vocab['vocab_blocks']}", _with_memory(cfg, **vocab))
-    if not cfg.is_vision and mesh.replica > mem.rts:
+            option(f"memory.vocab_slices={vocab['vocab_slices']}", _with_memory(cfg, **vocab))
+    if cfg.kind.stages == "stacked" and mesh.replica > mem.rts:
         option(
             f"memory.rts={mesh.replica} memory.rts_optimizer={mesh.replica}",
             _with_memory(cfg, rts=mesh.replica, rts_optimizer=mesh.replica),
         )
-    if "optimizer" not in mem.offload and not cfg.is_vision:
+    if "optimizer" not in mem.offload and cfg.kind.stages == "stacked":
         trial = _with_memory(cfg, offload=tuple(sorted({*mem.offload, "optimizer"})))
         option("memory.offload+=optimizer", trial)
-    if not cfg.is_vision and mesh.tensor > 1 and not md.sequence_parallel:
+    if cfg.kind.tensor_parallel and mesh.tensor > 1 and not md.sequence_parallel:
         if md.seq_len % mesh.tensor == 0:
             option("model.sequence_parallel=true", _with_model(cfg, sequence_parallel=True))
-    if not cfg.is_vision and md.sequence_chunks == 1 and md.seq_len % 8 == 0:
+    if cfg.kind.data == "tokens" and md.sequence_chunks == 1 and md.seq_len % 8 == 0:
         option("model.sequence_chunks=8", _with_model(cfg, sequence_chunks=8))
     if md.remat not in ("full",):
         option("model.remat=full", _with_model(cfg, remat="full"))
@@ -166,14 +166,14 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
         tr = cfg.train
         smaller = [g for g in _divisors(tr.grad_accum) if g < cfg.pipeline_group]
         for group in reversed(smaller):
-            if not cfg.is_vision and tr.micro_batch * group * md.seq_len % mesh.pipeline:
+            if cfg.kind.stages == "stacked" and tr.micro_batch * group * md.seq_len % mesh.pipeline:
                 continue  # a pass's tokens must split over the stages
             trial = dataclasses.replace(cfg, train=dataclasses.replace(tr, pipeline_group=group))
             if _device_total(trial, params_override) <= limit:
                 option(f"train.pipeline_group={group}", trial)
                 break
     p2 = mesh.pipeline * 2
-    if mesh.replica % 2 == 0 and md.layers % p2 == 0 and not cfg.is_vision:
+    if mesh.replica % 2 == 0 and md.layers % p2 == 0 and cfg.kind.stages == "stacked":
         trial = dataclasses.replace(
             cfg, mesh=dataclasses.replace(mesh, pipeline=p2, replica=mesh.replica // 2)
         )
@@ -195,7 +195,7 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
     mesh, tr, mem, prec = cfg.mesh, cfg.train, cfg.memory, cfg.precision
     profile = get_profile(mem.device)
     layout = param_layout(cfg, params_override)
-    if params_override is not None and not cfg.is_vision:  # keep the formula's layout shape
+    if params_override is not None and cfg.kind.stages == "stacked":  # keep the layout's shape
         formula = param_layout(cfg)
         scale = params_override / max(formula["total"], 1)
         for key in ("layers", "local", "local_layers", "local_other"):
@@ -230,8 +230,8 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         "offload": list(mem.offload),
         "configured_phases": mem.phases,
         "configured_stream": mem.stream,
-        "mlp_blocks": mem.mlp_blocks,
-        "vocab_blocks": mem.vocab_blocks,
+        "mlp_panels": mem.mlp_panels,
+        "vocab_slices": mem.vocab_slices,
         "remat": cfg.model.remat,
         "optimizer": cfg.optim.name,
         "dtype_bytes": {

@@ -46,8 +46,8 @@ def format_plan(p: dict) -> str:
             "memory",
             f"{p['device_profile']}: remat {p['remat']}, offload {offload}, "
             f"phases {p['configured_phases']}, stream {p['configured_stream']}"
-            + (f" (mlp_blocks {p['mlp_blocks']}{fetched})" if matrix else "")
-            + (f", token table in {p['vocab_blocks']} blocks" if p["vocab_blocks"] > 1 else ""),
+            + (f" (mlp_panels {p['mlp_panels']}{fetched})" if matrix else "")
+            + (f", token table in {p['vocab_slices']} blocks" if p["vocab_slices"] > 1 else ""),
         ),
     ]
     rows = [

@@ -9,37 +9,34 @@ for shape errors, sharding errors and per-device memory before any hardware is s
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from jaxpod.config.load import Config
+from jaxpod.config import Config
+from jaxpod.engine import Engine, TrainState, abstract_engine
+from jaxpod.run.mapping import most_on_one_device
 
 
-def abstract_inputs(cfg: Config, mesh: Mesh) -> tuple[Any, Any, Any]:
+def abstract_inputs(cfg: Config, mesh: Mesh) -> tuple[Engine, TrainState, tuple]:
     """`(engine, abstract state, abstract batch)` for `cfg` on `mesh`, nothing allocated."""
-    g = cfg.global_batch
-    if cfg.is_vision:
-        from jaxpod.engine.vision import abstract_vision_state, make_vision_engine
-
-        engine = make_vision_engine(cfg, mesh)
-        state = abstract_vision_state(engine.model, mesh)
-        size = cfg.model.image_size
-        sharding: NamedSharding = engine.batch_sharding
-        batch = (
-            jax.ShapeDtypeStruct((g, size, size, 3), jnp.uint8, sharding=sharding),
-            jax.ShapeDtypeStruct((g,), jnp.int32, sharding=sharding),
-        )
-        return engine, state, batch
-    from jaxpod.engine.transformer import abstract_engine
-
     engine, state = abstract_engine(cfg, mesh)
-    batch = jax.ShapeDtypeStruct(
-        (g, cfg.model.seq_len + 1), jnp.int32, sharding=engine.batch_sharding
+    dataset_shapes = _batch_shapes(cfg)
+    batch = tuple(
+        jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        for (shape, dtype), sharding in zip(dataset_shapes, engine.batch_sharding, strict=True)
     )
     return engine, state, batch
+
+
+def _batch_shapes(cfg: Config) -> list[tuple[tuple[int, ...], object]]:
+    """Shape and dtype of each array of a global batch (what the datasets produce)."""
+    g = cfg.global_batch
+    if cfg.kind.data == "images":
+        size = cfg.model.image_size
+        return [((g, size, size, 3), jnp.uint8), ((g,), jnp.int32)]
+    return [((g, cfg.model.seq_len + 1), jnp.int32)]
 
 
 def compile_step(cfg: Config, mesh: Mesh) -> dict:
@@ -55,9 +52,8 @@ def compile_step(cfg: Config, mesh: Mesh) -> dict:
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older jax returned one dict per program
         cost = cost[0] if cost else {}
-    state_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(state))
-    on_device = [a for a in jax.tree.leaves((state, batch)) if _on_device(a)]
-    device_args = sum(_shard_bytes(a) for a in on_device)
+    state_bytes = most_on_one_device(state, kind=None)
+    device_args = most_on_one_device((state, batch))
     return {
         "devices": mesh.size,
         "mesh": dict(mesh.shape),
@@ -74,17 +70,6 @@ def compile_step(cfg: Config, mesh: Mesh) -> dict:
         "device_total_bytes": device_args + int(mem.temp_size_in_bytes),
         "flops_per_device": float(cost.get("flops", 0.0)),
     }
-
-
-def _on_device(a: jax.ShapeDtypeStruct) -> bool:
-    return (a.sharding.memory_kind or "device") == "device"
-
-
-def _shard_bytes(a: jax.ShapeDtypeStruct) -> int:
-    n = 1
-    for d in a.sharding.shard_shape(a.shape):
-        n *= d
-    return n * jnp.dtype(a.dtype).itemsize
 
 
 def format_compile(r: dict) -> str:

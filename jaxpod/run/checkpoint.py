@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from jaxpod.engine.transformer import Engine, TrainState
+from jaxpod.engine import Engine, TrainState
 from jaxpod.errors import Muted, UserError
 
 CHECKPOINTS = "checkpoints"

@@ -72,6 +72,25 @@ class TokenDataset:
             return self._synthetic(g, "val")
         return self._val[g % self._val.shape[0]].astype(np.int32)
 
+    unit = "tokens"  # what a step's throughput counts
+
+    def per_example(self) -> int:
+        """Units (tokens) one example trains on: seq_len."""
+        return self.seq_len
+
+    def shapes(self, global_batch: int) -> tuple[tuple[int, ...], ...]:
+        """The global shape of each batch array: `((G, seq_len + 1),)`."""
+        return ((global_batch, self.window),)
+
+    def read(self, split: str, step: int, start: int, stop: int, global_batch: int) -> tuple:
+        """Rows [start, stop) of train step / val batch `step`: `(tokens,)` (see `train_rows`)."""
+        rows = self.train_rows if split == "train" else self.val_rows
+        return (rows(step, start, stop, global_batch),)
+
+    def val_batches(self, global_batch: int) -> int | None:
+        """Validation batches before repeating: None (any number; rows wrap around)."""
+        return None
+
     def describe(self) -> str:
         """One line: source, size and window counts."""
         if self._train is None:

@@ -1,6 +1,6 @@
 """Image-classification datasets, deterministic per step and independent of the mesh.
 
-Images stay ``uint8`` on the host, shaped ``[N, H, W, 3]`` (RGB, channels last); `normalize`
+Images stay ``uint8`` on the host, shaped ``[N, H, W, 3]`` (RGB, channels last); the model's
 turns them into floats on the device. Row ``i`` of training step ``k`` is global example
 ``g = k * global_batch + i``; training images are visited in a seeded permutation per epoch
 (a global batch may straddle two epochs), so the rows of a step depend only on (dataset,
@@ -10,7 +10,7 @@ reads exactly its own slice and a resumed run sees exactly the rows it would hav
 Datasets: ``digits`` (scikit-learn's bundled 8x8 handwritten digits, upscaled, no download),
 ``synthetic-imagenet`` (random images for throughput tests) and ``image-folder`` (a directory
 with one subdirectory per class). Host-side only: numpy + standard library at import (Pillow
-and scikit-learn are imported by the loaders that need them), no jax except in `normalize`.
+and scikit-learn are imported by the loaders that need them), no jax.
 `jaxpod.run.prefetch.Prefetcher` computes the next few batches in a background thread.
 """
 
@@ -20,21 +20,15 @@ import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
 from jaxpod.errors import DataError
 from jaxpod.run.data import epoch_permutation, global_indices
 
-if TYPE_CHECKING:
-    import jax
-
 NAMES = ("digits", "synthetic-imagenet", "image-folder")
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif"})
-# ImageNet per-channel statistics (RGB), on the 0..255 scale of the uint8 pixels.
-MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-STD_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 SYNTHETIC_POOL = 64  # distinct synthetic images; examples pick one by a hash of their index
 SYNTHETIC_CLASSES = 1000
 SYNTHETIC_TRAIN_SIZE = 1_281_167  # nominal sizes, those of ImageNet-1k
@@ -97,6 +91,22 @@ class ImageDataset:
             return self._synthetic(g, "val")
         assert self._val_idx is not None
         return self._gather(self._val_idx[g])
+
+    unit = "images"  # what a step's throughput counts
+
+    def per_example(self) -> int:
+        """Units (images) one example trains on: 1."""
+        return 1
+
+    def shapes(self, global_batch: int) -> tuple[tuple[int, ...], ...]:
+        """The global shape of each batch array: images `(G, H, W, 3)`, labels `(G,)`."""
+        s = self.image_size
+        return ((global_batch, s, s, 3), (global_batch,))
+
+    def read(self, split: str, step: int, start: int, stop: int, global_batch: int) -> tuple:
+        """Rows [start, stop) of train step / val batch `step`: `(images, labels)`."""
+        rows = self.train_batch if split == "train" else self.val_batch
+        return rows(step, start, stop, global_batch)
 
     def val_batches(self, global_batch: int) -> int:
         """Full batches of `global_batch` covering every val image once (>= 1).
@@ -369,16 +379,3 @@ def load_images(
         _val_idx=val_idx,
         _source=source,
     )
-
-
-def normalize(images: jax.Array, dtype: Any) -> jax.Array:
-    """uint8 RGB images [..., 3] -> (x - ImageNet mean) / ImageNet std per channel, in `dtype`.
-
-    Call it on the device, inside the jitted step: the host sends uint8 pixels, 1/4 of the bytes
-    of float32 (1/2 of bfloat16). The arithmetic is done in float32, then cast to `dtype`.
-    """
-    import jax.numpy as jnp
-
-    mean = jnp.asarray(MEAN_RGB, dtype=jnp.float32)
-    inv_std = 1.0 / jnp.asarray(STD_RGB, dtype=jnp.float32)
-    return ((images.astype(jnp.float32) - mean) * inv_std).astype(dtype)

@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxpod.config.load import Config, config_to_dict, dump_yaml
+from jaxpod.config import Config, config_to_dict, dump_yaml
+from jaxpod.engine import TrainState
 from jaxpod.errors import UserError
 from jaxpod.parallel.mesh import make_mesh, select_devices
 from jaxpod.planner.plan import check_budget
@@ -43,7 +44,7 @@ class RunResult:
     """What a finished run returns (the full record is in `logdir`)."""
 
     logdir: Path
-    state: object  # jaxpod.engine.transformer.TrainState or jaxpod.engine.vision.VisionState
+    state: TrainState
     losses: list[float]  # training loss of every step this run took (after a resume: the rest)
     val_losses: dict[int, float]  # step -> validation loss
     mapping: dict
@@ -88,10 +89,11 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
     main = jax.process_index() == 0
     quiet = quiet or not main
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    mesh = make_mesh(cfg.mesh, select_devices(cfg.devices * jax.process_count()))
+    mesh = make_mesh(cfg.mesh, select_devices(cfg.total_devices))
     task, state = build_task(cfg, mesh)
     engine = task.engine
-    mapping = describe(cfg, mesh, state.params, state.opt_state, n_params=task.params)
+    params = engine.stages.params_count
+    mapping = describe(cfg, mesh, state, task.per_step, task.unit, params)
     say(format_mapping(mapping))
     say(f"data           {task.dataset.describe()}")
 

@@ -1,33 +1,52 @@
-"""How a run maps onto the devices: mesh, batch arithmetic, parameter count and bytes per
-device, measured from the live arrays' shards (not assumed)."""
+"""How a run maps onto the devices: mesh, batch arithmetic, parameter count, and bytes per
+device of the state as it lives (the one place those bytes are counted; the planner predicts
+them analytically)."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import jax
+import numpy as np
 
-from jaxpod.config.load import Config
+from jaxpod.config import Config
+
+DEVICE = "device"
 
 
-def bytes_per_device(tree) -> dict[int, int]:
-    """Bytes each device holds of the arrays in `tree` (device id -> bytes)."""
-    held: dict[int, int] = defaultdict(int)
+def bytes_per_device(tree) -> dict[int, dict[str, int]]:
+    """Bytes each device holds of the arrays in `tree`, by memory kind:
+    `{device id: {"device": n, "pinned_host": m}}`. Live arrays are measured from their
+    addressable shards; `ShapeDtypeStruct`s with a sharding from the shard shape on each
+    device of the sharding (nothing needs to exist)."""
+    held: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for leaf in jax.tree.leaves(tree):
+        kind = leaf.sharding.memory_kind or DEVICE
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            size = math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+            for device in leaf.sharding.device_set:
+                held[device.id][kind] += size
+            continue
         for shard in leaf.addressable_shards:
-            held[shard.device.id] += shard.data.nbytes
-    return dict(held)
+            held[shard.device.id][kind] += shard.data.nbytes
+    return {d: dict(kinds) for d, kinds in sorted(held.items())}
 
 
-def describe(
-    cfg: Config, mesh: jax.sharding.Mesh, params, opt_state, *, n_params: int | None = None
-) -> dict:
-    """A JSON-able summary of the mapping of this run. `n_params` overrides the count of the
-    arrays' elements (packed stage rows include padding)."""
-    if n_params is None:
-        n_params = sum(leaf.size for leaf in jax.tree.leaves(params))
-    p_bytes, o_bytes = bytes_per_device(params), bytes_per_device(opt_state)
-    worst = max(p_bytes, key=lambda d: p_bytes[d] + o_bytes.get(d, 0))
+def most_on_one_device(tree, kind: str | None = DEVICE) -> int:
+    """The largest number of bytes of `tree` any one device holds (in memory `kind`; None:
+    every kind)."""
+    per = bytes_per_device(tree)
+    count = lambda kinds: sum(kinds.values()) if kind is None else kinds.get(kind, 0)  # noqa: E731
+    return max((count(k) for k in per.values()), default=0)
+
+
+def describe(cfg: Config, mesh: jax.sharding.Mesh, state, per_step: int, unit: str, params: int):
+    """A JSON-able summary of the mapping of this run (`params`: the real parameter count)."""
+    p_bytes = bytes_per_device(state.params)
+    o_bytes = bytes_per_device(state.opt_state)
+    total = lambda kinds: sum(kinds.values())  # noqa: E731
+    worst = max(p_bytes, key=lambda d: total(p_bytes[d]) + total(o_bytes.get(d, {})))
     return {
         "devices": mesh.size,
         "platform": mesh.devices.flat[0].platform,
@@ -35,12 +54,12 @@ def describe(
         "micro_batch": cfg.train.micro_batch,
         "grad_accum": cfg.train.grad_accum,
         "global_batch": cfg.train.global_batch,
-        "unit": "images" if cfg.is_vision else "tokens",
-        "per_step": cfg.global_batch if cfg.is_vision else cfg.tokens_per_step,
-        "params": n_params,
-        "param_bytes_total": sum(leaf.nbytes for leaf in jax.tree.leaves(params)),
-        "param_bytes_per_device": p_bytes[worst],
-        "optimizer_bytes_per_device": o_bytes.get(worst, 0),
+        "unit": unit,
+        "per_step": per_step,
+        "params": params,
+        "param_bytes_total": sum(leaf.nbytes for leaf in jax.tree.leaves(state.params)),
+        "param_bytes_per_device": total(p_bytes[worst]),
+        "optimizer_bytes_per_device": total(o_bytes.get(worst, {})),
     }
 
 

@@ -1,0 +1,122 @@
+"""Loss and gradients for every model, inside one `shard_map` over the whole mesh.
+
+The skeleton is the same for stacked and packed stage layouts (`Stages`); a layout supplies
+the pieces: `examples` (the local batch as micro-batches), `forward` (this device's `embed`,
+`stage` and `head`), `data_axes` (what gradients are summed over).
+
+    pipeline == 1: scan over the micro-batches: value_and_grad of head(stage(embed(x)))
+                   each, gradients summed
+    pipeline  > 1: per GPipe pass (`train.pipeline_group` micro-batches; default all):
+                   embed them, `gpipe(stage)` (ppermute between stages), the layout's
+                   pipelined head; value_and_grad per pass, summed
+    the loss is multiplied by the loss scale before differentiation; then one psum of the
+    loss and of each gradient over its reduction axes.
+
+Parameters are `pcast` to varying over their reduction axes once, before the loss, so no
+reduction happens inside the micro-batch loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxpod.config import Config
+from jaxpod.models import mlm
+from jaxpod.parallel.manual import vary_like
+from jaxpod.parallel.pipeline import gpipe
+from jaxpod.parallel.replica import reduce_grads, vary_params
+
+
+class Examples(NamedTuple):
+    """A device's batch as micro-batches: `inputs`, `targets`, `weights` (or None) with a
+    leading `[M, mb]`, and `denominator`, what the summed loss is divided by."""
+
+    inputs: jax.Array
+    targets: jax.Array
+    weights: jax.Array | None
+    denominator: Any
+
+
+class Stages(Protocol):
+    """How a model's pipeline stages are laid out (`StackedStages`, `PackedStages`)."""
+
+    mesh: Mesh
+    data_axes: tuple[str, ...]
+    stored_specs: Any
+    batch_specs: tuple
+
+    def examples(self, params, batch: tuple, step: jax.Array, stream: int) -> Examples: ...
+
+    def forward(self, params, pipelined: bool) -> tuple[Callable, Callable, Callable]: ...
+
+    def grads_to_device(self, grads): ...
+
+
+def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: bool):
+    """Per-device `(eval_loss, loss_and_grads)` for the inside of `shard_map`:
+
+    `eval_loss(params, batch, step) -> (loss, aux)`; `loss_and_grads(params, batch, scale,
+    step) -> (loss, aux, grads of scale * loss)`, all summed over the data axes. `aux` holds
+    the head's extra sums (a classifier's `correct` count)."""
+    pipelined = stages.mesh.shape["pipeline"] > 1
+    passes = cfg.pipeline_passes
+
+    def micro_loss(params, inputs, targets, weights, denominator):
+        embed, stage, head = stages.forward(params, pipelined=False)
+        return head(stage(embed(inputs)), targets, weights, denominator)
+
+    def pipeline_loss(params, inputs, targets, weights, denominator):
+        embed, stage, head = stages.forward(params, pipelined=True)
+        ys = gpipe(stage, embed(inputs), bubble_fill=bubble_fill, unroll=unroll)
+        return head(ys, targets, weights, denominator)
+
+    def value_and_grad(fn, scale, *args):
+        """((loss, aux), grads of loss * scale), grads on the device."""
+        scaled = lambda *a: (lambda out: (out[0] * scale.astype(out[0].dtype), out))(fn(*a))
+        (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(*args)
+        return out, stages.grads_to_device(grads)
+
+    def accumulate(fn, params, scale, batches, denominator):
+        """Sum `value_and_grad(fn)` over the leading axis of `batches` (one micro-batch, or one
+        GPipe pass of `cfg.pipeline_group` micro-batches, per iteration)."""
+
+        def body(acc, batch):
+            out, grads = value_and_grad(fn, scale, params, *batch, denominator)
+            return jax.tree.map(jnp.add, acc, grads), out
+
+        zeros = jax.tree.map(lambda p: vary_like(jnp.zeros(p.shape, p.dtype), p), params)
+        grads, outs = jax.lax.scan(body, zeros, batches, unroll=unroll)
+        return jax.tree.map(jnp.sum, outs), grads
+
+    def summed(out):
+        return jax.lax.psum(out, stages.data_axes)
+
+    def eval_loss(params, batch, step):
+        ex = stages.examples(params, batch, step, mlm.EVAL_STREAM)
+        params = vary_params(params, stages.stored_specs, stages.data_axes)
+        micro = (ex.inputs, ex.targets, ex.weights)
+        if not pipelined:
+            outs = jax.lax.map(lambda b: micro_loss(params, *b, ex.denominator), micro)
+            return summed(jax.tree.map(jnp.sum, outs))
+        return summed(pipeline_loss(params, *micro, ex.denominator))
+
+    def loss_and_grads(params, batch, scale, step):
+        ex = stages.examples(params, batch, step, mlm.TRAIN_STREAM)
+        params = vary_params(params, stages.stored_specs, stages.data_axes)
+        batches = (ex.inputs, ex.targets, ex.weights)
+        if not pipelined:
+            out, grads = accumulate(micro_loss, params, scale, batches, ex.denominator)
+        elif passes == 1:
+            out, grads = value_and_grad(pipeline_loss, scale, params, *batches, ex.denominator)
+        else:  # [M, ...] -> [passes, M / passes, ...]: one GPipe schedule per pass
+            batches = jax.tree.map(lambda a: a.reshape(passes, -1, *a.shape[1:]), batches)
+            out, grads = accumulate(pipeline_loss, params, scale, batches, ex.denominator)
+        loss, aux = summed(out)
+        return loss, aux, reduce_grads(grads, stages.stored_specs, stages.data_axes)
+
+    return eval_loss, loss_and_grads

@@ -1,0 +1,259 @@
+"""Stacked stages: models whose pipeline stages are slices of one stack of identical layers.
+
+GPT and BERT keep their layers as one `Layer` with a leading `[L]` axis, split over
+`pipeline`; a stage scans its slice (`jaxpod.parallel.stream.run_stack`). A stacked model
+offers `embed(tokens, tp)`, `layers` (the stack), `token_loss(h, targets, tp)`,
+`inputs_and_targets(tokens, keys)` and `masked`. Around it, from the config:
+
+    params   nested dicts, each leaf sharded by its logical axes (+ the RTS split), in device
+             or host memory (`engine.layout`); inside `shard_map` the non-layer weights are
+             fetched, gathered and cast before use, the layers one at a time by `run_stack`
+    batch    (tokens int32[G, T+1],) split over the batch axes
+    update   under GSPMD on the globally sharded arrays (whole-parameter norms): the
+             guarded update, whole-tree, or layer by layer for 16-bit master weights
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpod.config import Config
+from jaxpod.engine.layout import make_layout
+from jaxpod.engine.loss import Examples
+from jaxpod.engine.state import OptState, TrainState, optimizer_shardings, with_shardings
+from jaxpod.models import mlm
+from jaxpod.models.layers import token_loss_in_chunks
+from jaxpod.models.params import STACK, masks
+from jaxpod.optim.chains import make_optimizer
+from jaxpod.optim.guarded import guarded_update, unscaled_sum_squares, whole_tree
+from jaxpod.optim.per_layer import per_layer
+from jaxpod.optim.precision import LossScaleState, compute_dtype, init_loss_scale, is_half
+from jaxpod.optim.precision import master_dtype as master_dtype_of
+from jaxpod.parallel import offload
+from jaxpod.parallel.mesh import param_specs, shardings
+from jaxpod.parallel.pipeline import spread_over_stages
+from jaxpod.parallel.replica import gather
+from jaxpod.parallel.stream import panel_axes, run_stack
+from jaxpod.parallel.tensor import VocabSlices, gather_sequence
+
+TP = "tensor"  # a size-1 axis costs nothing: XLA drops single-device collectives
+
+
+def build_model(cfg, seed: int) -> nnx.Module:
+    """The transformer named by `cfg.name` (gpt or bert), initialised from `seed`."""
+    if cfg.name == "bert":
+        from jaxpod.models.bert import BERT as Model
+    else:
+        from jaxpod.models.gpt import GPT as Model
+    return Model(cfg, rngs=nnx.Rngs(seed))
+
+
+def _cast(tree, dtype):
+    """Floating leaves in `dtype` (leaves already in it are returned as they are)."""
+    return jax.tree.map(lambda a: a if a.dtype == dtype else a.astype(dtype), tree)
+
+
+class StackedStages:
+    """A stacked model on a mesh: its layout, optimizer and the pieces of its loss."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, *, unroll: bool = False):
+        self.cfg, self.unroll = cfg, unroll
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg.model, cfg.train.seed)))
+        self.graphdef, self.specs, self.masks = graphdef, param_specs(state), masks(state)
+        master = master_dtype_of(cfg.precision)
+        params = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, master), nnx.to_pure_dict(state)
+        )
+        self.abstract_params = params
+        self.params_count = sum(leaf.size for leaf in jax.tree.leaves(params))
+        self.layout = layout = make_layout(
+            cfg, mesh, params, self.specs, self.masks, panel_axes(params, self.masks.stacked)
+        )
+        self.mesh, self.data_axes = layout.mesh, layout.data_axes
+        self.stored_specs = layout.stored_specs
+        self.batch_specs = (layout.batch_spec,)
+        self.optimizer, self.schedule = make_optimizer(
+            cfg.optim, cfg.train.steps, decay_mask=self.masks.decay,
+            stacked_mask=self.masks.stacked, clip=False,
+        )  # fmt: skip
+        self.dtype = compute_dtype(cfg.precision)
+        self.sliced = cfg.memory.vocab_slices > 1  # token tables used a slice of rows at a time
+        self.any_host = any(jax.tree.leaves(layout.host))
+        host_layers = jax.tree.map(lambda h, s: h and s, layout.host, self.masks.stacked)
+        self.layers_on_host = any(jax.tree.leaves(host_layers))
+
+    # ------------------------------------------------------------------ state and shardings
+    def state_shardings(self) -> TrainState:
+        layout = self.layout
+        replicated = NamedSharding(layout.mesh, P())
+        kind = offload.HOST if layout.host_optimizer else None
+        moments = shardings(layout.mesh, layout.opt_specs, kind)
+        tx = optimizer_shardings(self.optimizer, self.abstract_params, replicated, like=moments)
+        ls = LossScaleState(replicated, replicated, replicated)
+        return TrainState(replicated, layout.param_shardings(), OptState(tx, ls))
+
+    def abstract_state(self) -> TrainState:
+        """The state as `ShapeDtypeStruct`s with shardings: nothing is materialised."""
+        ls = jax.eval_shape(lambda: init_loss_scale(self.cfg.precision))
+        tx = jax.eval_shape(self.optimizer.init, self.abstract_params)
+        step = jax.ShapeDtypeStruct((), jnp.int32)
+        shapes = TrainState(step, self.abstract_params, OptState(tx, ls))
+        return with_shardings(shapes, self.state_shardings())
+
+    def init_state(self) -> TrainState:
+        """Params created already sharded (a jitted init with `out_shardings`: no device ever
+        holds more than its own shards; the values depend only on the seed, not the mesh)."""
+        cfg, sharding = self.cfg, self.state_shardings()
+        master = master_dtype_of(cfg.precision)
+        make = lambda: _cast(
+            nnx.to_pure_dict(nnx.split(build_model(cfg.model, cfg.train.seed))[1]), master
+        )
+        params = jax.jit(make, out_shardings=sharding.params)()
+        tx = jax.jit(self.optimizer.init, out_shardings=sharding.opt_state.tx)(params)
+        ls = jax.device_put(init_loss_scale(cfg.precision), sharding.opt_state.loss_scale)
+        step = jax.device_put(jnp.zeros((), jnp.int32), sharding.step)
+        return TrainState(step, params, OptState(tx, ls))
+
+    # ------------------------------------------------------------------ inside shard_map
+    def examples(self, params, batch: tuple, step, stream: int) -> Examples:
+        """Local `tokens[B, T+1]` -> micro-batches `[M, mb, T]` of inputs, targets, weights."""
+        (tokens,) = batch
+        cfg, batch_axes = self.cfg, self.layout.batch_axes
+        model = nnx.merge(self.graphdef, params)
+        keys = None
+        if model.masked:
+            rows = jax.lax.axis_index(batch_axes) * tokens.shape[0]
+            keys = mlm.row_keys(cfg.train.seed, step, rows + jnp.arange(tokens.shape[0]), stream)
+        inputs, targets, weights = model.inputs_and_targets(tokens, keys)
+        micro, mb = cfg.train.grad_accum, cfg.train.micro_batch
+        split = lambda a: None if a is None else a.reshape(micro, mb, *a.shape[1:])
+        if weights is None:
+            return Examples(split(inputs), split(targets), None, cfg.tokens_per_step)
+        denominator = jax.lax.psum(jnp.sum(weights), batch_axes)
+        return Examples(split(inputs), split(targets), split(weights), denominator)
+
+    def grads_to_device(self, grads):
+        return offload.to_device(grads) if self.any_host else grads
+
+    def _prepare(self, tree, dims, leading: int = 0, panels=None):
+        """Stored -> computed: cast to the compute dtype, all-gathered over the RTS group."""
+        return gather(_cast(tree, self.dtype), dims, self.layout.rts_axes, leading, panels)
+
+    def _model(self, params, fetched_layers: bool) -> nnx.Module:
+        """The model of the local params: non-layer weights fetched and prepared, token tables
+        as `VocabSlices` when used a slice at a time, the layers as stored."""
+        layout, cfg = self.layout, self.cfg
+        flat = lambda tree: jax.tree.leaves(tree)
+        leaves, treedef = jax.tree.flatten(params)
+        roles = (self.masks.stacked, self.masks.table, layout.host)
+        rows = zip(leaves, *map(flat, roles), strict=True)
+        ready = []
+        for (leaf, stacked, table, host), dim in zip(rows, flat(layout.rts_dims), strict=True):
+            if stacked:  # run_stack prepares the layers one at a time
+                fetch = host and fetched_layers
+                ready.append(offload.to_device(leaf) if fetch else leaf)
+                continue
+            leaf = offload.to_device(leaf) if host else leaf
+            if table and self.sliced:
+                prepare = lambda rows, dim=dim: self._prepare(rows, dim)
+                ready.append(VocabSlices(leaf, cfg.memory.vocab_slices, prepare))
+            else:
+                ready.append(self._prepare(leaf, dim))
+        return nnx.merge(self.graphdef, jax.tree.unflatten(treedef, ready))
+
+    def _run_layers(self, model: nnx.Module, x: jax.Array, fetched: bool) -> jax.Array:
+        """This stage's layers over `x`; `fetched`: the stack is already on the device."""
+        layout, cfg = self.layout, self.cfg
+        dims = layout.rts_dims[STACK]
+        hooks: dict = {}
+        if layout.rts_axes or self.dtype != master_dtype_of(cfg.precision):
+            hooks["prepare"] = lambda p, panels=None: self._prepare(p, dims, 1, panels)
+        if layout.phases > 1 or self.layers_on_host:  # stream=matrix: each step fetches its own
+            fetch = offload.to_device if self.layers_on_host and not fetched else None
+            hooks.update(phases=layout.phases, fetch=fetch)
+        if layout.offload_activations:
+            hooks["offload_activations"] = True
+        if cfg.memory.stream != "layer":
+            hooks.update(stream=cfg.memory.stream, mlp_panels=cfg.memory.mlp_panels)
+        return run_stack(
+            model.layers, x, tp=TP, remat_policy=cfg.model.remat, unroll=self.unroll, **hooks
+        )
+
+    def _head(self, model, h, targets, weights, denominator):
+        loss = token_loss_in_chunks(model, h, targets, TP, self.cfg.model.sequence_chunks)
+        weighted = loss if weights is None else loss * weights.reshape(loss.shape)
+        return jnp.sum(weighted) / denominator, {}
+
+    def forward(self, params, pipelined: bool):
+        """`(embed, stage, head)` of this device. Pipelined, the host-resident stack is
+        fetched once per step before the ticks (a transfer inside the tick scan makes its
+        transpose accumulate host-typed cotangents, which jax 0.10.2 rejects), and the head
+        runs on 1/S of the last stage's outputs on every stage (`spread_over_stages`)."""
+        model = self._model(params, fetched_layers=pipelined)
+        sp = self.cfg.model.sequence_parallel
+        embed = lambda tokens: model.embed(tokens, TP)
+        stage = lambda x: self._run_layers(model, x, fetched=pipelined)
+        if not pipelined:
+
+            def head(h, targets, weights, denominator):
+                if sp:  # the vocab-parallel head needs every position on every tensor shard
+                    h = gather_sequence(h, TP)
+                return self._head(model, h, targets, weights, denominator)
+
+            return embed, stage, head
+        stages = self.mesh.shape["pipeline"]
+
+        def share(a):  # this stage's targets/weights [M, mb, T], in h's order
+            if a is None:
+                return None
+            index = jax.lax.axis_index("pipeline")
+            if not sp:
+                return a.reshape(stages, -1)[index]
+            # h will be the concatenation over tensor shards i of (shard i's positions,
+            # flattened, this stage's slice): the same permutation, without communication.
+            shards = jax.lax.axis_size(TP)
+            a = jnp.moveaxis(a.reshape(*a.shape[:-1], shards, -1), -2, 0)  # [t, M, mb, T/t]
+            return a.reshape(shards, stages, -1)[:, index].reshape(-1)
+
+        def pipelined_head(ys, targets, weights, denominator):
+            h = spread_over_stages(ys.reshape(-1, ys.shape[-1]))  # [M*mb*T / S, D] (/t: SP)
+            if sp:  # every tensor shard needs every token for the vocab-parallel head
+                h = gather_sequence(h, TP, dim=0)
+            return self._head(model, h, share(targets), share(weights), denominator)
+
+        return embed, stage, pipelined_head
+
+    # ------------------------------------------------------------------ the update (GSPMD)
+    def update(self, grads, tx, params, loss_scale, key):
+        """The guarded update on the global arrays: host-resident state is moved to the
+        device, updated, and put back where it lives. Returns `(params, tx, loss_scale,
+        info)`; `info` adds `param_norm` to the guarded update's."""
+        cfg, layout = self.cfg, self.layout
+        sharding = self.state_shardings()
+        if self.any_host:
+            params = jax.device_put(params, offload.with_memory_kind(sharding.params, "device"))
+        if layout.host_optimizer:
+            device_tx = offload.with_memory_kind(sharding.opt_state.tx, "device")
+            tx = jax.device_put(tx, device_tx)
+        if is_half(master_dtype_of(cfg.precision)):  # 16-bit masters: layer by layer
+            grad_sq, apply = per_layer(
+                self.optimizer,
+                self.masks.stacked,
+                stages=cfg.mesh.pipeline,
+                devices=cfg.total_devices,
+            )
+        else:
+            grad_sq, apply = unscaled_sum_squares, whole_tree(self.optimizer)
+        params, tx, loss_scale, info = guarded_update(
+            apply, grads, tx, params, loss_scale, key, cfg.precision,
+            max_norm=cfg.optim.grad_clip, grad_sum_squares=grad_sq,
+        )  # fmt: skip
+        info["param_norm"] = optax.tree.norm(params)
+        params = jax.device_put(params, sharding.params)
+        tx = jax.device_put(tx, sharding.opt_state.tx)
+        return params, tx, loss_scale, info

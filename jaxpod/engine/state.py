@@ -1,0 +1,50 @@
+"""The train state every model shares, and where its optimizer state lives.
+
+    TrainState(step int32[], params, opt_state=OptState(tx, loss_scale))
+
+`params` is the model's tree as its stage layout stores it: nested dicts of (sharded) arrays
+for stacked models, per-dtype stage rows `{dtype: [S, n]}` for packed ones. `tx` is the optax
+chain's state of the same layout; `loss_scale` the `LossScaleState` (replicated scalars).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from jaxpod.optim.precision import LossScaleState
+
+
+class OptState(NamedTuple):
+    """`tx`: the optax chain's state; `loss_scale`: the `LossScaleState`."""
+
+    tx: optax.OptState
+    loss_scale: LossScaleState
+
+
+class TrainState(NamedTuple):
+    """`step` int32[] (optimizer steps taken), `params` (master dtype) and `opt_state`."""
+
+    step: jax.Array
+    params: Any
+    opt_state: OptState
+
+
+def optimizer_shardings(optimizer: optax.GradientTransformation, params, other, like=None):
+    """Shardings of `optimizer.init(params)`: per-parameter leaves (moments) take their
+    parameter's sharding (or the matching leaf of `like`, a tree of shardings); everything
+    else (step counts) gets `other`."""
+    abstract = jax.eval_shape(optimizer.init, params)
+    like = jax.tree.map(lambda p: p.sharding, params) if like is None else like
+    return optax.tree_map_params(
+        optimizer, lambda _, s: s, abstract, like, transform_non_params=lambda _: other
+    )
+
+
+def with_shardings(shapes, shardings):
+    """`ShapeDtypeStruct`s of `shapes` carrying the matching leaf of `shardings`."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
+    )

@@ -1,0 +1,62 @@
+"""Parameters carry what generic code needs to know about them: logical axes and roles.
+
+A model creates every weight with `param(value, axes, *roles)`:
+
+- `axes`: one logical name per dimension (`"layers"`, `"embed"`, `"heads"`, `"mlp"`,
+  `"vocab"`, `"positions"`, or None); `jaxpod.parallel.mesh.LOGICAL_TO_MESH` maps names to
+  mesh axes. A leading `"layers"` axis marks a stacked layer parameter `[L, ...]`.
+- roles: `NO_DECAY` (biases, norm scales: no weight decay, no trust ratio) and `TABLE` (a
+  token table `[V, D]` that may be used a slice of rows at a time).
+
+The optimizer masks, the RTS layout and the streaming code read these (`masks`), never a
+parameter's name.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+from flax import nnx
+
+NO_DECAY = "no_decay"
+TABLE = "table"
+LAYERS = "layers"  # the logical name of the stacked layer axis
+STACK = "layers"  # the attribute (and params key) of a stacked model's `[L, ...]` layers
+
+
+def param(value: jax.Array, axes: tuple[str | None, ...], *roles: str) -> nnx.Param:
+    """An `nnx.Param` holding `value` with logical `axes` (one per dimension) and `roles`."""
+    if len(axes) != value.ndim:
+        raise ValueError(f"axes {axes} do not name the {value.ndim} dimensions of {value.shape}")
+    return nnx.Param(value, axes=tuple(axes), roles=frozenset(roles))
+
+
+def metadata(roles: str | tuple[str, ...] = (), axes: tuple | None = None) -> dict:
+    """Metadata for flax's own layers (`kernel_metadata=` / `bias_metadata=`)."""
+    roles = (roles,) if isinstance(roles, str) else roles
+    return {"roles": frozenset(roles), **({} if axes is None else {"axes": axes})}
+
+
+class Masks(NamedTuple):
+    """Pure-dict trees of bools shaped like the parameters."""
+
+    decay: dict  # True: weight decay and trust ratios apply
+    stacked: dict  # True: a stacked layer leaf `[L, ...]` (trust ratios per layer)
+    table: dict  # True: a token table
+
+
+def masks(state: nnx.State) -> Masks:
+    """The role masks of a model's parameter state (abstract states work: only metadata)."""
+
+    def pick(fn) -> dict:
+        tree = jax.tree.map(
+            lambda v: fn(v.get_metadata()), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+        return nnx.to_pure_dict(tree)
+
+    return Masks(
+        decay=pick(lambda m: NO_DECAY not in m.get("roles", ())),
+        stacked=pick(lambda m: tuple(m.get("axes") or ())[:1] == (LAYERS,)),
+        table=pick(lambda m: TABLE in m.get("roles", ())),
+    )
