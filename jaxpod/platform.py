@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 
-# XLA's CPU backend schedules for thread parallelism by default: it starts independent work
-# (e.g. every pipeline phase's weight all-gather, or every recomputed layer's) as early as it
-# can and holds all of it at once. A pod's compiler schedules for memory, and so must the
-# emulation that plans it: GPT-3 POD256's temporaries are 20.6 GB with the concurrency
-# scheduler and 7.6 GB without (docs/benchmarks.md).
+# XLA's CPU backend schedules for thread parallelism by default, holding independent work
+# alive at once; a pod's compiler schedules for memory, and so must the emulation that
+# plans it (measured effect: docs/benchmarks.md, "The CPU scheduler").
 MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 

@@ -1,29 +1,27 @@
 """EfficientNet B0..B4 in Flax NNX, with GroupNorm and the G16 variant. Math only: no mesh.
 
 The network is a sequence of *pieces*: the stem (3x3/2 conv, norm, swish), the MBConv blocks
-named like the reference (`"1a"`, `"2a"`, `"2b"`, `"3a"`, ...: block group and repeat;
+named like the reference (`"1a"`, `"2a"`, `"2b"`, ...: block group and repeat;
 `jaxpod.models.efficientnet_specs`), and the head (1x1 conv, norm, swish, global average
-pool, classifier). A pipeline cuts that sequence at block names: `build_stages(...,
-splits=["4a"])` gives two pipeline `Stage`s, stem..3b and 4a..head. Parameters are drawn from
-`rngs` piece by piece in network order, so for one seed they do not depend on `splits`;
-`restage` regroups existing pieces (sharing their parameters) under other splits.
-`EfficientNet` is just `stages` called in order, so the whole net and its stages compute the
-same function with the same parameters by construction.
+pool, classifier). A pipeline cuts the sequence at block names: `build_stages(...,
+splits=["4a"])` gives two `Stage`s, stem..3b and 4a..head. Parameters are drawn piece by
+piece in network order, so for one seed they do not depend on `splits`; `restage` regroups
+existing pieces (sharing their parameters). `EfficientNet` calls the stages in order, so the
+whole net and its stages compute the same function with the same parameters.
 
-Differences from the reference (TF "efficientnet_model.py"), all deliberate:
-- GroupNorm (per-channel affine, `groups` groups, default 4) instead of BatchNorm everywhere;
-  its `scale`/`bias` take BatchNorm's gamma/beta place, so parameter counts are unchanged.
-  When `groups` does not divide a channel count, that norm uses the largest divisor of the
-  channel count that is <= `groups` (`norm_groups`).
+Deliberate differences from the reference (TF "efficientnet_model.py"):
+- GroupNorm (`groups` groups, default 4, per-channel affine) instead of BatchNorm
+  everywhere; its `scale`/`bias` take gamma/beta's place, so parameter counts are
+  unchanged. Where `groups` does not divide the channels, the largest divisor <= `groups`
+  (`norm_groups`).
 - No dropout, no stochastic depth: the forward is deterministic.
-- `g16=True` (Graphcore's "G16" EfficientNet): every depthwise spatial conv becomes a grouped
-  conv with 16 channels per group and expansion ratio 6 becomes 4 (1 stays 1). If the
-  conv's channel count is not divisible by 16 (or is below 16), the group size is the largest
-  divisor of the channel count that is <= 16 (a plain full conv when channels <= 16 and
-  channels divides itself only, e.g. 8 channels -> one group of 8). See `g16_group_size`.
+- `g16=True` (Graphcore's G16): every depthwise spatial conv becomes a grouped conv with 16
+  channels per group, and expansion ratio 6 becomes 4 (1 stays 1). Where 16 does not divide
+  the channels, the group size is the largest divisor <= 16 (`g16_group_size`; e.g. 8
+  channels -> one group of 8, a plain conv).
 
-Layout is NHWC. `dtype` is the compute dtype of convs and matmuls; norm statistics, the global
-pool and the classifier run in float32, and the logits are float32.
+Layout is NHWC. `dtype` is the compute dtype of convs and matmuls; norm statistics, the
+global pool and the classifier run in float32, and the logits are float32.
 """
 
 from __future__ import annotations

@@ -5,27 +5,18 @@ A pod's *streaming memory* is emulated with the `pinned_host` memory kind: array
 `jax.device_put(x, jax.memory.Space.Device / Host)` inside a jitted function (or inside
 `shard_map`) moves them. What the engine offloads (`memory.offload`, `memory.phases`):
 
-- `optimizer`: the optimizer state's per-parameter leaves live in `pinned_host`; the step
-  moves them to the device, whole, for the update and writes the new state back.
-- `params` (and, for `phases > 1`, at least the layer stack): the master weights live in
-  `pinned_host`; inside `shard_map` the non-layer weights are fetched at the start of the
-  loss and the layer stack phase by phase (`jaxpod.parallel.stream.scan_phases`), each phase's
-  weights right before it runs. A fetching phase is a checkpoint that does not save the
-  fetched copy, so the backward pass fetches each phase again (the program's intent: a
-  phase's weights device-resident at a time; see below for what XLA makes of it). Gradients
-  of host weights come back through the transposed transfer and are moved to the device.
+- `optimizer`: the optimizer state lives in `pinned_host`; the step moves it to the device,
+  whole, for the update and writes the new state back.
+- `params`: the master weights live in `pinned_host`; inside `shard_map` the non-layer
+  weights are fetched before use and the layer stack phase by phase, or step by step with
+  `memory.stream=matrix` (`jaxpod.parallel.stream`), each a checkpoint that does not save
+  the fetched copy; a pipelined stage fetches its whole stack before the GPipe ticks. The
+  update moves the weights to the device whole.
 - `activations`: the remat policy's saved values are offloaded (`jaxpod.parallel.remat`).
 
-What XLA schedules (observed on jax 0.10.2, CPU): every `device_put` to another memory kind
-in the *GSPMD* part of the step (the optimizer update) lowers to an
-`annotate_device_placement` custom call, i.e. an async copy between memory spaces that the
-latency-hiding scheduler may overlap with compute on TPU/GPU. Inside `shard_map`, however,
-`device_put(x, Space.Device)` lowers to *no* placement of its own: the host-resident
-weights are brought to the device where the `shard_map` consumes them, i.e. once per step
-for the whole local stack, not phase by phase. The phase structure (K scans, each phase a
-checkpoint that does not save its weights) is in the program and the numbers are exact,
-but per-phase streaming is not what XLA executes in this version. On the CPU backend both
-memory kinds are host RAM and the copies are memcpys.
+On jax 0.10.2 XLA does not execute the per-phase transfers as written (it brings host
+weights in at the `shard_map` boundary), and on CPU both memory kinds are host RAM:
+docs/memory.md, "What XLA executes".
 """
 
 from __future__ import annotations

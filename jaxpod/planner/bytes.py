@@ -1,55 +1,20 @@
 """The planner's byte model: what one device holds of a mapping, per kind of state.
 
-`activation_bytes(cfg)` models what the train step keeps alive; `device_bytes(cfg, layout,
-acts)` adds the weights, gradients, optimizer state, update working set and RTS-gathered
-copies, on the device and on the host. Analytic: no jax. `jaxpod.planner.plan` turns these into a
-plan; `tests/test_planner.py` checks them against XLA's `memory_analysis()`.
+`activation_bytes(cfg)` models what the train step keeps alive (saved residuals per layer
+and pipeline tick, the pipeline's buffers, the larger of the loss head and one layer's
+backward working set); `device_bytes(cfg, layout, acts)` adds the weights, gradients,
+optimizer state, the update's working set and the RTS-gathered copies, on the device and on
+the host. Analytic, no jax: nothing is built, so any mapping can be planned.
 
-Bytes per device (P_local = parameters this device holds, divided by `memory.rts`):
+Why a model and not a measurement: `jaxpod plan` answers for the *target* device
+(`memory.device`, e.g. a GC200) before any hardware or compile is spent; `jaxpod compile`
+gives XLA's figure for the same step on this backend. The terms are calibrated against
+XLA:CPU on the configurations in docs/benchmarks.md (`tests/test_planner.py` re-checks
+them), so agreement there is calibration, not validation.
 
-- weights: P_local x master bytes (float32: 4; `same-as-params`: the params dtype), plus the
-  16-bit working copy (P_local x 2) when params are 16-bit and the master is float32.
-- grads: in the params' dtype (autodiff returns the params' dtype), 1/rts: each layer's
-  gradient is reduce-scattered as the backward pass leaves it (the transpose of its
-  all-gather); the accumulator doubles it when the step sums several backward passes
-  (`pipeline == 1` and `grad_accum > 1`, or more than one GPipe pass).
-- optimizer: moments (adamw/lamb 2, sgd/lars 1) in the master dtype, sharded like the weights
-  but over `memory.rts_optimizer` replicas.
-- updates: optax materialises the update tree (master dtype, 1/rts) before applying it, next
-  to the reduced grads and their unscaled/clipped copy; the step's activations are dead by
-  then, so the peak is max(backward, update) (verified on XLA for float32 + AdamW). With
-  16-bit master weights the engine updates the stacked blocks tensor by tensor, one layer
-  per stage at a time (`jaxpod.optim.per_layer`): the update then holds the grads, a 16-bit copy
-  of the stacked layer weights (XLA's loop carries) and ~8 float32 copies of the largest
-  block: one layer of the largest tensor or the token embedding, each cut into up to 8
-  blocks (`jaxpod.optim.strips`; measured in `docs/benchmarks.md`).
-- gathered: with rts > 1 the weights are all-gathered (params dtype) right before use: the
-  non-layer weights for the step (with `memory.vocab_slices = k`, GPT's token table a block
-  of rows at a time: one block and its full-size gradient, 2/k of the table), the layers
-  one at a time (remat recomputes the gather in the backward pass; with `pipeline > 1` on
-  every GPipe tick: `stack.tie` keeps XLA from hoisting the stage's gather out of the tick
-  loop). With remat `none` every layer's gathered copy is saved (with `pipeline > 1` once
-  for all ticks: the gather is hoisted).
-  With `memory.stream = matrix` one step's weights are gathered at a time instead of a
-  layer's: the largest (a third of `W_qkv`, `W_o`, or a block of `W_in` and `W_out`,
-  `memory.mlp_panels`) and, in the backward pass, their full-size gradient before the
-  reduce-scatter: 2 x max(D², 2·D·F/k) of the layer's parameters; the backward pass
-  recomputes one step at a time (`_layer_sets`; under tensor parallelism XLA keeps the
-  layer's working set anyway, and that is what is counted).
-- activations: see `activation_bytes`: the saved residuals of every layer and every pipeline tick
-  in flight, the pipeline's buffers, and the larger of the loss head and one layer's
-  backward working set.
-
-Offload (`memory.offload`) and phases (`memory.phases = K`): offloaded `params` keep only two
-phases of the stage's layer weights on the device (current + prefetched next: min(1, 2/K) of
-them; grads, update and gathered copy follow); with `memory.stream = matrix` each step fetches
-the blocks it reads, so two steps' weights instead, 2 x max(D², 2·D·F/k) of a layer's
-parameters, whatever K. The host holds all of the stage's layer weights. This is the program's
-schedule; on jax 0.10.2 XLA brings host weights to the device at the `shard_map` boundary,
-once per step (`jaxpod.parallel.offload`), and a pipelined stage fetches its stack before the
-GPipe ticks (`jaxpod.engine.transformer`). Offloaded `optimizer` state lives on the host entirely.
-Offloaded `activations` move the saved residuals to the host (two layers' worth stay for the
-stream).
+Some credits are the plan's, not yet the program's (host weights fetched a window at a
+time inside the pipeline, optimizer state off the device during the update, offloaded
+activations under remat `full`): docs/memory.md lists them, with every term of the model.
 """
 
 from __future__ import annotations
