@@ -39,7 +39,7 @@ _AT_LEAST_1 = (
     "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff model.seq_len "
     "model.sequence_chunks "
     "model.vocab train.steps train.micro_batch train.grad_accum train.global_batch "
-    "train.pipeline_group "
+    "train.pipeline_group train.virtual_stages "
     "train.log_every train.eval_batches train.keep_checkpoints model.norm_groups "
     "model.image_size model.num_classes precision.loss_scale_period memory.rts "
     "memory.rts_optimizer memory.phases memory.mlp_panels memory.vocab_slices"
@@ -361,8 +361,10 @@ def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
             f"train.pipeline_group={group} does not divide train.grad_accum={grad_accum}; "
             f"use a divisor of {grad_accum}"
         )
+    check_schedule(cfg, group)
     tokens = t.micro_batch * group * cfg.model.seq_len
-    if cfg.kind.stages == "stacked" and tokens % cfg.mesh.pipeline:
+    spread = t.pipeline_schedule != "1f1b"  # the head runs on 1/S of a pass's tokens per stage
+    if cfg.kind.stages == "stacked" and spread and tokens % cfg.mesh.pipeline:
         name = "train.pipeline_group" if t.pipeline_group else "train.grad_accum"
         fail(
             f"train.micro_batch*{name}*model.seq_len = {t.micro_batch}*"
@@ -370,6 +372,54 @@ def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
             f"divisible by mesh.pipeline={cfg.mesh.pipeline}; change one of them"
         )
     return grad_accum, per_accum * grad_accum
+
+
+def check_schedule(cfg: Config, group: int) -> None:
+    """The pipeline schedule against the mesh, the model and a pass's `group` micro-batches."""
+    t, stages, md = cfg.train, cfg.mesh.pipeline, cfg.model
+    kind, v = t.pipeline_schedule, t.virtual_stages
+    if v > 1 and kind != "circular":
+        fail(
+            f"train.virtual_stages={v} gives each stage several layer chunks, which only "
+            "train.pipeline_schedule=circular runs; set train.virtual_stages=1 or the schedule"
+        )
+    if kind == "gpipe":
+        return
+    if stages == 1:
+        fail(
+            f"train.pipeline_schedule={kind} schedules pipeline stages but mesh.pipeline=1; "
+            "set mesh.pipeline > 1 or train.pipeline_schedule=gpipe"
+        )
+    if kind != "circular":
+        return
+    if cfg.kind.stages != "stacked":
+        fail(
+            f"train.pipeline_schedule=circular cuts a stack of identical layers into chunks; "
+            f"model.name={md.name} has heterogeneous stages: use gpipe or 1f1b"
+        )
+    if v < 2:
+        fail(
+            "train.pipeline_schedule=circular needs train.virtual_stages >= 2 (layer chunks "
+            "per stage; with 1 it is gpipe)"
+        )
+    if md.layers % (stages * v):
+        fail(
+            f"model.layers={md.layers} does not divide into mesh.pipeline*train.virtual_stages"
+            f" = {stages}*{v} = {stages * v} chunks; use a multiple of {stages * v}"
+        )
+    if group % stages:
+        name = "train.pipeline_group" if t.pipeline_group else "train.grad_accum"
+        fail(
+            f"{name}={group} micro-batches per pass is not a multiple of mesh.pipeline="
+            f"{stages}: train.pipeline_schedule=circular sends them around the ring in groups "
+            f"of {stages}; use a multiple of {stages}"
+        )
+    chunk = md.layers // (stages * v)
+    if chunk % cfg.memory.phases:
+        fail(
+            f"memory.phases={cfg.memory.phases} does not divide the {chunk} layers of a chunk "
+            f"(model.layers/(mesh.pipeline*train.virtual_stages)); use a divisor of {chunk}"
+        )
 
 
 def validate_and_resolve(cfg: Config) -> Config:

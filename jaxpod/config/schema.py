@@ -32,6 +32,7 @@ LossScale = Literal["none", "static", "dynamic"]
 Device = Literal["cpu", "ipu-gc200", "h100-80gb", "tpu-v5e"]
 Stream = Literal["layer", "matrix"]
 Offload = Literal["optimizer", "params", "activations"]
+PipelineSchedule = Literal["gpipe", "circular", "1f1b"]  # = jaxpod.parallel.schedules.KINDS
 
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 TEXT_DATA: tuple[str, ...] = typing.get_args(TextData)
@@ -90,6 +91,11 @@ class TrainConfig:
     # micro-batches per GPipe pass (pipeline > 1): the step runs grad_accum / pipeline_group
     # pipeline passes and sums their gradients; null: one pass of all grad_accum
     pipeline_group: int | None = None
+    # the pipeline schedule (mesh.pipeline > 1): gpipe, circular (virtual_stages chunks per
+    # stage, layers round-robin) or 1f1b (backward interleaved: memory independent of M)
+    pipeline_schedule: PipelineSchedule = "gpipe"
+    virtual_stages: int = 1  # circular: layer chunks per pipeline stage
+    skip_bubbles: bool = False  # gpipe/circular: a bubble tick skips its stage (lax.cond)
     seed: int = 0
     logdir: str = "runs/default"
     log_every: int = 10

@@ -176,9 +176,10 @@ class PackedStages:
             return self._embed, partial(self.stage_fns[0], rows), self._head
         stage = jax.lax.axis_index("pipeline")
         branches = [partial(fn, rows) for fn in self.stage_fns]
-        tick = jax.checkpoint(
+        switched = jax.checkpoint(
             lambda a: jax.lax.switch(stage, branches, a), policy=_NOTHING, prevent_cse=False
         )
+        tick = lambda a, chunk=0: switched(a)  # noqa: E731 (one chunk per stage)
         last = stage == self.packing.num_stages - 1
 
         def pipelined_head(ys, labels, weights, denominator):
@@ -186,6 +187,19 @@ class PackedStages:
             return jnp.where(last, loss, 0.0), {"correct": jnp.where(last, aux["correct"], 0)}
 
         return self._embed, tick, pipelined_head
+
+    def pipeline_functions(self, params):
+        """For schedules that differentiate stage by stage (1F1B): `(embed(p, images),
+        stage(p, carry), head(p, carry, labels, weights, denominator), params)`."""
+
+        def stage(p, carry):
+            rows = {k: v[0] for k, v in p.items()}
+            branches = [partial(fn, rows) for fn in self.stage_fns]
+            return jax.lax.switch(jax.lax.axis_index("pipeline"), branches, carry)
+
+        embed = lambda p, images: self._embed(images)  # noqa: E731
+        head = lambda p, *a: self._head(*a)  # noqa: E731
+        return embed, stage, head, params
 
     # ------------------------------------------------------------------ the update
     def _stage_update(self, k, rows, grads, opt_rows, key):

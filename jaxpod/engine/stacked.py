@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -38,6 +39,7 @@ from jaxpod.parallel import offload
 from jaxpod.parallel.mesh import param_specs, shardings
 from jaxpod.parallel.pipeline import spread_over_stages
 from jaxpod.parallel.replica import gather
+from jaxpod.parallel.schedules import layer_order
 from jaxpod.parallel.stream import panel_axes, run_stack
 from jaxpod.parallel.tensor import VocabSlices, gather_sequence
 
@@ -110,9 +112,15 @@ class StackedStages:
         holds more than its own shards; the values depend only on the seed, not the mesh)."""
         cfg, sharding = self.cfg, self.state_shardings()
         master = master_dtype_of(cfg.precision)
-        make = lambda: _cast(
-            nnx.to_pure_dict(nnx.split(build_model(cfg.model, cfg.train.seed))[1]), master
-        )
+        order = self.layer_order
+
+        def make():
+            params = nnx.to_pure_dict(nnx.split(build_model(cfg.model, cfg.train.seed))[1])
+            if order is not None:  # circular: each stage's slice holds its chunks in order
+                stack = jax.tree.map(lambda a: a[order], params[STACK])
+                params = {**params, STACK: stack}
+            return _cast(params, master)
+
         params = jax.jit(make, out_shardings=sharding.params)()
         tx = jax.jit(self.optimizer.init, out_shardings=sharding.opt_state.tx)(params)
         ls = jax.device_put(init_loss_scale(cfg.precision), sharding.opt_state.loss_scale)
@@ -144,9 +152,19 @@ class StackedStages:
         """Stored -> computed: cast to the compute dtype, all-gathered over the RTS group."""
         return gather(_cast(tree, self.dtype), dims, self.layout.rts_axes, leading, panels)
 
-    def _model(self, params, fetched_layers: bool) -> nnx.Module:
+    @property
+    def layer_order(self) -> np.ndarray | None:
+        """Where each stored layer comes from (`stored[i] = logical[order[i]]`) when the
+        schedule assigns layer chunks round-robin (circular); None: the logical order."""
+        t, stages = self.cfg.train, self.cfg.mesh.pipeline
+        if t.virtual_stages == 1:
+            return None
+        return layer_order(self.cfg.model.layers, stages, t.virtual_stages)
+
+    def _model(self, params, fetched_layers: bool, fetched: bool = False) -> nnx.Module:
         """The model of the local params: non-layer weights fetched and prepared, token tables
-        as `VocabSlices` when used a slice at a time, the layers as stored."""
+        as `VocabSlices` when used a slice at a time, the layers as stored. `fetched`: every
+        host-resident leaf is already on the device."""
         layout, cfg = self.layout, self.cfg
         flat = lambda tree: jax.tree.leaves(tree)
         leaves, treedef = jax.tree.flatten(params)
@@ -155,10 +173,10 @@ class StackedStages:
         ready = []
         for (leaf, stacked, table, host), dim in zip(rows, flat(layout.rts_dims), strict=True):
             if stacked:  # run_stack prepares the layers one at a time
-                fetch = host and fetched_layers
+                fetch = host and fetched_layers and not fetched
                 ready.append(offload.to_device(leaf) if fetch else leaf)
                 continue
-            leaf = offload.to_device(leaf) if host else leaf
+            leaf = offload.to_device(leaf) if host and not fetched else leaf
             if table and self.sliced:
                 prepare = lambda rows, dim=dim: self._prepare(rows, dim)
                 ready.append(VocabSlices(leaf, cfg.memory.vocab_slices, prepare))
@@ -166,8 +184,9 @@ class StackedStages:
                 ready.append(self._prepare(leaf, dim))
         return nnx.merge(self.graphdef, jax.tree.unflatten(treedef, ready))
 
-    def _run_layers(self, model: nnx.Module, x: jax.Array, fetched: bool) -> jax.Array:
-        """This stage's layers over `x`; `fetched`: the stack is already on the device."""
+    def _run_layers(self, model: nnx.Module, x: jax.Array, fetched: bool, chunk=0) -> jax.Array:
+        """This stage's layers over `x` (with V virtual stages, its `chunk`-th chunk of them);
+        `fetched`: the stack is already on the device."""
         layout, cfg = self.layout, self.cfg
         dims = layout.rts_dims[STACK]
         hooks: dict = {}
@@ -180,9 +199,17 @@ class StackedStages:
             hooks["offload_activations"] = True
         if cfg.memory.stream != "layer":
             hooks.update(stream=cfg.memory.stream, mlp_panels=cfg.memory.mlp_panels)
+        if cfg.train.virtual_stages > 1:
+            hooks["chunk"] = (chunk, cfg.train.virtual_stages)
         return run_stack(
             model.layers, x, tp=TP, remat_policy=cfg.model.remat, unroll=self.unroll, **hooks
         )
+
+    def _micro_head(self, model, h, targets, weights, denominator):
+        """The head of one micro-batch's `h[mb, T, D]` (sequence-parallel: `[mb, T/t, D]`)."""
+        if self.cfg.model.sequence_parallel:  # the vocab-parallel head needs every position
+            h = gather_sequence(h, TP)
+        return self._head(model, h, targets, weights, denominator)
 
     def _head(self, model, h, targets, weights, denominator):
         loss = token_loss_in_chunks(model, h, targets, TP, self.cfg.model.sequence_chunks)
@@ -197,15 +224,9 @@ class StackedStages:
         model = self._model(params, fetched_layers=pipelined)
         sp = self.cfg.model.sequence_parallel
         embed = lambda tokens: model.embed(tokens, TP)
-        stage = lambda x: self._run_layers(model, x, fetched=pipelined)
+        stage = lambda x, chunk=0: self._run_layers(model, x, fetched=pipelined, chunk=chunk)
         if not pipelined:
-
-            def head(h, targets, weights, denominator):
-                if sp:  # the vocab-parallel head needs every position on every tensor shard
-                    h = gather_sequence(h, TP)
-                return self._head(model, h, targets, weights, denominator)
-
-            return embed, stage, head
+            return embed, stage, lambda *a: self._micro_head(model, *a)
         stages = self.mesh.shape["pipeline"]
 
         def share(a):  # this stage's targets/weights [M, mb, T], in h's order
@@ -227,6 +248,21 @@ class StackedStages:
             return self._head(model, h, share(targets), share(weights), denominator)
 
         return embed, stage, pipelined_head
+
+    def pipeline_functions(self, params):
+        """For schedules that differentiate stage by stage (1F1B): `(embed(p, inputs),
+        stage(p, x), head(p, y, targets, weights, denominator), params)`, each a function of
+        the params, with every host-resident leaf fetched to the device once, here, before
+        the ticks (a transfer inside the tick scan is rejected by jax 0.10.2)."""
+        if self.any_host:
+            params = jax.tree.map(
+                lambda a, h: offload.to_device(a) if h else a, params, self.layout.host
+            )
+        model = lambda p: self._model(p, fetched_layers=False, fetched=True)  # noqa: E731
+        embed = lambda p, inputs: model(p).embed(inputs, TP)  # noqa: E731
+        stage = lambda p, x: self._run_layers(model(p), x, fetched=True)  # noqa: E731
+        head = lambda p, *a: self._micro_head(model(p), *a)  # noqa: E731
+        return embed, stage, head, params
 
     # ------------------------------------------------------------------ the update (GSPMD)
     def update(self, grads, tx, params, loss_scale, key):

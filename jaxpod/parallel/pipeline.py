@@ -1,19 +1,20 @@
-"""GPipe over the `pipeline` mesh axis as one `lax.scan`, for the inside of `shard_map`.
+"""Pipelines over the `pipeline` mesh axis as one `lax.scan` over a schedule's ticks, inside
+`shard_map` (the tables: `jaxpod.parallel.schedules`).
 
-With S stages and M micro-batches the schedule runs T = M + S - 1 ticks. On tick t, stage s
-works on micro-batch t - s; when that index is outside [0, M) the tick is a *bubble*. Every
-device computes on every tick (SPMD), so bubbles are computed and thrown away: the executed
-over useful FLOP ratio of the layers is (M + S - 1) / M. Activations move one stage down the
-pipe per tick with a `ppermute`. The backward pass is the same scan transposed by autodiff
-(activation gradients flow up the pipe by the transposed `ppermute`).
+`forward_ticks` runs a forward-only table (GPipe, circular) and returns the last stage's
+outputs; the backward pass is the same scan transposed by autodiff (activation gradients go
+up the pipe by the transposed `ppermute`). Every device computes on every tick (SPMD), so
+bubble ticks are computed and thrown away: the layers' executed / useful FLOPs are
+ticks / (V·M). Bubble ticks never reach gradients or statistics: their inputs are replaced
+by zeros before the stage runs (whatever the carry holds, NaN included) and their outputs
+are masked out.
 
-Bubble ticks never reach gradients or statistics: their inputs are replaced by zeros
-before the stage runs (whatever garbage the carry holds, NaN included), and their outputs
-are masked out of the result.
+    gpipe, S = 2, M = 4          circular, S = 2, M = 2, V = 2 (r: the chunk)
+    tick:    0  1  2  3  4       tick:    0    1    2    3    4
+    stage 0: m0 m1 m2 m3 --      stage 0: m0r0 m1r0 m0r1 m1r1 --
+    stage 1: -- m0 m1 m2 m3      stage 1: --   m0r0 m1r0 m0r1 m1r1
 
-    tick:     0    1    2    3    4          (S = 2, M = 4)
-    stage 0:  m0   m1   m2   m3   --
-    stage 1:  --   m0   m1   m2   m3
+`train_ticks` (`jaxpod.parallel.pipeline_train`) runs tables that hold the backward too (1F1B).
 """
 
 from __future__ import annotations
@@ -22,44 +23,68 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpod.parallel.manual import vary_like
+from jaxpod.parallel.schedules import FORWARD, Schedule, gpipe
 
 
-def gpipe(
-    stage_fn: Callable[[jax.Array], jax.Array],
+def mine(row: jax.Array, axis: str = "pipeline") -> jax.Array:
+    """Inside a tick: this device's entry of a `[stages]` row of a schedule table."""
+    return row[jax.lax.axis_index(axis)]
+
+
+def forward_ticks(
+    stage_fn: Callable[[jax.Array, jax.Array], jax.Array],
     xs: jax.Array,
+    schedule: Schedule,
     *,
     axis: str = "pipeline",
     bubble_fill: float = 0.0,
     unroll: bool = False,
+    skip_bubbles: bool = False,
 ) -> jax.Array:
-    """Run `stage_fn` (this device's stage) over the micro-batches `xs[M, *act]`.
+    """Run `stage_fn(x, chunk)` (this device's stage; `chunk` its virtual stage, traced)
+    over the micro-batches `xs[M, *act]` on the ticks of a forward-only `schedule`.
 
-    `xs` is read on stage 0 only. Returns `ys[M, *act]`: the last stage's outputs, in
-    micro-batch order, on the last stage; zeros on every other stage.
-    `bubble_fill` is what the carry holds before the first activation arrives; any value
-    (tests use NaN) leaves the result and its gradients unchanged. `unroll` unrolls the
-    tick loop (for FLOP accounting).
-    """
-    num_stages = jax.lax.axis_size(axis)
-    num_micro = xs.shape[0]
+    `xs` is read on stage 0 for a micro-batch's first chunk; later chunks of the circular
+    schedule take the last stage's output, passed around the ring. Returns `ys[M, *act]`:
+    the last stage's final outputs in micro-batch order on the last stage, zeros elsewhere.
+    `bubble_fill` is what the carry holds before the first activation arrives (any value,
+    tests use NaN, leaves the result and its gradients unchanged); `unroll` unrolls the tick
+    loop (FLOP accounting); `skip_bubbles` runs the stage under `lax.cond` on the tick's
+    liveness, so a bubble tick computes nothing (forward and backward)."""
+    stages, micro, virtual = schedule.stages, schedule.micro, schedule.virtual
+    if schedule.explicit_backward:
+        raise ValueError(f"{schedule.kind} holds backward ticks: run it with train_ticks")
     stage = jax.lax.axis_index(axis)
-    down_the_pipe = [(i, i + 1) for i in range(num_stages - 1)]
+    ring = [(i, i + 1) for i in range(stages - 1)] + ([(stages - 1, 0)] if virtual > 1 else [])
+    last = stages - 1
 
-    def tick(carry, t):
-        x = jnp.where(stage == 0, xs[jnp.minimum(t, num_micro - 1)], carry)
-        micro = t - stage
-        live = (micro >= 0) & (micro < num_micro)
-        y = stage_fn(jnp.where(live, x, 0.0))
-        out = jnp.where(live & (stage == num_stages - 1), y, 0.0)
-        return jax.lax.ppermute(y, axis, down_the_pipe), out
+    def tick(carry, row):
+        op, mb, chunk = (mine(r, axis) for r in row)
+        live = op == FORWARD
+        first = (stage == 0) & (chunk == 0)
+        x = jnp.where(first, xs[jnp.clip(mb, 0, micro - 1)], carry)
+        if skip_bubbles:
+            idle = lambda a: vary_like(jnp.zeros(probe.shape, probe.dtype), probe)  # noqa: E731
+            y = jax.lax.cond(live, lambda a: stage_fn(a, chunk), idle, jnp.where(live, x, 0.0))
+        else:
+            y = stage_fn(jnp.where(live, x, 0.0), chunk)
+        out = jnp.where(live & (stage == last) & (chunk == virtual - 1), y, 0.0)
+        return jax.lax.ppermute(y, axis, ring), out
 
-    probe = jax.eval_shape(stage_fn, xs[0])
+    probe = jax.eval_shape(stage_fn, xs[0], jnp.int32(0))
     carry = jnp.full(xs.shape[1:], bubble_fill, xs.dtype)
     carry = vary_like(vary_like(carry, xs), probe)
-    _, outs = jax.lax.scan(tick, carry, jnp.arange(num_micro + num_stages - 1), unroll=unroll)
-    return outs[num_stages - 1 :]
+    rows = tuple(jnp.asarray(a) for a in (schedule.op, schedule.micro_index, schedule.chunk))
+    _, outs = jax.lax.scan(tick, carry, rows, unroll=unroll)
+    # the tick on which the last stage finishes each micro-batch (static: from the table)
+    final = (schedule.op[:, last] == FORWARD) & (schedule.chunk[:, last] == virtual - 1)
+    ticks = np.nonzero(final)[0][np.argsort(schedule.micro_index[final, last], kind="stable")]
+    if np.array_equal(ticks, np.arange(stages - 1, stages - 1 + micro)):
+        return outs[stages - 1 :]  # GPipe: the last M ticks, in order
+    return outs[jnp.asarray(ticks)]
 
 
 def spread_over_stages(ys: jax.Array, axis: str = "pipeline") -> jax.Array:
@@ -70,3 +95,18 @@ def spread_over_stages(ys: jax.Array, axis: str = "pipeline") -> jax.Array:
     instead of the last stage doing it alone.
     """
     return jax.lax.psum_scatter(ys, axis, scatter_dimension=0, tiled=True)
+
+
+def gpipe_ticks(
+    stage_fn: Callable[[jax.Array], jax.Array],
+    xs: jax.Array,
+    *,
+    axis: str = "pipeline",
+    bubble_fill: float = 0.0,
+    unroll: bool = False,
+) -> jax.Array:
+    """GPipe of a one-chunk `stage_fn(x)` over `xs[M, *act]` (`forward_ticks` of `gpipe`)."""
+    schedule = gpipe(jax.lax.axis_size(axis), xs.shape[0])
+    return forward_ticks(
+        lambda x, _: stage_fn(x), xs, schedule, axis=axis, bubble_fill=bubble_fill, unroll=unroll
+    )

@@ -122,8 +122,10 @@ def run_stack(
     mlp_panels: int = 1,
     offload_activations: bool = False,
     unroll: bool = False,
+    chunk: tuple[jax.Array | int, int] | None = None,
 ) -> jax.Array:
-    """Run a stacked `Layer` (`[L, ...]` params) over `x[B, T, D]`, one layer at a time.
+    """Run a stacked `Layer` (`[L, ...]` params) over `x[B, T, D]`, one layer at a time;
+    `chunk=(r, V)`: only the r-th of V equal chunks of the stack (r may be traced).
 
     `prepare(params, panels)` turns stored params into computed ones right before use
     (`panels`: the `Panel` to take of each leaf, or None): with `stream="layer"` a layer's
@@ -216,6 +218,19 @@ def run_stack(
     layer_fn = remat(layer, remat_policy, offload=offload_activations)
     stacked = nnx.to_pure_dict(stacked)
     phase_fetch = None if step_fetch else fetch
+    if chunk is not None:
+        index, count = chunk
+        size = jax.tree.leaves(stacked)[0].shape[0] // count
+        if phases == 1 and phase_fetch is None:  # each layer indexed inside its remat unit:
+            # the backward pass indexes it again, instead of every tick saving its chunk
+            pick = lambda i: jax.tree.map(  # noqa: E731
+                lambda a: jax.lax.dynamic_index_in_dim(a, index * size + i, 0, False), stacked
+            )
+            at = remat(lambda x, i: layer(x, pick(i)), remat_policy, offload=offload_activations)
+            body = lambda x, i: (at(x, i), None)  # noqa: E731
+            return jax.lax.scan(body, x, jnp.arange(size), unroll=unroll)[0]
+        take = lambda a: jax.lax.dynamic_slice_in_dim(a, index * size, size, 0)  # noqa: E731
+        stacked = jax.tree.map(take, stacked)
     return scan_phases(layer_fn, x, stacked, unroll=unroll, phases=phases, fetch=phase_fetch)
 
 

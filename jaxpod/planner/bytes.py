@@ -148,10 +148,23 @@ def activation_bytes(cfg: Config) -> dict:
     sets = _layer_sets(cfg)
     # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)
     stages, micro, per_stage = mesh.pipeline, cfg.pipeline_group, md.layers // mesh.pipeline
-    ticks = 1 if stages == 1 else micro + stages - 1
-    saved = ticks * per_stage * sets["saved"]
-    buffers = 0 if stages == 1 else (3 * micro + 1) * sets["btd"] + per_stage * sets["saved"]
+    kind, virtual = tr.pipeline_schedule, tr.virtual_stages
+    ticks = 1 if stages == 1 else virtual * micro + stages - 1
+    chunk = per_stage // virtual  # the layers one tick runs
+    saved = ticks * chunk * sets["saved"]
+    # each tick also keeps its input and its output (the scan's residual and collected row);
+    # the embedded micro-batches, the carry, one tick's chunk before it joins the scan's
+    buffers = 0
+    if stages > 1:
+        buffers = (2 * ticks + micro + 1) * sets["btd"] + chunk * sets["saved"]
     head_tokens = tr.micro_batch * md.seq_len * (1 if stages == 1 else micro) // stages
+    if stages > 1 and kind == "1f1b":
+        # the stage inputs of at most S micro-batches and their gradients (two ring buffers),
+        # the two values sent each tick; a backward tick's residuals of the stage's layers;
+        # the head runs on one micro-batch at a time on the last stage
+        saved = (2 * stages + 2) * sets["btd"]
+        buffers = per_stage * sets["saved"]
+        head_tokens = tr.micro_batch * md.seq_len
     head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head blocks (as the engine)
     vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_slices  # logits of a row block
     head = head_tokens * vocab_rows * 4 * HEAD_LOGIT_COPIES // head_chunks
@@ -209,6 +222,7 @@ def device_bytes(cfg: Config, layout: dict, acts: dict) -> dict:
     weights_all = local / rts * mb + (local / rts * pb if mb != pb else 0)
     optimizer_all = local / rts_opt * MOMENTS[cfg.optim.name] * mb
     accumulated = cfg.train.grad_accum > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
+    accumulated |= cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule == "1f1b"  # carried
     grads_stage = local / rts * pb * (2 if accumulated else 1)
     grads_update = local / rts * pb
     updates = local / rts * mb * window

@@ -162,7 +162,14 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
         option("model.sequence_chunks=8", _with_model(cfg, sequence_chunks=8))
     if md.remat not in ("full",):
         option("model.remat=full", _with_model(cfg, remat="full"))
-    if mesh.pipeline > 1:  # fewer micro-batches in flight: the largest GPipe pass that fits
+    if mesh.pipeline > 1 and cfg.train.pipeline_schedule != "1f1b":
+        # 1F1B holds S micro-batches' stage inputs, not every tick's activations
+        trial = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, pipeline_schedule="1f1b", virtual_stages=1)
+        )
+        if _device_total(trial, params_override) < _device_total(cfg, params_override):
+            option("train.pipeline_schedule=1f1b", trial)
+    if mesh.pipeline > 1:  # fewer micro-batches in flight: the largest pipeline pass that fits
         tr = cfg.train
         smaller = [g for g in _divisors(tr.grad_accum) if g < cfg.pipeline_group]
         for group in reversed(smaller):
@@ -184,6 +191,18 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
     if not out:
         return "no single change fits; use more devices or a smaller model"
     return f"to fit {format_bytes(limit)}, try: " + "; or ".join(out)
+
+
+def _bubble(cfg: Config) -> float:
+    """The idle fraction of the pipeline's stage-ticks (0 without a pipeline): the
+    schedule's own table (`jaxpod.parallel.schedules`, jax-free), one pass of it."""
+    if cfg.mesh.pipeline == 1:
+        return 0.0
+    from jaxpod.parallel.schedules import make_schedule
+
+    t = cfg.train
+    kind, virtual = t.pipeline_schedule, t.virtual_stages
+    return make_schedule(kind, cfg.mesh.pipeline, cfg.pipeline_group, virtual).bubble
 
 
 def plan(cfg: Config, params_override: int | None = None) -> dict:
@@ -219,6 +238,9 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         "micro_batch": tr.micro_batch,
         "grad_accum": tr.grad_accum,
         "pipeline_group": cfg.pipeline_group,
+        "pipeline_schedule": tr.pipeline_schedule if mesh.pipeline > 1 else None,
+        "virtual_stages": tr.virtual_stages,
+        "bubble": _bubble(cfg),
         "global_batch": tr.global_batch,
         "params": layout["total"],
         "params_estimated": layout["estimated"],

@@ -11,6 +11,21 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _schedule_row(p: dict) -> list[tuple[str, str]]:
+    """The pipeline schedule and its bubble (none without a pipeline)."""
+    if not p.get("pipeline_schedule"):
+        return []
+    kind = p["pipeline_schedule"]
+    virtual = f", {p['virtual_stages']} virtual stages" if kind == "circular" else ""
+    return [
+        (
+            "schedule",
+            f"{kind}{virtual}: {p['pipeline']} stages x {p['pipeline_group']} micro-batches a "
+            f"pass; bubble {p['bubble']:.1%} of the stage-ticks",
+        )
+    ]
+
+
 def format_plan(p: dict) -> str:
     """The plan as an aligned, human-readable table (the default output of `jaxpod plan`)."""
     b = p["bytes_per_device"]
@@ -31,11 +46,12 @@ def format_plan(p: dict) -> str:
             f"{p['global_batch']} = micro_batch {p['micro_batch']} x replica {p['replica']} "
             f"x grad_accum {p['grad_accum']}"
             + (
-                f" (GPipe passes of {p['pipeline_group']})"
+                f" (pipeline passes of {p['pipeline_group']})"
                 if p["pipeline"] > 1 and p["pipeline_group"] < p["grad_accum"]
                 else ""
             ),
         ),
+        *_schedule_row(p),
         (
             "weights/device",
             f"1/{round(1 / p['weight_fraction_per_device'])} of the model "

@@ -1,0 +1,181 @@
+"""Pipeline schedules measured: step time, executed FLOPs and compiled memory against M.
+
+    python benchmarks/bench_schedules.py [--only time,flops,memory] [--repeats N] [--out FILE]
+
+(time)   step time of gpipe, circular (V = 2) and 1f1b on 1x4x1 and 2x2x2 for M = 4, 8, 16
+         micro-batches, gpipe and circular also with `train.skip_bubbles` (lax.cond on a
+         tick's liveness): does skipping pay on this backend?
+(flops)  executed / useful FLOPs of the train step's loss and gradients (XLA's cost analysis
+         of the unrolled program over the single-device program) against each schedule's
+         theory
+(memory) XLA's compiled device total (device-resident arguments + temporaries) against M on
+         1x4x1, beside the planner's prediction for the same step
+
+Each measurement runs in a fresh subprocess (the virtual device count is fixed when jax
+starts); ratios are taken between numbers of the same run. Prints tables, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_worker, table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
+MODEL += ["model.seq_len=128", "model.remat=full", "train.micro_batch=2", "optim.warmup_steps=0"]
+SCHEDULES = {
+    "gpipe": [],
+    "circular": ["train.pipeline_schedule=circular", "train.virtual_stages=2"],
+    "1f1b": ["train.pipeline_schedule=1f1b"],
+}
+MESHES = [(1, 4, 1), (2, 2, 2)]
+MICRO = [4, 8, 16]
+
+
+def _worker(job: dict) -> dict:
+    """Runs inside a subprocess whose XLA_FLAGS already hold the device count."""
+    import jax
+    import numpy as np
+
+    from jaxpod.config import load_config
+    from jaxpod.engine import abstract_engine, build_engine
+    from jaxpod.parallel.mesh import make_mesh, select_devices
+    from jaxpod.planner import plan
+    from jaxpod.run.aot import compile_step
+
+    r, p, t = job["mesh"]
+    overrides = [f"devices={r * p * t}", f"mesh.replica={r}", f"mesh.pipeline={p}"]
+    overrides += [f"mesh.tensor={t}", *MODEL, *job["overrides"]]
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
+    mesh = make_mesh(cfg.mesh, select_devices(cfg.devices))
+    shape = (cfg.global_batch, cfg.model.seq_len + 1)
+    if job["kind"] == "flops":
+        engine, state = abstract_engine(cfg, mesh, unroll=True)
+        tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=engine.batch_sharding[0])
+        fn = jax.jit(engine.loss_and_grads)
+        cost = fn.lower(state.params, (tokens,)).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        return {"flops_total": cost["flops"] * mesh.size}
+    if job["kind"] == "memory":
+        compiled = compile_step(cfg, mesh)
+        planned = plan(cfg)["bytes_per_device"]["device_total"]
+        return {"compiled": compiled["device_total_bytes"], "planned": planned}
+    engine, state = build_engine(cfg, mesh)
+    tokens = np.random.default_rng(0).integers(0, 256, shape).astype(np.int32)
+    batch = jax.device_put((tokens,), engine.batch_sharding)
+    step = engine.train_step.lower(state, batch).compile()
+    for _ in range(2):  # warm-up
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(job["repeats"]):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return {"step_s": float(np.median(times)), "step_s_min": float(np.min(times))}
+
+
+def run(job: dict) -> dict:
+    r, p, t = job["mesh"]
+    return run_worker(__file__, job, r * p * t)
+
+
+def theory(kind: str, stages: int, micro: int) -> float:
+    """Executed / useful FLOPs of the layers as XLA's cost analysis counts them (M micro-
+    batches per replica). gpipe and circular compute a stage (a chunk) on every tick, bubbles
+    included: (V·M + S - 1) / (V·M). 1f1b runs 2(M + S - 1) ticks, one op each; the cost
+    analysis charges a `lax.switch` its dearest branch, the backward (the stage's forward,
+    recomputation shared, and its backward: 3 forwards' worth), while the useful step does 4
+    forwards' worth per micro-batch under remat `full` (forward, recomputation, backward):
+    2(M + S - 1) · 3 / (4M)."""
+    if kind == "1f1b":
+        return 2 * (micro + stages - 1) * 3 / (4 * micro)
+    v = 2 if kind == "circular" else 1
+    return (v * micro + stages - 1) / (v * micro)
+
+
+def bench_time(repeats: int) -> tuple[dict, str]:
+    results, rows = {}, []
+    for mesh in MESHES:
+        m_id = "x".join(map(str, mesh))
+        for kind, extra in SCHEDULES.items():
+            for skip in [False, True] if kind != "1f1b" else [False]:
+                name = kind + (" + skip" if skip else "")
+                row = [m_id, name]
+                for micro in MICRO:
+                    over = [*extra, f"train.grad_accum={micro}"]
+                    over += [f"train.skip_bubbles={str(skip).lower()}"]
+                    r = run({"kind": "time", "mesh": mesh, "overrides": over, "repeats": repeats})
+                    results[f"{m_id} {name} M={micro}"] = r
+                    row.append(f"{r['step_s'] * 1e3:.0f}")
+                rows.append(row)
+    header = ["mesh", "schedule", *[f"ms @ M={m}" for m in MICRO]]
+    return results, table("(time) step time, GPT 8 x d256, seq 128, micro-batch 2", header, rows)
+
+
+def bench_flops() -> tuple[dict, str]:
+    results, rows = {}, []
+    mesh, stages = (1, 4, 1), 4
+    for micro in (4, 8):
+        useful = run({"kind": "flops", "mesh": (1, 1, 1),
+                      "overrides": [f"train.grad_accum={micro}"]})["flops_total"]  # fmt: skip
+        for kind, extra in SCHEDULES.items():
+            over = [*extra, f"train.grad_accum={micro}"]
+            executed = run({"kind": "flops", "mesh": mesh, "overrides": over})["flops_total"]
+            ratio, want = executed / useful, theory(kind, stages, micro)
+            results[f"{kind} M={micro}"] = {"ratio": ratio, "theory": want}
+            rows.append([kind, micro, f"{ratio:.3f}", f"{want:.3f}", f"{ratio / want - 1:+.1%}"])
+    header = ["schedule", "M", "executed/useful", "theory", "difference"]
+    return results, table("(flops) executed / useful FLOPs on 1x4x1", header, rows)
+
+
+def bench_memory() -> tuple[dict, str]:
+    results, rows = {}, []
+    mesh = (1, 4, 1)
+    for kind, extra in SCHEDULES.items():
+        row = [kind]
+        for micro in (4, 8, 16, 32):
+            r = run({"kind": "memory", "mesh": mesh,
+                     "overrides": [*extra, f"train.grad_accum={micro}"]})  # fmt: skip
+            results[f"{kind} M={micro}"] = r
+            row.append(f"{r['compiled'] / 1e6:.1f} ({r['planned'] / 1e6:.1f})")
+        rows.append(row)
+    header = ["schedule", *[f"MB @ M={m}" for m in (4, 8, 16, 32)]]
+    title = "(memory) XLA's device total per device on 1x4x1 (planner's in parentheses)"
+    return results, table(title, header, rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--only", default="time,flops,memory")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "schedules.json"))
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(json.loads(args.worker))))
+        return
+    parts = {"time": lambda: bench_time(args.repeats), "flops": bench_flops,
+             "memory": bench_memory}  # fmt: skip
+    report = {"machine": {"cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}}
+    for name in args.only.split(","):
+        t0 = time.perf_counter()
+        print(f"running ({name}) ...", file=sys.stderr, flush=True)
+        report[name], text = parts[name]()
+        print(text, flush=True)
+        print(f"({name}) took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"\nJSON: {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

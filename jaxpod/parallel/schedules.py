@@ -1,0 +1,187 @@
+"""Pipeline schedules as data: which micro-batch each stage runs forward or backward, per tick.
+
+A schedule is a small table, a pure function of (kind, S stages, M micro-batches, V virtual
+stages per device), that the executors in `jaxpod.parallel.pipeline` run as one `lax.scan`
+over its ticks, and that the planner and the notebook's charts read. On tick t, stage s runs:
+
+    op[t, s]         IDLE, FORWARD or BACKWARD
+    micro[t, s]      the micro-batch it runs (-1 when idle)
+    chunk[t, s]      which of its V layer chunks (its virtual stage r: global stage r·S + s)
+
+Kinds (bubble = idle fraction of the stage-ticks, `Schedule.bubble`):
+
+- `gpipe`: all forwards, M + S - 1 ticks; the backward is the same scan transposed by
+  autodiff. Bubble (S - 1) / (M + S - 1); every micro-batch's activations live until its
+  backward, so memory grows with M.
+- `circular`: V chunks per device, layers assigned round-robin (chunk r of stage s is the
+  global stage r·S + s); micro-batches go V times around the ring in groups of S, V·M + S - 1
+  ticks; bubble (S - 1) / (V·M + S - 1). M must be a multiple of S.
+- `1f1b`: forwards and backwards in one table, each tick one op per stage: stage s runs
+  min(S - s, M) warm-up forwards, then alternates one backward and one forward, then drains;
+  2(M + S - 1) ticks. A stage holds at most S - s micro-batches' inputs, whatever M.
+
+Jax-free (numpy only), so the planner can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+import numpy as np
+
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+Kind = Literal["gpipe", "circular", "1f1b"]
+KINDS: tuple[str, ...] = ("gpipe", "circular", "1f1b")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The table of one schedule; arrays are `[ticks, stages]` int32 (see the module doc)."""
+
+    kind: str
+    stages: int
+    micro: int
+    virtual: int
+    op: np.ndarray
+    micro_index: np.ndarray
+    chunk: np.ndarray
+
+    @property
+    def ticks(self) -> int:
+        return self.op.shape[0]
+
+    @property
+    def explicit_backward(self) -> bool:
+        """The table holds the backward ops (else autodiff transposes the forward scan)."""
+        return bool((self.op == BACKWARD).any())
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the stage-ticks of the whole step (forward and backward). For
+        forward-only tables the backward is the transposed scan: the same fraction."""
+        busy = self.op != IDLE
+        return float(1.0 - busy.sum() / busy.size)
+
+    @cached_property
+    def in_flight(self) -> np.ndarray:
+        """`[stages]`: the most micro-batches a stage holds between its forward and its
+        backward (stage inputs kept for the backward). Forward-only tables: all M."""
+        if not self.explicit_backward:
+            return np.full(self.stages, self.micro, np.int32)
+        out = np.zeros(self.stages, np.int32)
+        for s in range(self.stages):
+            held = 0
+            for t in range(self.ticks):
+                held += int(self.op[t, s] == FORWARD) - int(self.op[t, s] == BACKWARD)
+                out[s] = max(out[s], held)
+        return out
+
+    def ops(self, stage: int) -> list[tuple[int, int, int, int]]:
+        """`(tick, op, micro-batch, chunk)` of every non-idle entry of `stage`, in order."""
+        col = zip(self.op[:, stage], self.micro_index[:, stage], self.chunk[:, stage], strict=True)
+        return [(t, int(o), int(m), int(c)) for t, (o, m, c) in enumerate(col) if o != IDLE]
+
+
+def _table(ticks: int, stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    shape = (ticks, stages)
+    return np.zeros(shape, np.int32), np.full(shape, -1, np.int32), np.zeros(shape, np.int32)
+
+
+def gpipe(stages: int, micro: int) -> Schedule:
+    """Fill and drain: on tick t stage s forwards micro-batch t - s."""
+    op, mb, chunk = _table(micro + stages - 1, stages)
+    for t in range(op.shape[0]):
+        for s in range(stages):
+            if 0 <= t - s < micro:
+                op[t, s], mb[t, s] = FORWARD, t - s
+    return Schedule("gpipe", stages, micro, 1, op, mb, chunk)
+
+
+def circular(stages: int, micro: int, virtual: int) -> Schedule:
+    """V laps around the ring in groups of S micro-batches: stage s on tick t, with
+    u = t - s, runs micro-batch (u // (S·V))·S + u % S on its chunk (u % (S·V)) // S."""
+    if micro % stages:
+        raise ValueError(f"circular: {micro} micro-batches are not a multiple of {stages} stages")
+    op, mb, chunk = _table(virtual * micro + stages - 1, stages)
+    lap = stages * virtual
+    for t in range(op.shape[0]):
+        for s in range(stages):
+            u = t - s
+            if u < 0 or u >= virtual * micro:
+                continue
+            op[t, s] = FORWARD
+            mb[t, s] = (u // lap) * stages + u % stages
+            chunk[t, s] = (u % lap) // stages
+    return Schedule("circular", stages, micro, virtual, op, mb, chunk)
+
+
+def one_f_one_b(stages: int, micro: int) -> Schedule:
+    """1F1B (PipeDream-flush): each stage's ops in the order warm-up forwards, (backward,
+    forward) pairs, drain; each op placed on the first tick its inputs exist: a forward after
+    the previous stage's, a backward after the next stage's (the last stage's right after
+    its own forward)."""
+    orders = []
+    for s in range(stages):
+        warm = min(stages - s, micro)
+        order = [(FORWARD, m) for m in range(warm)]
+        for m in range(micro - warm):
+            order += [(BACKWARD, m), (FORWARD, warm + m)]
+        order += [(BACKWARD, m) for m in range(micro - warm, micro)]
+        orders.append(order)
+    done: dict[tuple[int, int, int], int] = {}  # (op, micro, stage) -> tick
+    rows: list[list[tuple[int, int]]] = []
+    nxt = [0] * stages
+    t = 0
+    while any(n < len(o) for n, o in zip(nxt, orders, strict=True)):
+        row = []
+        for s in range(stages):
+            if nxt[s] == len(orders[s]):
+                row.append((IDLE, -1))
+                continue
+            o, m = orders[s][nxt[s]]
+            if o == FORWARD:
+                need = (FORWARD, m, s - 1) if s > 0 else None
+            else:
+                need = (BACKWARD, m, s + 1) if s < stages - 1 else (FORWARD, m, s)
+            if need is None or done.get(need, t) < t:
+                row.append((o, m))
+                nxt[s] += 1
+            else:
+                row.append((IDLE, -1))
+        for s, (o, m) in enumerate(row):
+            if o != IDLE:
+                done[(o, m, s)] = t
+        rows.append(row)
+        t += 1
+    op, mb, chunk = _table(len(rows), stages)
+    for t, row in enumerate(rows):
+        for s, (o, m) in enumerate(row):
+            op[t, s], mb[t, s] = o, m
+    return Schedule("1f1b", stages, micro, 1, op, mb, chunk)
+
+
+def make_schedule(kind: str, stages: int, micro: int, virtual: int = 1) -> Schedule:
+    """The table of `kind` (one of `KINDS`) for `stages` stages and `micro` micro-batches."""
+    if kind == "gpipe":
+        return gpipe(stages, micro)
+    if kind == "circular":
+        return circular(stages, micro, virtual)
+    if kind == "1f1b":
+        return one_f_one_b(stages, micro)
+    raise ValueError(f"unknown pipeline schedule {kind!r}; choose from {', '.join(KINDS)}")
+
+
+def layer_order(layers: int, stages: int, virtual: int) -> np.ndarray:
+    """Where each stored layer comes from: with V chunks per stage assigned round-robin,
+    stage s's contiguous slice of the stored stack holds its chunks r = 0..V-1, i.e. the
+    global stages r·S + s, in that order. `stored[i] = logical[order[i]]`; V = 1: identity."""
+    chunk = layers // (stages * virtual)
+    order = [
+        (r * stages + s) * chunk + j
+        for s in range(stages)
+        for r in range(virtual)
+        for j in range(chunk)
+    ]
+    return np.asarray(order, np.int32)
