@@ -9,10 +9,14 @@ DEMO_LOGDIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 LOGDIR ?= runs
 TB_HOST ?= 127.0.0.1
 TB_PORT ?= 6006
-# pytest-xdist workers (each test file runs whole on one worker: module fixtures are shared)
+# pytest-xdist workers. Each test module is one unit of work (its module fixtures are built
+# once) unless it splits itself with `xdist_group` marks; tests/conftest.py hands the units
+# out heaviest first (--no-loadscope-reorder keeps that order) and gives every process of the
+# session, CLI subprocesses included, one shared jax compilation cache.
 TEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-.PHONY: demo test lint format tensorboard profile runs bench clean
+.PHONY: demo test test-fast lint format tensorboard profile runs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +27,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/jaxpod train $(CONFIG) train.logdir=$(DEMO_LOGDIR)
 
+# Everything (what CI runs).
 test: $(STAMP)
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q $(PYTEST_XDIST)
+
+# The edit loop: no CLI subprocesses, full-size compiles, notebooks or long training runs.
+test-fast: $(STAMP)
+	$(BIN)/pytest -q $(PYTEST_XDIST) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,15 +1,29 @@
-"""Shared test setup: 8 virtual CPU devices, and helpers to build tiny configs and their meshes.
+"""Shared test setup: 8 virtual CPU devices, one jax compilation cache, markers, scheduling.
 
 XLA reads `XLA_FLAGS` once, when jax initialises its backend, so the flag is set here at import
 time: pytest imports this file before any test module (and so before jax is imported by them).
 Other XLA flags already in the environment are kept; only the device count is replaced.
 jax itself is imported lazily, so jax-free test modules (config, data) stay jax-free.
 
-Tests that use the `tiny_cfg`/`mesh_for` fixtures also get jax's persistent compilation cache
-in a fresh temporary directory for the session (`xla_compilation_cache`; in this process only,
-nothing leaks into subprocesses through the environment): they build the same jitted programs
-repeatedly (e.g. the sharded parameter init inside every `build_engine`), and the cache is keyed
-on the full program and compile options, so a hit is the identical executable.
+Compilation cache: the session (the pytest process, its xdist workers and every subprocess the
+tests start: `jaxpod` CLI runs, notebook kernels) shares one jax persistent compilation cache,
+a fresh temporary directory created by `pytest_configure` and removed by
+`pytest_unconfigure`. It is passed on through the environment (`JAX_COMPILATION_CACHE_DIR`,
+with no minimum compile time or entry size), so every compile of a program that some process
+of the session compiled before is a cache hit: the cache key is the whole program with its
+compile options and XLA flags, so a hit is the identical executable. Set
+`JAX_COMPILATION_CACHE_DIR` yourself to keep a cache across sessions (it is then not removed).
+
+Markers (registered in pyproject.toml): `cli`, `full_size`, `notebook` and `long_run` name
+the kinds of test that `make test-fast` leaves out; each of them implies `slow`, which is what
+`make test-fast` deselects (`-m "not slow"`).
+
+Scheduling (`make test`: `--dist loadgroup`): every test runs in its module's group (one
+worker per module, module fixtures built once) unless it is marked `xdist_group` itself; the
+groups are handed out heaviest first (`HEAVY_FIRST`) so that the two workers finish together.
+
+Helpers the test modules share live in `tests/helpers/` (importable as `helpers`); the names
+below stay importable from `conftest` too.
 """
 
 from __future__ import annotations
@@ -17,9 +31,16 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from pathlib import Path
 
 import pytest
+from helpers import (  # noqa: F401  (re-exported: `from conftest import ...` keeps working)
+    ROOT,
+    TINY_YAML,
+    free_port,
+    make_tiny_cfg,
+    mesh_for,
+    model_params_and_specs,
+)
 
 from jaxpod.platform import use_virtual_cpu_devices  # jax-free: safe before jax starts
 
@@ -28,65 +49,91 @@ DEVICE_COUNT = 8
 use_virtual_cpu_devices(DEVICE_COUNT)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY_YAML = ROOT / "configs" / "tiny.yaml"
+CACHE_ENV = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+}
+
+# Markers that keep a test out of `make test-fast`; each implies `slow`.
+SLOW_KINDS = ("cli", "full_size", "notebook", "long_run")
+
+# Test modules (or `xdist_group` names) in the order their groups are handed to the workers,
+# before every other group: the longest first (measured with `--durations=0` on 2 cores).
+HEAVY_FIRST = (
+    "tests/run/test_digits_training.py",
+    "tests/engine/test_packed_engine.py",
+    "tests/optim/test_per_layer.py@temporaries",
+    "tests/engine/test_pinned.py@pinned-efficientnet",
+    "tests/notebooks/test_notebooks.py",
+    "tests/cli/test_checkpoint_cli.py",
+    "tests/optim/test_per_layer.py",
+    "tests/engine/test_bert_engine.py",
+    "tests/presets/test_preset_runs.py",
+    "tests/engine/test_pinned.py@pinned-gpt-bert",
+    "tests/engine/test_memory_layouts.py",
+    "tests/engine/test_mesh_equivalence.py",
+    "tests/planner/test_plan_vs_xla.py",
+)
 
 
-def make_tiny_cfg(*overrides: str, mesh: tuple[int, int, int] | None = None, **kw):
-    """A resolved config from `configs/tiny.yaml` plus overrides.
-
-    `overrides` are CLI-style strings (`"optim.name=sgd"`); keyword overrides use `__` for the
-    dot (`optim__name="sgd"`, values are YAML-parsed like on the CLI); `mesh=(r, p, t)` sets
-    `mesh.*` and `devices = r * p * t`. Keyword/mesh overrides are applied after the strings.
-    """
-    from jaxpod.config import load_config
-
-    args = list(overrides)
-    if mesh is not None:
-        r, p, t = mesh
-        args += [f"devices={r * p * t}", f"mesh.replica={r}", f"mesh.pipeline={p}"]
-        args += [f"mesh.tensor={t}"]
-    for key, value in kw.items():
-        text = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
-        args.append(f"{key.replace('__', '.')}={text}")
-    return load_config(TINY_YAML, args)
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
 
 
-def model_params_and_specs(cfg):
-    """The transformer of `cfg` as `(params ShapeDtypeStructs, PartitionSpecs)`: no weights,
-    no mesh (the model's own logical layout)."""
-    from flax import nnx
-
-    from jaxpod.engine.stacked import build_model
-    from jaxpod.parallel.mesh import param_specs
-
-    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, cfg.train.seed)))
-    return nnx.to_pure_dict(state), param_specs(state)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def pytest_configure(config):
+    """The session's compilation cache (the controller makes it; workers inherit the env)."""
+    if _is_xdist_worker(config) or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    path = tempfile.mkdtemp(prefix="jaxpod-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    for key, value in CACHE_ENV.items():
+        os.environ.setdefault(key, value)
+    config._jaxpod_cache_dir = path
 
 
-def mesh_for(cfg):
-    """The (replica, pipeline, tensor) `Mesh` of `cfg` on the first `cfg.devices` devices."""
-    import jax
+def pytest_unconfigure(config):
+    path = getattr(config, "_jaxpod_cache_dir", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR") == path:
+            del os.environ["JAX_COMPILATION_CACHE_DIR"]
 
-    from jaxpod.parallel.mesh import make_mesh
 
-    n = cfg.mesh.replica * cfg.mesh.pipeline * cfg.mesh.tensor
-    devices = jax.devices()
-    if len(devices) < n:
-        pytest.fail(
-            f"need {n} devices, jax has {len(devices)}: was jax initialised before conftest set "
-            f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}?"
-        )
-    return make_mesh(cfg.mesh, devices[:n])
+def _group_of(item) -> str:
+    """The module's path (from the repository root), or `path@name` for a test marked
+    `xdist_group(name)`: a module's own groups never merge with another module's."""
+    path = item.nodeid.split("::")[0]
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return path
+    return f"{path}@{mark.args[0] if mark.args else mark.kwargs.get('name', 'default')}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Slow kinds imply `slow`; every test gets its one `xdist_group`; heavy groups first.
+
+    Runs before the `-m` deselection and before xdist reads the `xdist_group` marks (with
+    `--dist loadgroup` a group is one unit of work, handed out in this order when xdist is
+    run with `--no-loadscope-reorder`)."""
+    groups = {}
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+            item.add_marker(pytest.mark.slow)
+        groups[item.nodeid] = _group_of(item)
+    for item in items:  # xdist joins every xdist_group mark it finds: keep exactly one
+        for node in item.listchain():
+            node.own_markers = [m for m in node.own_markers if m.name != "xdist_group"]
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(groups[item.nodeid], i)
+    # stable: inside a group the collection order is kept
+    items.sort(
+        key=lambda it: (rank.get(groups[it.nodeid], len(rank)), first_seen[groups[it.nodeid]])
+    )
 
 
 def _reset_jax_cache_state() -> None:
@@ -100,21 +147,19 @@ def _reset_jax_cache_state() -> None:
 
 @pytest.fixture(scope="session")
 def xla_compilation_cache():
-    """A session-wide persistent compilation cache (unless one is configured already)."""
+    """The session's persistent compilation cache directory, configured in this process.
+
+    jax reads `JAX_COMPILATION_CACHE_DIR` when it is imported; if it was imported before
+    `pytest_configure` set it (a plugin, `python -c`), the config is updated here."""
     import jax
 
-    if jax.config.jax_compilation_cache_dir:
-        yield jax.config.jax_compilation_cache_dir
-        return
-    path = tempfile.mkdtemp(prefix="jaxpod-test-xla-cache-")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    _reset_jax_cache_state()
-    yield path
-    jax.config.update("jax_compilation_cache_dir", None)
-    _reset_jax_cache_state()
-    shutil.rmtree(path, ignore_errors=True)
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if path and jax.config.jax_compilation_cache_dir != path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        _reset_jax_cache_state()
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -127,3 +172,13 @@ def tiny_cfg(xla_compilation_cache):
 def mesh_for_fixture(xla_compilation_cache):
     """Factory: `mesh_for(cfg)` -> the cfg's `Mesh` on `jax.devices()[:n]`."""
     return mesh_for
+
+
+@pytest.fixture(scope="session")
+def lab(tiny_cfg, mesh_for):
+    """The equivalence lab (tests/helpers/lab.py): engines, steps and the plain reference,
+    each computed once per test process; the measured errors are printed at the end (-s)."""
+    from helpers.lab import Lab, print_measured
+
+    yield Lab(tiny_cfg, mesh_for)
+    print_measured()

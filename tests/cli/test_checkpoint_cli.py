@@ -1,4 +1,5 @@
-"""Checkpoints through the CLI: exact resume, resume after SIGKILL, reshard, refusals.
+"""Checkpoints through the CLI: exact resume, resume after SIGKILL, reshard, refusals (the
+in-process restore onto another mesh: tests/run/test_checkpoint.py).
 
 One uninterrupted reference run (8 steps, a checkpoint every 2) is shared by the module; each
 test copies its run directory and removes the later checkpoints, which leaves exactly what a
@@ -11,17 +12,17 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT
+from helpers.cli import TINY, cli_cmd, cli_env
 
 from jaxpod.run.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
+pytestmark = pytest.mark.cli
 STEPS = 8
 COMMON = [
     f"train.steps={STEPS}",
@@ -37,11 +38,7 @@ TIMING = ("step_time_s", "tokens_per_s")
 
 
 def _cmd(logdir: Path) -> list[str]:
-    return [sys.executable, "-m", "jaxpod.cli", "train", TINY, *COMMON, f"train.logdir={logdir}"]
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return cli_cmd("train", TINY, *COMMON, f"train.logdir={logdir}")
 
 
 def jaxpod_train(logdir: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -50,7 +47,7 @@ def jaxpod_train(logdir: Path, *overrides: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=_env(),
+        env=cli_env(),
         timeout=600,
     )
 
@@ -139,33 +136,6 @@ def test_restore_onto_another_mesh(reference, tmp_path, mesh):
     np.testing.assert_allclose(losses, ref, rtol=1e-6, atol=0)
 
 
-def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path):
-    """In process: saved from 2x2x2, restored on 1x2x4 with exactly the engine's shardings."""
-    import jax
-
-    from jaxpod.engine import build_engine
-    from jaxpod.run.checkpoint import Checkpointer
-
-    batch = ["train.global_batch=16", "train.grad_accum=null"]
-    old_cfg, new_cfg = tiny_cfg(*batch, mesh=(2, 2, 2)), tiny_cfg(*batch, mesh=(1, 2, 4))
-    _, saved = build_engine(old_cfg, mesh_for(old_cfg))
-    with Checkpointer(tmp_path, keep=1) as ckpt:
-        ckpt.save(1, saved, seed=0)
-    engine, fresh = build_engine(new_cfg, mesh_for(new_cfg))
-    ckpt = Checkpointer(tmp_path, keep=1)
-    assert ckpt.latest_step() == 1
-    restored = ckpt.restore(1, engine, fresh, seed=0)
-    ckpt.close()
-    for got, want, sharding in zip(
-        jax.tree.leaves(restored),
-        jax.tree.leaves(saved),
-        jax.tree.leaves(engine.state_sharding),
-        strict=True,
-    ):
-        assert got.sharding == sharding
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
 @pytest.mark.parametrize(
     "override, needle",
     [
@@ -204,7 +174,7 @@ def test_resume_after_sigkill_mid_save(reference, tmp_path):
         proc = subprocess.Popen(
             [*_cmd(run), "train.checkpoint_every=1"],
             cwd=ROOT,
-            env=_env(),
+            env=cli_env(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

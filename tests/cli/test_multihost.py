@@ -6,21 +6,17 @@ three processes run at once (each compiles its own program) to keep the wall tim
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_port
-from test_cli import assert_user_error
+from helpers import ROOT, free_port
+from helpers.cli import TINY, assert_user_error, cli_cmd, cli_env, jaxpod
 
 from jaxpod.run.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
+pytestmark = pytest.mark.cli
 COMMON = [
     "train.steps=3",
     "train.log_every=1",
@@ -30,27 +26,12 @@ COMMON = [
 ]
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-
-
-def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "jaxpod.cli", *args]
-
-
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        _cmd(*args), capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=timeout
-    )
-
-
-@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
     port = free_port()
     multi = tmp_path / "multi"
     procs = [
         subprocess.Popen(
-            _cmd(
+            cli_cmd(
                 "train",
                 TINY,
                 *COMMON,
@@ -64,7 +45,7 @@ def test_two_processes_train_like_one(tmp_path):
                 str(i),
             ),
             cwd=ROOT,
-            env=_env(),
+            env=cli_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -73,9 +54,9 @@ def test_two_processes_train_like_one(tmp_path):
     ]
     single = tmp_path / "single"
     reference = subprocess.Popen(
-        _cmd("train", TINY, *COMMON, "devices=8", f"train.logdir={single}"),
+        cli_cmd("train", TINY, *COMMON, "devices=8", f"train.logdir={single}"),
         cwd=ROOT,
-        env=_env(),
+        env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -107,7 +88,7 @@ def test_two_processes_train_like_one(tmp_path):
 
 def test_unreachable_coordinator_is_a_bounded_one_line_error(tmp_path):
     start = time.monotonic()
-    proc = run(
+    proc = jaxpod(
         "train",
         TINY,
         "devices=4",
@@ -141,13 +122,13 @@ def test_unreachable_coordinator_is_a_bounded_one_line_error(tmp_path):
     ids=["process-id-too-big", "missing-coordinator", "bad-address", "auto-and-explicit"],
 )
 def test_bad_process_flags(flags, needles, tmp_path):
-    proc = run("train", TINY, f"train.logdir={tmp_path / 'run'}", *flags, timeout=60)
+    proc = jaxpod("train", TINY, f"train.logdir={tmp_path / 'run'}", *flags, timeout=60)
     assert_user_error(proc, *needles)
     assert not (tmp_path / "run").exists()
 
 
 def test_mesh_must_match_the_devices_of_all_processes(tmp_path):
-    proc = run(
+    proc = jaxpod(
         "train",
         TINY,
         "devices=2",  # 2 per process x 2 processes = 4, but the mesh is 2x2x2
@@ -165,9 +146,9 @@ def test_mesh_must_match_the_devices_of_all_processes(tmp_path):
 
 def test_distributed_auto_without_a_cluster(tmp_path):
     cluster_vars = ("SLURM_", "OMPI_", "JAX_COORDINATOR", "TPU_", "CLOUD_TPU", "MEGASCALE_")
-    env = {k: v for k, v in _env().items() if not k.startswith(cluster_vars)}
+    env = {k: v for k, v in cli_env().items() if not k.startswith(cluster_vars)}
     proc = subprocess.run(
-        _cmd(
+        cli_cmd(
             "train", TINY, "devices=4", f"train.logdir={tmp_path / 'run'}", "--distributed", "auto"
         )
         + ["--init-timeout", "5"],

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_cli import ROOT, assert_user_error, jaxpod
+from helpers import ROOT
+from helpers.cli import assert_user_error, jaxpod
+
+pytestmark = pytest.mark.cli
 
 REQUIRED = (
     "devices replica pipeline tensor micro_batch grad_accum global_batch params "
@@ -47,7 +50,6 @@ def test_plan_bad_input_is_one_line(args, needles):
     assert_user_error(jaxpod("plan", str(ROOT / "configs" / "demo.yaml"), *args), *needles)
 
 
-@pytest.mark.slow
 def test_compile_from_abstract_shapes():
     proc = jaxpod("compile", str(ROOT / "configs" / "tiny.yaml"), "--json")
     assert proc.returncode == 0, proc.stderr

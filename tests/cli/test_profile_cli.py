@@ -7,32 +7,16 @@ the trace, and the parts of the run record every run writes (eval.json, the HPar
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_cli import assert_user_error
+from helpers.cli import TINY, assert_user_error, jaxpod
 
-from jaxpod.errors import ConfigError
 from jaxpod.run.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
+pytestmark = pytest.mark.cli
 FAST = ["train.eval_batches=1", "optim.warmup_steps=0"]
-
-
-def jaxpod(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run(
-        [sys.executable, "-m", "jaxpod.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +28,6 @@ def profiled(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return base, proc
 
 
-@pytest.mark.slow
 def test_profile_writes_a_trace_of_the_steps(profiled):
     logdir, proc = profiled
     traces = list((logdir / "plugins" / "profile").glob("*/*.xplane.pb"))
@@ -60,7 +43,6 @@ def test_profile_writes_a_trace_of_the_steps(profiled):
     assert [r["step"] for r in records if "val_loss" in r] == [0, 3]
 
 
-@pytest.mark.slow
 def test_eval_record(profiled):
     logdir, _ = profiled
     record = json.loads((logdir / "eval.json").read_text())
@@ -75,7 +57,6 @@ def test_eval_record(profiled):
     assert not list(logdir.glob("*.tmp"))  # written atomically, nothing left over
 
 
-@pytest.mark.slow
 def test_hparams_summary_is_readable_by_tensorboard(profiled):
     """The HParams plugin's own backend finds the run, its hparams and its metrics."""
     from tensorboard import context
@@ -119,26 +100,3 @@ def test_profile_steps_beyond_the_run_is_refused(tmp_path):  # before jax starts
     )
     assert_user_error(proc, "train.profile_steps=[3, 7]", "train.steps=4", "stop <= 5")
     assert not (tmp_path / "metrics.jsonl").exists()
-
-
-def test_profile_overrides(tmp_path):
-    from jaxpod.run.profiling import profile_overrides
-
-    config = tmp_path / "c.yaml"
-    config.write_text(f"train: {{logdir: {tmp_path / 'run'}}}\n")
-    (tmp_path / "run-profile" / "checkpoints" / "3").mkdir(parents=True)
-    got = profile_overrides(str(config), ["mesh.tensor=1"], steps=3, warmup=2)
-    assert not (tmp_path / "run-profile" / "checkpoints").exists()  # never resumes
-    assert got == [
-        "mesh.tensor=1",
-        "train.steps=5",
-        "train.profile_steps=[3,6]",
-        "train.eval_every=0",
-        "train.log_every=1",
-        f"train.logdir={tmp_path / 'run'}-profile",
-    ]
-    user = [f"train.logdir={tmp_path / 'run-profile'}"]
-    assert profile_overrides(TINY, user, steps=1, warmup=0)[-1] == user[0]  # used as given
-    (tmp_path / "run-profile" / "checkpoints").mkdir()
-    with pytest.raises(ConfigError, match="holds checkpoints"):
-        profile_overrides(TINY, user, steps=3, warmup=2)

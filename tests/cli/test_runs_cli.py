@@ -1,5 +1,5 @@
-"""`jaxpod runs`: the table of run directories, from hand-written run records (no jax), and the
-run-record writers it reads (HParams summary, eval.json)."""
+"""`jaxpod runs`: the table of run directories, from hand-written run records (no jax); and
+`jaxpod tensorboard` serving them (the run-record writers: tests/run/test_metrics.py)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from helpers import ROOT, TINY_YAML, free_port
+from helpers.cli import jaxpod as run_cli
 
 from jaxpod.config import dump_yaml
-from jaxpod.run.metrics import MetricsWriter, flat_hparams, hparams_event, write_json_atomic
+from jaxpod.run.metrics import write_json_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
+pytestmark = pytest.mark.cli
+TINY = TINY_YAML
 
 
 def jaxpod(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "jaxpod.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    return run_cli(*args, timeout=120)
 
 
 def fake_run(logdir: Path, *overrides: str, losses=(), vals=(), eval_json=True, mtime=0) -> None:
@@ -111,36 +106,6 @@ def test_runs_of_a_missing_dir_is_one_line_error(tmp_path):
     assert empty.returncode == 0 and "no runs" in empty.stdout
 
 
-def test_hparams_event_round_trips_through_tensorboard(tmp_path):
-    """Written with tensorboard's protos (no TensorFlow), read back with its EventAccumulator."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.hparams import metadata
-
-    hparams = flat_hparams(
-        {"mesh": {"replica": 2}, "optim": {"lr": 3e-3, "name": "adamw"}, "model": {"tie": True}}
-        | {"train": {"profile_steps": [2, 4], "grad_accum": None}}
-    )
-    assert hparams == {
-        "mesh.replica": 2,
-        "optim.lr": 3e-3,
-        "optim.name": "adamw",
-        "model.tie": True,
-        "train.profile_steps": "[2, 4]",
-    }
-    assert hparams_event(hparams).summary.value[0].tag == metadata.SESSION_START_INFO_TAG
-    with MetricsWriter(tmp_path) as writer:
-        writer.hparams(hparams)
-        writer.write({"step": 1, "loss": 2.5})
-    acc = EventAccumulator(str(tmp_path))
-    acc.Reload()
-    content = acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
-    info = metadata.parse_session_start_info_plugin_data(content)
-    assert info.hparams["mesh.replica"].number_value == 2
-    assert info.hparams["optim.name"].string_value == "adamw"
-    assert info.hparams["model.tie"].bool_value is True
-    assert acc.Scalars("train/loss")[0].value == 2.5
-
-
 def _serve(tmp_path: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "jaxpod.cli", "tensorboard", str(tmp_path / "runs"), *flags],
@@ -151,7 +116,6 @@ def _serve(tmp_path: Path, *flags: str) -> subprocess.Popen:
     )
 
 
-@pytest.mark.slow
 def test_tensorboard_serves_loopback_only_by_default(tmp_path):
     """`jaxpod tensorboard` (and so `make tensorboard`) binds 127.0.0.1 without a warning; any
     other interface is an opt-in that warns about the missing authentication."""

@@ -2,41 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.cli import TINY, assert_user_error, jaxpod
 
 from jaxpod.run.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
-
-
-def jaxpod(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run(
-        [sys.executable, "-m", "jaxpod.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd or ROOT,
-        env=env,
-        timeout=600,
-    )
-
-
-def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    """Exit 2, exactly one line on stderr naming the field, no traceback."""
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith("jaxpod: error: "), lines[0]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+pytestmark = pytest.mark.cli
 
 
 @pytest.mark.parametrize(
@@ -95,7 +69,6 @@ def _losses(logdir: Path) -> tuple[np.ndarray, list[dict]]:
     return np.array([r["loss"] for r in train]), records
 
 
-@pytest.mark.slow
 def test_same_losses_on_every_mesh_through_the_cli(tmp_path):
     """The same config on (1,1,1) and (2,2,2) with equal global batch trains identically."""
     common = ["train.steps=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1"]
@@ -128,13 +101,3 @@ def test_same_losses_on_every_mesh_through_the_cli(tmp_path):
     # fp32, different reduction order across 8 devices; Adam over 4 steps: measured ~1e-6.
     np.testing.assert_allclose(runs["pod"], runs["single"], rtol=1e-5, atol=0)
     assert runs["pod"][-1] < runs["pod"][0]  # and it is actually training
-
-
-def test_muted_block_hides_fd2_and_restores_it_outside_the_cli(capfd):
-    from jaxpod.errors import Muted
-
-    with Muted() as mute:
-        os.write(2, b"abandoned read traceback\n")
-        assert not mute.keep()  # only the CLI, which exits next, may stay muted
-    os.write(2, b"after\n")
-    assert capfd.readouterr().err == "after\n"

@@ -5,10 +5,10 @@ import dataclasses
 import subprocess
 import sys
 import typing
-from pathlib import Path
 
 import pytest
 import yaml
+from helpers import ROOT
 
 from jaxpod.config import (
     CHOICES,
@@ -31,7 +31,6 @@ from jaxpod.config import (
 from jaxpod.config.schema import SECTIONS
 from jaxpod.models.kinds import KINDS
 
-ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 TINY = ROOT / "configs" / "tiny.yaml"
 

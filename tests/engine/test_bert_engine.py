@@ -16,12 +16,11 @@ from flax import nnx
 
 from jaxpod.engine import build_engine
 from jaxpod.engine.stacked import build_model
-from jaxpod.errors import ConfigError
 from jaxpod.models import mlm
 
 # fp32 throughout; the mesh only reorders sums. Measured maxima over the meshes below: loss
 # 2.6e-7 relative, gradients 1.1e-6 leaf-relative (max |got - want| / max |want|). The
-# bounds are those of tests/test_parallel.py for GPT.
+# bounds are those of tests/helpers/lab.py for GPT.
 LOSS_RTOL = 1e-6
 GRAD_TOL = 3e-6
 GLOBAL_BATCH = 16
@@ -90,37 +89,6 @@ def test_sharded_mlm_loss_and_grads_match_reference(tiny_cfg, mesh_for, shape, n
     worst = max(errs, key=errs.get)
     print(f"  worst grad leaf {worst} {errs[worst]:.1e}")
     assert errs[worst] <= GRAD_TOL, errs
-
-
-def test_masking_rule():
-    """Exactly round(0.15 T) positions per row; of them ~80 % [MASK], ~10 % random, ~10 %
-    kept (binomial 5-sigma bounds over 64k chosen positions); unchosen positions untouched;
-    deterministic in (seed, step, row) and different across steps and rows."""
-    t, rows = 64, 4096
-    tokens = np.random.default_rng(0).integers(0, 256, (rows, t), np.int32)
-    keys = mlm.row_keys(0, 5, jnp.arange(rows))
-    inputs, targets, weights = map(np.asarray, jax.jit(mlm.mask_tokens)(tokens, keys))
-    n = mlm.masked_count(t)
-    assert n == 10 and np.all(weights.sum(1) == n)
-    np.testing.assert_array_equal(targets, tokens)
-    chosen = weights > 0
-    np.testing.assert_array_equal(inputs[~chosen], tokens[~chosen])
-    total = chosen.sum()
-    for frac, what in [(0.8, inputs == mlm.MASK_ID), (0.1, (inputs == tokens) & chosen)]:
-        got = float((what & chosen).sum()) / total
-        sigma = np.sqrt(frac * (1 - frac) / total)
-        assert abs(got - (frac + (0.1 * 1 / 256 if frac == 0.1 else 0))) <= 5 * sigma, (frac, got)
-    assert np.all(inputs <= mlm.MASK_ID)
-    again = np.asarray(mlm.mask_tokens(tokens[:8], mlm.row_keys(0, 5, jnp.arange(8)))[2])
-    np.testing.assert_array_equal(again, weights[:8])
-    other_step = np.asarray(mlm.mask_tokens(tokens[:8], mlm.row_keys(0, 6, jnp.arange(8)))[2])
-    assert not np.array_equal(other_step, weights[:8])
-    assert not np.array_equal(weights[0], weights[1])
-
-
-def test_vocab_without_mask_id_is_refused(tiny_cfg):
-    with pytest.raises(ConfigError, match=r"model.vocab=256: BERT .*\[MASK\]"):
-        tiny_cfg("model.name=bert", mesh=(1, 1, 1))  # refused when the config is loaded
 
 
 def test_bert_engine_trains(tiny_cfg, mesh_for):

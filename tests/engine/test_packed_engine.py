@@ -1,4 +1,6 @@
-"""The pipelined image classifier: stage packing, and the sharded step vs a plain reference.
+"""The pipelined image classifier on the engine: its stages' rows, the sharded step vs a plain
+reference, two stages vs one, a skipped float16 overflow (stage packing itself:
+tests/parallel/test_stages.py).
 
 The reference is computed the plain way on one device: the same stage modules applied one
 after another to the whole global batch, `jax.grad` of the mean cross-entropy, and the optax
@@ -15,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import DIGITS_STEPS, digits_cfg
 
 VISION = (
     "model.name=efficientnet",
@@ -72,28 +75,6 @@ def reference_step(cfg, engine, trees, batch):
 
 def host_trees(engine, params):
     return [jax.tree.map(np.asarray, t) for t in engine.stages.packing.unpack_all(params)]
-
-
-def test_stage_packing_round_trip():
-    from jaxpod.parallel.stages import StagePacking
-
-    trees = [
-        {"w": jnp.arange(6.0).reshape(2, 3), "n": jnp.int32(7), "h": jnp.ones(3, jnp.float16)},
-        {"a": [jnp.full((4,), 2.0), jnp.zeros((1, 1))]},
-    ]
-    packing = StagePacking(trees)
-    assert packing.row_sizes == {"float16": 3, "float32": 6, "int32": 1}
-    assert packing.stage_sizes(1) == {"float32": 5}
-    buffers = packing.pack(trees)
-    assert {k: v.shape for k, v in buffers.items()} == {
-        "float16": (2, 3),
-        "float32": (2, 6),
-        "int32": (2, 1),
-    }
-    for got, want in zip(packing.unpack_all(buffers), trees, strict=True):
-        jax.tree.map(lambda g, w: np.testing.assert_array_equal(g, w), got, want)
-        assert jax.tree.map(lambda a: a.dtype, got) == jax.tree.map(lambda a: a.dtype, want)
-    assert float(buffers["float32"][1, 5]) == 0.0  # padding
 
 
 def test_stage_rows_live_on_their_stage(tiny_cfg, mesh_for):
@@ -161,21 +142,6 @@ def test_two_stage_losses_equal_one_stage(tiny_cfg, mesh_for, digits):
     np.testing.assert_allclose(losses[(2, 2, 1)], losses[(2, 1, 1)], rtol=1e-5)
 
 
-def digits_cfg(*overrides):
-    """`configs/efficientnet_digits.yaml`: FP16 weights and FP16 master weights with stochastic
-    rounding, dynamic loss scaling, LARS, G16, 2 stages x 4 replicas (one compile, shared)."""
-    from conftest import ROOT
-
-    from jaxpod.config import load_config
-
-    return load_config(ROOT / "configs" / "efficientnet_digits.yaml", list(overrides))
-
-
-# The digits run's length: the overflow test compiles the same train step (the loss scale is
-# state, not program), so the session's compilation cache serves the run's compile.
-DIGITS_STEPS = "train.steps=50"
-
-
 def test_overflow_is_skipped_and_halves_the_scale(mesh_for, digits):
     from jaxpod.engine import build_engine
 
@@ -190,24 +156,3 @@ def test_overflow_is_skipped_and_halves_the_scale(mesh_for, digits):
     assert int(metrics["skipped_steps"]) == 1
     assert float(state.opt_state.loss_scale.scale) == pytest.approx(0.5e30, rel=1e-6)
     assert int(state.step) == 1
-
-
-def test_digits_config_trains(mesh_for, tmp_path):
-    """`configs/efficientnet_digits.yaml` through the training loop, shortened to 50 of its 300
-    steps: validation accuracy at least 3x chance (10 %); deterministic (seeded data, init
-    and rounding). The full run reaches >= 90 % (docs/benchmarks.md)."""
-    import json
-
-    from jaxpod.run.loop import run_training
-
-    cfg = digits_cfg(
-        DIGITS_STEPS, "train.eval_every=0", "train.log_every=25", f"train.logdir={tmp_path}"
-    )
-    result = run_training(cfg, quiet=True)
-    record = json.loads((tmp_path / "eval.json").read_text())
-    assert record["final_val_accuracy"] > 0.3, record  # chance is 0.1
-    assert record["steps_trained"] == 50 and record["images_per_s_mean"] > 0
-    assert result.losses[-1] < result.losses[0] - 0.5
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    train = [m for m in metrics if "loss" in m]
-    assert {"accuracy", "loss_scale", "skipped_steps", "images_per_s"} <= set(train[-1])

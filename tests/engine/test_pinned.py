@@ -93,7 +93,14 @@ def test_the_tolerance_is_what_the_docstring_derives():
     assert RTOL == pytest.approx(4 * worst, rel=0.05)
 
 
-@pytest.mark.parametrize("name", list(PINNED))
+def _cases():
+    """The pinned names; EfficientNet's compiles (a minute each) are a unit of work of their
+    own, so that xdist runs them beside the transformers'."""
+    group = lambda name: "pinned-efficientnet" if name.startswith("effnet") else "pinned-gpt-bert"
+    return [pytest.param(name, marks=pytest.mark.xdist_group(group(name))) for name in PINNED]
+
+
+@pytest.mark.parametrize("name", _cases())
 def test_three_steps_match_the_pinned_values(name, tiny_cfg, mesh_for):
     overrides, mesh, want = PINNED[name]
     cfg = tiny_cfg(*overrides, mesh=mesh)

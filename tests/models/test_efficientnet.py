@@ -1,5 +1,6 @@
 """EfficientNet (jaxpod.models.efficientnet): published parameter counts and FLOPs, the G16
-variant, GroupNorm against numpy, stage splitting against the whole net, dtypes.
+variant, GroupNorm against numpy, stage splitting against the whole net, dtypes, the input
+normalization.
 
 Parameter counts use `nnx.eval_shape` (nothing materialised). The forward tests share one tiny
 net (width 0.25, depth 0.1: 7 blocks, 32x32 inputs), initialised once per module under jit.
@@ -14,6 +15,8 @@ import pytest
 from flax import nnx
 
 from jaxpod.models.efficientnet import (
+    MEAN_RGB,
+    STD_RGB,
     EfficientNet,
     GroupNorm,
     block_specs,
@@ -21,6 +24,7 @@ from jaxpod.models.efficientnet import (
     count_params,
     flops_per_image,
     norm_groups,
+    normalize,
     restage,
     stage_io_shapes,
     stem_head_channels,
@@ -211,3 +215,21 @@ def test_float16_compute_close_to_float32(nets, images, logits):
     out = nnx.jit(lambda m, x: m(x))(half, images)
     assert out.dtype == jnp.float32 and np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(np.asarray(out), np.asarray(logits), rtol=0.02, atol=0.1)
+
+
+# ------------------------------------------------------------------------- normalize
+
+
+def test_normalize_matches_numpy():
+    import jax.numpy as jnp
+
+    x = np.random.default_rng(0).integers(0, 256, size=(2, 5, 5, 3), dtype=np.uint8)
+    expect = (x.astype(np.float64) - np.array(MEAN_RGB)) / np.array(STD_RGB)
+    np.testing.assert_allclose(np.asarray(MEAN_RGB) / 255, (0.485, 0.456, 0.406))
+    np.testing.assert_allclose(np.asarray(STD_RGB) / 255, (0.229, 0.224, 0.225))
+    out = normalize(jnp.asarray(x), jnp.float32)
+    assert out.dtype == jnp.float32 and out.shape == x.shape
+    np.testing.assert_allclose(np.asarray(out), expect, rtol=1e-5, atol=1e-5)
+    half = normalize(jnp.asarray(x), jnp.bfloat16)
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(half, dtype=np.float32), expect, rtol=1e-2, atol=2e-2)

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT = 300  # seconds per cell
 
@@ -26,7 +26,7 @@ assert sys.prefix == {sys.prefix!r}, f"kernel runs {{sys.executable}}, not the v
 """
 
 
-@pytest.mark.slow
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path: Path, tmp_path: Path) -> None:
     nb = nbformat.read(path, as_version=4)

@@ -103,6 +103,7 @@ def test_overflow_leaves_the_state_bit_identical(tiny_cfg, mesh_for):
     assert float(ls2.scale) == 512.0 and int(ls2.skipped) == 1
 
 
+@pytest.mark.xdist_group("temporaries")  # compiles for ~100 s: its own unit of work
 def test_float16_lamb_update_holds_a_fraction_of_the_whole_tree_temporaries(tiny_cfg, mesh_for):
     """XLA's temp bytes of the updates, compiled from abstract shapes in one run: the
     tensor-by-tensor update keeps one layer of one tensor in float32 (8 layers, 4 per stage),

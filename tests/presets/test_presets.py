@@ -1,20 +1,13 @@
 """The pod presets: BERT-Large on POD16 (pipeline 4 and pipeline 8), GPT-3 175B on POD256, and
-their `_emulated` variants.
-
-The planner checks are analytic and instant. The rest run the CLI in subprocesses (each sets
-its own device count) and are marked slow; measured on 2 shared cores: `jaxpod compile` of the
-full-size presets from abstract shapes 16 s (BERT-Large, 16 devices) and 35 s (GPT-3 175B,
-256 devices, streamed matrix by matrix); `jaxpod train` of bert_large_pod16_emulated 26 s (16
-devices) and of gpt3_175b_pod256_emulated 65 s (256 devices, 16 s of it compiling).
-"""
+their `_emulated` variants. The planner checks are analytic and instant; compiling and
+training the presets through the CLI is tests/presets/test_preset_runs.py."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
-from test_cli import ROOT, jaxpod
+from helpers import ROOT
 
 from jaxpod.config import load_config
 from jaxpod.planner.plan import plan
@@ -120,46 +113,3 @@ def test_emulated_keeps_the_topology_and_recipe(emulated, full):
     assert (e.memory.rts, e.memory.rts_optimizer) == (f.memory.rts, f.memory.rts_optimizer)
     assert e.memory.stream == f.memory.stream  # the MLP in 2 blocks, not 8: 3 steps in 65 s
     assert (e.memory.vocab_slices > 1) == (f.memory.vocab_slices > 1)
-
-
-# ----------------------------------------------------------------------------- subprocesses
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("name", "steps"), [("bert_large_pod16_emulated", 4), ("gpt3_175b_pod256_emulated", 3)]
-)
-def test_emulated_preset_trains(name, steps, tmp_path):
-    """The scaled-down presets train their few steps on 16 and 256 virtual devices, with
-    their full memory plan (RTS, offload, phases; GPT-3: sequence parallel, 16 chunks)."""
-    proc = jaxpod("train", str(CONFIGS / f"{name}.yaml"), f"train.logdir={tmp_path}")
-    assert proc.returncode == 0, proc.stderr
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
-    assert len(losses) == steps and all(math.isfinite(x) for x in losses)
-    assert losses[-1] < losses[0]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("name", "devices", "planned"),
-    [
-        ("bert_large_pod16", 16, True),
-        ("gpt3_175b_pod256", 256, False),  # not validated: docs/benchmarks.md says why
-        ("efficientnet_b4_g16_pod16", 16, False),  # the CNN activation estimate is rough
-    ],
-)
-def test_compile_from_abstract_shapes(name, devices, planned):
-    """Lower and compile the train step on the preset's virtual devices, no weights; for
-    BERT-Large POD16 the planner's device total is within 15 % of XLA's device-resident
-    arguments + temporaries (measured 708 vs 718 MB). (The EfficientNet POD64/128/256
-    presets compile too, more slowly: docs/benchmarks.md.)"""
-    proc = jaxpod("compile", str(CONFIGS / f"{name}.yaml"), "--json")
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    assert out["devices"] == devices
-    assert out["temp_bytes"] > 0 and out["argument_bytes"] >= out["state_bytes_per_device"] > 0
-    assert (
-        out["temp_bytes"] < out["device_total_bytes"] <= out["argument_bytes"] + out["temp_bytes"]
-    )
-    if planned:
-        plan_total = plan(preset(name))["bytes_per_device"]["device_total"]
-        assert plan_total == pytest.approx(out["device_total_bytes"], rel=0.15)

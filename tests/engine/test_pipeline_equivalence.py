@@ -1,0 +1,100 @@
+"""Pipelining and sequence splitting change the order of the sums, never the numbers: GPipe
+over micro-batches == gradient accumulation == the plain full batch; pipeline bubbles (the
+carry pre-filled with NaN) never reach the loss or the gradients; `model.sequence_chunks` and
+`model.sequence_parallel` on sharded meshes give the plain reference's loss and gradients.
+
+The reference comes from the session's equivalence lab (tests/helpers/lab.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers.lab import (
+    GLOBAL_BATCH,
+    GRAD_TOL,
+    assert_loss_close,
+    assert_sharded_as,
+    assert_trees_close,
+    mesh_id,
+    sharded_loss_and_grads,
+)
+
+PIPELINED = [(1, 2, 1), (2, 2, 2), (1, 4, 2)]
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Pipeline micro-batching == gradient accumulation.
+# --------------------------------------------------------------------------------------------
+
+
+def test_pipeline_microbatches_equal_accumulation(lab):
+    """GPipe over 4 micro-batches on 2 stages == two GPipe passes of 2 micro-batches
+    (`train.pipeline_group=2`, gradients summed) == the 4-step accumulation loop on 1 device
+    == the plain full-batch gradient."""
+    runs = {
+        "pipeline": ((1, 2, 1), []),
+        "pipeline, 2 passes": ((1, 2, 1), ["train.pipeline_group=2"]),
+        "accumulation": ((1, 1, 1), []),
+    }
+    out = {}
+    for name, (shape, extra) in runs.items():
+        cfg = lab.cfg(shape, "adamw", "train.micro_batch=4", *extra)
+        assert (cfg.train.grad_accum, cfg.global_batch) == (4, GLOBAL_BATCH)
+        out[name] = sharded_loss_and_grads(lab, cfg)[:2]
+    ref = lab.ref_steps("adamw")[0]
+    (pipe_loss, pipe_grads), (acc_loss, acc_grads) = out["pipeline"], out["accumulation"]
+    assert_loss_close(pipe_loss, acc_loss, "pipeline vs accumulation")
+    assert_trees_close(pipe_grads, acc_grads, GRAD_TOL, "grads pipeline vs accumulation")
+    for name, (loss, grads) in out.items():
+        assert_loss_close(loss, ref["loss"], f"{name} vs reference")
+        assert_trees_close(grads, ref["grads"], GRAD_TOL, f"grads {name} vs reference")
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Pipeline bubbles never reach results.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", PIPELINED, ids=mesh_id)
+def test_bubble_nan_never_reaches_loss_or_grads(lab, shape):
+    """With the pipeline carry pre-filled with NaN, loss and grads are finite and equal the
+    reference, and the grads come back with the params' shardings."""
+    cfg = lab.cfg(shape, "adamw")
+    loss, grads, specs, mesh = sharded_loss_and_grads(lab, cfg, bubble_fill=float("nan"))
+    ref = lab.ref_steps("adamw")[0]
+    assert_loss_close(loss, ref["loss"], "bubble_fill=nan")
+    assert_trees_close(grads, ref["grads"], GRAD_TOL, "grads bubble_fill=nan")
+    assert_sharded_as(grads, specs, mesh, "grads")
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Serialised sequence (`model.sequence_chunks`) on a sharded mesh.
+# --------------------------------------------------------------------------------------------
+
+
+def test_sequence_chunks_sharded_match_reference(lab):
+    """A 2x2x2 step with model.sequence_chunks=4 gives the plain (unchunked, single-device)
+    reference's loss and gradients."""
+    cfg = lab.cfg((2, 2, 2), "adamw", "model.sequence_chunks=4")
+    loss, grads = sharded_loss_and_grads(lab, cfg)[:2]
+    ref = lab.ref_steps("adamw")[0]
+    assert_loss_close(loss, ref["loss"], "sequence chunks 2x2x2 vs reference")
+    assert_trees_close(grads, ref["grads"], GRAD_TOL, "sequence chunks 2x2x2 vs reference")
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Sequence parallelism (`model.sequence_parallel`).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2), (2, 2, 2)], ids=mesh_id)
+def test_sequence_parallel_matches_reference(lab, shape):
+    """With the residual stream split over `tensor` along the sequence (all-gather before
+    the column-parallel matmuls, reduce-scatter after the row-parallel ones, positions and
+    targets sliced to match), loss and every gradient equal the plain reference — the
+    accumulation loop (pipeline 1) and the GPipe scan (pipeline 2; BERT's test adds 1x2x4)."""
+    cfg = lab.cfg(shape, "adamw", "model.sequence_parallel=true")
+    loss, grads, _, mesh = sharded_loss_and_grads(lab, cfg)
+    ref = lab.ref_steps("adamw")[0]
+    assert_loss_close(loss, ref["loss"], f"sequence parallel {mesh_id(shape)} vs reference")
+    assert_trees_close(grads, ref["grads"], GRAD_TOL, f"sequence parallel {mesh_id(shape)}")

@@ -1,0 +1,156 @@
+"""Every pipeline schedule trains GPT, BERT and EfficientNet like the plain model.
+
+GPT and BERT: loss and every gradient against the model's own `__call__` on the whole
+global batch on one device. The engine runs `train.pipeline_schedule` circular (2 virtual
+stages, the layers stored round-robin: `StackedStages.layer_order`) and 1f1b on (1,2,1),
+(1,4,1), (2,2,2) and (1,2,4) with M = 2S micro-batches per replica (and M = S, 4S on
+1x2x1); a circular engine's grads are put back in the logical layer order first. A train
+step of each schedule updates the params like GPipe's, and EfficientNet's packed stages
+under 1f1b give GPipe's loss and gradients (GPipe is proven against the plain models in
+tests/test_parallel.py and tests/test_vision.py). Tolerances are GPipe's: the same math
+summed in another order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpod.engine import build_engine
+from jaxpod.engine.stacked import build_model
+from jaxpod.models import mlm
+
+LOSS_RTOL = 1e-6
+GRAD_TOL = 3e-6
+PARAM_ATOL = 1e-7  # one AdamW-free SGD step of ~1e-3: as tests/test_memory.py
+GPT = ("model.layers=8", "model.seq_len=32", "train.micro_batch=1", "train.grad_accum=null")
+GPT += ("optim.warmup_steps=0", "optim.name=sgd", "optim.grad_clip=0")
+BERT = (*GPT, "model.name=bert", "model.vocab=264")
+SCHEDULES = {
+    "gpipe": (),
+    "circular": ("train.pipeline_schedule=circular", "train.virtual_stages=2"),
+    "1f1b": ("train.pipeline_schedule=1f1b",),
+}
+
+
+def tokens_of(rows: int, seq: int = 32) -> np.ndarray:
+    return np.random.default_rng([11, rows]).integers(0, 256, (rows, seq + 1), np.int32)
+
+
+@functools.cache
+def reference(model: str, rows: int):
+    """Plain (loss, grads) of the whole batch of `rows` sequences on one device."""
+    from conftest import make_tiny_cfg
+
+    cfg = make_tiny_cfg(*(BERT if model == "bert" else GPT), mesh=(1, 1, 1))
+    graphdef, state = nnx.split(build_model(cfg.model, cfg.train.seed))
+    tokens = tokens_of(rows)
+    if model == "bert":
+        keys = mlm.row_keys(cfg.train.seed, 0, jnp.arange(rows))
+        fn = lambda p: nnx.merge(graphdef, p)(tokens, keys)  # noqa: E731
+    else:
+        fn = lambda p: nnx.merge(graphdef, p)(tokens)  # noqa: E731
+    return jax.jit(jax.value_and_grad(fn))(nnx.to_pure_dict(state))
+
+
+def logical(engine, grads):
+    """Grads in the model's layer order (circular engines store the layers round-robin)."""
+    order = engine.stages.layer_order
+    if order is None:
+        return grads
+    back = np.argsort(order)
+    return {**grads, "layers": jax.tree.map(lambda a: np.asarray(a)[back], grads["layers"])}
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def check_against_reference(tiny_cfg, mesh_for, model, mesh, micro, schedule):
+    r, s, _ = mesh
+    base = BERT if model == "bert" else GPT
+    rows = r * micro
+    cfg = tiny_cfg(*base, f"train.global_batch={rows}", *SCHEDULES[schedule], mesh=mesh)
+    assert cfg.train.grad_accum == micro
+    engine, state = build_engine(cfg, mesh_for(cfg), bubble_fill=float("nan"))
+    batch = jax.device_put((tokens_of(rows),), engine.batch_sharding)
+    loss, _, grads = jax.jit(engine.loss_and_grads)(state.params, batch)
+    want_loss, want = reference(model, rows)
+    assert abs(float(loss) - float(want_loss)) <= LOSS_RTOL * abs(float(want_loss))
+    got = jax.tree_util.tree_leaves_with_path(logical(engine, jax.device_get(grads)))
+    errs = {
+        jax.tree_util.keystr(k): rel_err(g, w)
+        for (k, g), w in zip(got, jax.tree.leaves(want), strict=True)
+    }
+    worst = max(errs, key=errs.get)
+    print(f"{model} {schedule} {mesh} M={micro}: worst grad {worst} {errs[worst]:.1e}")
+    assert errs[worst] <= GRAD_TOL, errs
+
+
+MESHES = [(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 4)]
+# GPipe's engine equivalence is tests/test_parallel.py's; the executors themselves are
+# checked for every S in {2, 4} and M in {S, 2S, 4S} in tests/parallel/test_schedules.py;
+# benchmarks/check_schedules.py runs the whole model x mesh x M x schedule matrix.
+CASES = [("gpt", m, 2 * m[1], k) for m in MESHES for k in ("circular", "1f1b")]
+CASES += [("gpt", (1, 2, 1), 2, "circular"), ("gpt", (1, 2, 1), 8, "1f1b")]
+CASES += [("bert", m, 2 * m[1], k) for m in [(2, 2, 2), (1, 2, 4)] for k in ("circular", "1f1b")]
+
+
+@pytest.mark.parametrize(
+    ("model", "mesh", "micro", "schedule"),
+    CASES,
+    ids=[f"{m}-{'x'.join(map(str, s))}-M{n}-{k}" for m, s, n, k in CASES],
+)
+def test_schedule_matches_the_single_device_reference(tiny_cfg, mesh_for, model, mesh, micro,
+                                                      schedule):  # fmt: skip
+    check_against_reference(tiny_cfg, mesh_for, model, mesh, micro, schedule)
+
+
+def test_a_train_step_updates_like_gpipe(tiny_cfg, mesh_for):
+    """One SGD step with each schedule on 2x2x2 gives GPipe's loss and updated params (in
+    the logical layer order)."""
+    batch = tokens_of(8)
+    out = {}
+    for name, extra in SCHEDULES.items():
+        cfg = tiny_cfg(*GPT, "train.global_batch=8", *extra, mesh=(2, 2, 2))
+        engine, state = build_engine(cfg, mesh_for(cfg))
+        state, metrics = engine.train_step(state, jax.device_put((batch,), engine.batch_sharding))
+        out[name] = (float(metrics["loss"]), logical(engine, jax.device_get(state.params)))
+    for name in ("circular", "1f1b"):
+        assert abs(out[name][0] - out["gpipe"][0]) <= LOSS_RTOL * out["gpipe"][0]
+        for a, b in zip(*(jax.tree.leaves(out[k][1]) for k in (name, "gpipe")), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=PARAM_ATOL)
+
+
+VISION = (
+    "model.name=efficientnet", "data.name=digits", "model.width_mult=0.25",
+    "model.depth_mult=0.2", "model.image_size=32", "model.num_classes=10", "model.remat=none",
+    "train.micro_batch=2", "optim.warmup_steps=0", "model.pipeline_splits=[4a]",
+)  # fmt: skip
+
+
+def test_1f1b_efficientnet_heterogeneous_stages(tiny_cfg, mesh_for, micro=2):
+    """1F1B on EfficientNet's two packed stages (2x2x1): GPipe's loss, correct count and
+    gradients of every stage row (GPipe's are proven against the plain network in
+    tests/test_vision.py)."""
+    from jaxpod.run.images import load_images
+
+    digits = load_images("digits", image_size=32, seed=0)
+    results = {}
+    for name in ("gpipe", "1f1b"):
+        cfg = tiny_cfg(*VISION, f"train.grad_accum={micro}", *SCHEDULES[name], mesh=(2, 2, 1))
+        engine, state = build_engine(cfg, mesh_for(cfg), bubble_fill=float("nan"))
+        g = cfg.global_batch
+        batch = jax.device_put(digits.train_batch(0, 0, g, g), engine.batch_sharding)
+        results[name] = jax.device_get(jax.jit(engine.loss_and_grads)(state.params, batch))
+    (l1, a1, g1), (l2, a2, g2) = results["gpipe"], results["1f1b"]
+    assert abs(float(l2) - float(l1)) <= LOSS_RTOL * abs(float(l1))
+    assert int(a1["correct"]) == int(a2["correct"])
+    for k in g1:
+        assert rel_err(g2[k], g1[k]) <= GRAD_TOL, (k, rel_err(g2[k], g1[k]))

@@ -1,0 +1,87 @@
+"""Helpers the test modules share: repository paths, tiny configs and their meshes, a free port.
+
+Importable as `helpers` from every test module (`pythonpath = ["tests"]` in pyproject.toml).
+jax-free at import: `tests/conftest.py` imports this before jax may start (it sets the virtual
+device count first), and the config and data tests stay jax-free.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
+TINY_YAML = CONFIGS / "tiny.yaml"
+
+
+def make_tiny_cfg(*overrides: str, mesh: tuple[int, int, int] | None = None, **kw):
+    """A resolved config from `configs/tiny.yaml` plus overrides.
+
+    `overrides` are CLI-style strings (`"optim.name=sgd"`); keyword overrides use `__` for the
+    dot (`optim__name="sgd"`, values are YAML-parsed like on the CLI); `mesh=(r, p, t)` sets
+    `mesh.*` and `devices = r * p * t`. Keyword/mesh overrides are applied after the strings.
+    """
+    from jaxpod.config import load_config
+
+    args = list(overrides)
+    if mesh is not None:
+        r, p, t = mesh
+        args += [f"devices={r * p * t}", f"mesh.replica={r}", f"mesh.pipeline={p}"]
+        args += [f"mesh.tensor={t}"]
+    for key, value in kw.items():
+        text = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        args.append(f"{key.replace('__', '.')}={text}")
+    return load_config(TINY_YAML, args)
+
+
+# The digits run's length (tests/run/test_digits_training.py): the packed engine's overflow
+# test compiles the same train step (the loss scale is state, not program), so the session's
+# compilation cache serves whichever of the two compiles second.
+DIGITS_STEPS = "train.steps=50"
+
+
+def digits_cfg(*overrides: str):
+    """`configs/efficientnet_digits.yaml`: FP16 weights and FP16 master weights with stochastic
+    rounding, dynamic loss scaling, LARS, G16, 2 stages x 4 replicas (one compile, shared)."""
+    from jaxpod.config import load_config
+
+    return load_config(CONFIGS / "efficientnet_digits.yaml", list(overrides))
+
+
+def model_params_and_specs(cfg):
+    """The transformer of `cfg` as `(params ShapeDtypeStructs, PartitionSpecs)`: no weights,
+    no mesh (the model's own logical layout)."""
+    from flax import nnx
+
+    from jaxpod.engine.stacked import build_model
+    from jaxpod.parallel.mesh import param_specs
+
+    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, cfg.train.seed)))
+    return nnx.to_pure_dict(state), param_specs(state)
+
+
+def mesh_for(cfg):
+    """The (replica, pipeline, tensor) `Mesh` of `cfg` on the first `cfg.devices` devices."""
+    import jax
+    import pytest
+
+    from jaxpod.parallel.mesh import make_mesh
+
+    n = cfg.mesh.replica * cfg.mesh.pipeline * cfg.mesh.tensor
+    devices = jax.devices()
+    if len(devices) < n:
+        pytest.fail(
+            f"need {n} devices, jax has {len(devices)}: was jax initialised before conftest set "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}?"
+        )
+    return make_mesh(cfg.mesh, devices[:n])
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

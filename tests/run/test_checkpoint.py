@@ -1,0 +1,33 @@
+"""Checkpoints in process (`jaxpod.run.checkpoint`): a state saved on one mesh is restored into
+another mesh's shardings (through the CLI: tests/cli/test_checkpoint_cli.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path):
+    """In process: saved from 2x2x2, restored on 1x2x4 with exactly the engine's shardings."""
+    import jax
+
+    from jaxpod.engine import build_engine
+    from jaxpod.run.checkpoint import Checkpointer
+
+    batch = ["train.global_batch=16", "train.grad_accum=null"]
+    old_cfg, new_cfg = tiny_cfg(*batch, mesh=(2, 2, 2)), tiny_cfg(*batch, mesh=(1, 2, 4))
+    _, saved = build_engine(old_cfg, mesh_for(old_cfg))
+    with Checkpointer(tmp_path, keep=1) as ckpt:
+        ckpt.save(1, saved, seed=0)
+    engine, fresh = build_engine(new_cfg, mesh_for(new_cfg))
+    ckpt = Checkpointer(tmp_path, keep=1)
+    assert ckpt.latest_step() == 1
+    restored = ckpt.restore(1, engine, fresh, seed=0)
+    ckpt.close()
+    for got, want, sharding in zip(
+        jax.tree.leaves(restored),
+        jax.tree.leaves(saved),
+        jax.tree.leaves(engine.state_sharding),
+        strict=True,
+    ):
+        assert got.sharding == sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
