@@ -3,7 +3,7 @@
     jaxpod train CONFIG [KEY=VALUE ...] [--coordinator HOST:PORT --num-processes N
                                          --process-id I | --distributed auto]
     jaxpod profile CONFIG [KEY=VALUE ...] [--steps N] [--warmup W] [same multi-host flags]
-    jaxpod plan CONFIG [KEY=VALUE ...] [--json]
+    jaxpod plan CONFIG [KEY=VALUE ...] [--json] [--chart FILE.png]
     jaxpod compile CONFIG [KEY=VALUE ...] [--json]
     jaxpod runs [DIR] [--json]
     jaxpod tensorboard [LOGDIR] [--host H] [--port P]
@@ -89,10 +89,20 @@ def _plan(args: argparse.Namespace) -> None:
     from jaxpod.config import load_config
     from jaxpod.planner.plan import format_plan, plan
 
-    cfg = load_config(*_split_config_and_overrides(args.items, "plan"))
+    config, overrides = _split_config_and_overrides(args.items, "plan")
+    cfg = load_config(config, overrides)
     _warn(cfg)
+    if args.chart and not args.chart.lower().endswith((".png", ".svg", ".pdf")):
+        raise UserError(f"--chart {args.chart}: name a .png, .svg or .pdf file")
     result = plan(cfg)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    if args.chart:
+        from pathlib import Path
+
+        from jaxpod.figures.memory import plan_chart
+
+        path = plan_chart(result, args.chart, name=" ".join([Path(config).stem, *overrides]))
+        print(f"jaxpod: chart written to {path}", file=sys.stderr)
 
 
 def _compile(args: argparse.Namespace) -> None:
@@ -192,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="where every byte of a mapping lives (instant, analytic)")
     plan.add_argument("items", nargs="+", metavar="CONFIG [KEY=VALUE ...]")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument(
+        "--chart", metavar="FILE.png", help="also draw the bytes per device against the limit"
+    )
     plan.set_defaults(run=_plan)
 
     comp = sub.add_parser(
