@@ -4,7 +4,9 @@ A parameter that is replicated over a mesh axis along which the *data* differs (
 always; `pipeline` for parameters outside the layer stack, e.g. embeddings) gets a partial
 gradient on each device. We mark such parameters as varying over those axes *once*, before
 the loss (`vary_params`), so autodiff does not reduce inside the micro-batch loop; then
-`reduce_grads` sums the partial gradients with one `psum` per parameter per optimizer step.
+`reduce_grads` sums the partial gradients once per optimizer step: one `psum` per parameter
+(the default), or fused into flat buckets of about `bucket_bytes` (fewer, larger collectives),
+each reduced with `psum` or the `ppermute` ring of `jaxpod.parallel.collectives`.
 
 The `tensor` axis is different: activations are identical across tensor shards, and the
 Megatron kernels' own collectives already produce complete gradients there.
@@ -22,10 +24,15 @@ appear in its spec), and the remaining data-parallel sum runs as before.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from jaxpod.parallel.collectives import ring_all_reduce
+from jaxpod.parallel.manual import varying_axes
 
 DATA_AXES = ("replica", "pipeline")
 
@@ -52,14 +59,59 @@ def vary_params(params, specs, data_axes: tuple[str, ...] = DATA_AXES):
     return jax.tree.map(varying, params, specs)
 
 
-def reduce_grads(grads, specs, data_axes: tuple[str, ...] = DATA_AXES):
-    """Sum each gradient over its reduction axes: the once-per-step data-parallel all-reduce."""
+ALLREDUCE = {"psum": jax.lax.psum, "ring": ring_all_reduce}  # = parallel.grad_allreduce
 
-    def reduced(g, s):
-        axes = reduction_axes(s, data_axes)
-        return jax.lax.psum(g, axes) if axes else g
 
-    return jax.tree.map(reduced, grads, specs)
+def reduce_grads(
+    grads,
+    specs,
+    data_axes: tuple[str, ...] = DATA_AXES,
+    *,
+    allreduce: str = "psum",
+    bucket_bytes: int = 0,
+):
+    """Sum each gradient over its reduction axes: the once-per-step data-parallel all-reduce.
+
+    `allreduce` names the collective (`ALLREDUCE`); `bucket_bytes=0` reduces each leaf on its
+    own, otherwise leaves that share reduction axes, dtype and varying axes are concatenated
+    (flattened, in tree order) into buckets of at most `bucket_bytes` (a bigger leaf is a
+    bucket alone), one collective each, and split back. Every gradient is ready only after
+    the whole backward pass here, so the order of the buckets does not matter."""
+    reduce = ALLREDUCE[allreduce]
+    flat, tree = jax.tree.flatten(grads)
+    axes = [reduction_axes(s, data_axes) for s in tree.flatten_up_to(specs)]
+    keys = [(a, g.dtype, varying_axes(g)) if a else None for a, g in zip(axes, flat, strict=True)]
+    sizes = [g.size * g.dtype.itemsize for g in flat]
+    out = list(flat)
+    for bucket in plan_buckets(sizes, keys, bucket_bytes):
+        parts = [flat[i] for i in bucket]
+        if len(parts) == 1:
+            out[bucket[0]] = reduce(parts[0], axes[bucket[0]])
+            continue
+        summed = reduce(jnp.concatenate([p.reshape(-1) for p in parts]), axes[bucket[0]])
+        ends = list(itertools.accumulate(p.size for p in parts))
+        for i, p, piece in zip(bucket, parts, jnp.split(summed, ends[:-1]), strict=True):
+            out[i] = piece.reshape(p.shape)
+    return tree.unflatten(out)
+
+
+def plan_buckets(sizes: list[int], keys: list, bucket_bytes: int) -> list[list[int]]:
+    """Leaf indices grouped into buckets, in order of their first leaf: leaves with equal
+    `keys` (None: not reduced, in no bucket) fill a bucket in order while its `sizes` sum
+    to at most `bucket_bytes`; 0 puts every leaf in a bucket of its own."""
+    buckets: list[list[int]] = []
+    open_bucket: dict = {}  # key -> (index into buckets, bytes so far)
+    for i, (size, key) in enumerate(zip(sizes, keys, strict=True)):
+        if key is None:
+            continue
+        if key in open_bucket and open_bucket[key][1] + size <= bucket_bytes:
+            b, used = open_bucket[key]
+            buckets[b].append(i)
+            open_bucket[key] = (b, used + size)
+            continue
+        buckets.append([i])
+        open_bucket[key] = (len(buckets) - 1, size)
+    return buckets
 
 
 NO_GATHER = -1  # the RTS dimension of a leaf that is not split over the RTS group
