@@ -17,6 +17,7 @@ import functools
 import typing
 from typing import Any
 
+from jaxpod.config.rules_parallel import check_parallel
 from jaxpod.config.schema import CHOICES, IMAGE_DATA, LIST_CHOICES, TEXT_DATA, Config
 from jaxpod.errors import ConfigError
 
@@ -433,6 +434,7 @@ def validate_and_resolve(cfg: Config) -> Config:
     check_data(cfg)
     check_precision(cfg)
     check_memory(cfg, replica)
+    check_parallel(cfg)
     grad_accum, global_batch = resolve_batch(cfg, replica)
     return dataclasses.replace(
         cfg,

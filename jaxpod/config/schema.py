@@ -33,6 +33,7 @@ Device = Literal["cpu", "ipu-gc200", "h100-80gb", "tpu-v5e"]
 Stream = Literal["layer", "matrix"]
 Offload = Literal["optimizer", "params", "activations"]
 PipelineSchedule = Literal["gpipe", "circular", "1f1b"]  # = jaxpod.parallel.schedules.KINDS
+GradAllreduce = Literal["psum", "ring"]  # = the keys of jaxpod.parallel.replica.ALLREDUCE
 
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 TEXT_DATA: tuple[str, ...] = typing.get_args(TextData)
@@ -166,6 +167,15 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """The data-parallel gradient all-reduce: `psum` or a `ppermute` ring, one per gradient
+    leaf (grad_bucket_bytes=0) or over leaves fused into flat buckets of at most that many."""
+
+    grad_allreduce: GradAllreduce = "psum"
+    grad_bucket_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole run configuration."""
 
@@ -177,6 +187,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     processes: int = 1  # set by the loader's caller (`ARGUMENTS`), never by YAML
 
     @property

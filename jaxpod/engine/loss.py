@@ -145,6 +145,10 @@ def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: 
             batches = jax.tree.map(lambda a: a.reshape(passes, -1, *a.shape[1:]), batches)
             out, grads = accumulate(per_pass, params, scale, batches, ex.denominator)
         loss, aux = summed(out)
-        return loss, aux, reduce_grads(grads, stages.stored_specs, stages.data_axes)
+        allreduce, bucket = cfg.parallel.grad_allreduce, cfg.parallel.grad_bucket_bytes
+        grads = reduce_grads(
+            grads, stages.stored_specs, stages.data_axes, allreduce=allreduce, bucket_bytes=bucket
+        )
+        return loss, aux, grads
 
     return eval_loss, loss_and_grads
