@@ -9,7 +9,11 @@ the schema's fields; an unknown or renamed key gets a one-line ``ConfigError`` w
 and dumps leave it out, so a dumped config.yaml loads back as it was written.
 
 A *resolved* config (what ``load_config``/``config_from_dict``/``with_overrides`` return) has
-``mesh.replica`` filled in (never -1) and ``train.grad_accum``/``train.global_batch`` set to ints.
+``mesh.replica`` filled in (never -1) and ``train.grad_accum``/``train.global_batch`` set to ints;
+``~`` in the path keys (`PATHS`) is expanded. YAML is read by a bounded loader (`safe_yaml`):
+no aliases (a few hundred bytes of nested aliases expand to gigabytes), at most `MAX_YAML`
+bytes. `allow_empty=False` (what `jaxpod train` asks) refuses an empty config file, which would
+otherwise silently train every default.
 """
 
 import dataclasses
@@ -49,10 +53,43 @@ RENAMED: dict[str, str] = {
     "memory.vocab_blocks": "memory.vocab_slices",
 }
 _NUMBER_AS_TEXT = ("memory.device_budget",)  # text fields that may be given as a plain number
+PATHS = ("train.logdir", "data.path")  # keys whose leading ~ is expanded
+MAX_YAML = 1 << 20  # bytes of a config file
 
 
 def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
+    text = " ".join(str(text).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _shown(value: object) -> str:
+    """`repr(value)`, cut to a readable length (a message never prints an unbounded value)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:45] + "..." + text[-12:]
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases (`*name`): nothing expands beyond the text."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.YAMLError(
+                f"alias *{str(event.anchor)[:40]} at line {event.start_mark.line + 1}: aliases "
+                "are not supported, write the value out"
+            )
+        return super().compose_node(parent, index)
+
+
+def safe_yaml(text: str) -> object:
+    """Parse YAML `text` with the bounded loader (`yaml.YAMLError` for an alias, a text over
+    `MAX_YAML` bytes, or nesting too deep to parse)."""
+    if len(text) > MAX_YAML:
+        raise yaml.YAMLError(f"{len(text):,} bytes is more than {MAX_YAML:,}")
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply") from None
 
 
 def _unknown(key: str) -> typing.NoReturn:
@@ -95,16 +132,16 @@ def _coerce(key: str, value: object, tp: Any) -> object:
         if isinstance(value, str | int) and not isinstance(value, bool):
             value = [value]  # a single item, e.g. memory.offload=optimizer
         if not isinstance(value, list | tuple):
-            fail(f"{key}={value!r} must be a list, e.g. {key}=[a,b]{nullable}")
+            fail(f"{key}={_shown(value)} must be a list, e.g. {key}=[a,b]{nullable}")
         return tuple(_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value))
     if tp is bool:
         if isinstance(value, bool):
             return value
-        fail(f"{key}={value!r} must be true or false{nullable}")
+        fail(f"{key}={_shown(value)} must be true or false{nullable}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        fail(f"{key}={value!r} must be an integer{nullable}")
+        fail(f"{key}={_shown(value)} must be an integer{nullable}")
     if tp is float:
         number: float | None = None
         if isinstance(value, int | float) and not isinstance(value, bool):
@@ -115,9 +152,9 @@ def _coerce(key: str, value: object, tp: Any) -> object:
             except ValueError:
                 number = None
         if number is None:
-            fail(f"{key}={value!r} must be a number (e.g. 3e-4){nullable}")
+            fail(f"{key}={_shown(value)} must be a number (e.g. 3e-4){nullable}")
         if not math.isfinite(number):
-            fail(f"{key}={value!r} must be a finite number")
+            fail(f"{key}={_shown(value)} must be a finite number")
         return number
     if _is_text(tp):
         if isinstance(value, str):
@@ -128,7 +165,7 @@ def _coerce(key: str, value: object, tp: Any) -> object:
             and not isinstance(value, bool)
         ):
             return str(value)
-        fail(f"{key}={value!r} must be a string{nullable}; quote it in YAML")
+        fail(f"{key}={_shown(value)} must be a string{nullable}; quote it in YAML")
     raise TypeError(f"unsupported config field type {tp!r} for {key}")  # pragma: no cover
 
 
@@ -144,7 +181,8 @@ def _normalize(raw: object) -> dict[str, Any]:
                 continue
             if not isinstance(value, Mapping):
                 fail(
-                    f"config section '{key}' must be a mapping (e.g. {key}: {{...}}), got {value!r}"
+                    f"config section '{key}' must be a mapping (e.g. {key}: {{...}}), "
+                    f"got {_shown(value)}"
                 )
             for sub, sub_value in value.items():
                 dotted = f"{key}.{sub}"
@@ -171,14 +209,14 @@ def _check_key(key: str, shown: str) -> None:
 def _parse_override(text: str) -> tuple[str, object]:
     """Parse 'dotted.key=VALUE'; VALUE is a YAML scalar."""
     if not isinstance(text, str) or "=" not in text or not text.partition("=")[0].strip():
-        fail(f"override {text!r} is not KEY=VALUE (e.g. mesh.tensor=2)")
+        fail(f"override {_shown(text)} is not KEY=VALUE (e.g. mesh.tensor=2)")
     key, _, raw = text.partition("=")
     key = key.strip()
-    _check_key(key, text)
+    _check_key(key, _shown(text)[1:-1])
     try:
-        value = yaml.safe_load(raw)
+        value = safe_yaml(raw)
     except yaml.YAMLError as exc:
-        fail(f"override '{text}' value does not parse as YAML: {_one_line(exc)}")
+        fail(f"override {_shown(text)} value does not parse as YAML: {_one_line(exc)}")
     tp = FIELD_TYPES[key]
     is_text_field = _is_text(tp) or any(_is_text(a) for a in typing.get_args(tp))
     if is_text_field and value is not None and not isinstance(value, str | list | dict):
@@ -196,6 +234,10 @@ def _set(d: dict[str, Any], key: str, value: object) -> None:
 
 def _typed(d: dict[str, Any], processes: int) -> Config:
     """Coerce a normalized dict into the dataclasses (types checked, rules not yet)."""
+    for key in PATHS:
+        section, sub = key.split(".")
+        if isinstance(d[section].get(sub), str) and d[section][sub].startswith("~"):
+            d[section][sub] = os.path.expanduser(d[section][sub])
     sections = {
         name: cls(
             **{k: _coerce(f"{name}.{k}", v, FIELD_TYPES[f"{name}.{k}"]) for k, v in d[name].items()}
@@ -211,21 +253,31 @@ def _build(d: dict[str, Any], processes: int) -> Config:
     return validate_and_resolve(_typed(d, processes))
 
 
-def _read_yaml(path: str | os.PathLike) -> object:
+def read_yaml_mapping(path: str | os.PathLike, *, allow_empty: bool = True) -> dict:
+    """The mapping at the top of a YAML config file, read with the bounded loader ({} for an
+    empty file, if `allow_empty`); one-line `ConfigError` if it is missing, unreadable, too
+    large, not YAML, uses aliases, is empty (unless allowed) or not a mapping."""
     shown = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            text = f.read(MAX_YAML + 1)
     except FileNotFoundError:
         fail(f"config file '{shown}' does not exist; pass a path like configs/tiny.yaml")
+    except IsADirectoryError:
+        fail(f"config file '{shown}' is a directory; pass a YAML file like configs/tiny.yaml")
     except (OSError, UnicodeDecodeError) as exc:
         fail(f"config file '{shown}' cannot be read ({type(exc).__name__}); pass a YAML file")
     try:
-        raw = yaml.safe_load(text)
+        raw = safe_yaml(text)
     except yaml.YAMLError as exc:
         fail(f"config file '{shown}' does not parse: {_one_line(exc)}")
-    if raw is None:
+    if raw is None and allow_empty:
         return {}
+    if raw is None:
+        fail(
+            f"config file '{shown}' is empty (or only comments), which would train every "
+            "default; start from a preset such as configs/tiny.yaml"
+        )
     if not isinstance(raw, Mapping):
         fail(
             f"config file '{shown}' top level must be a mapping of sections, "
@@ -234,21 +286,28 @@ def _read_yaml(path: str | os.PathLike) -> object:
     return raw
 
 
-def _read(path: str | os.PathLike | None, overrides: Sequence[str] | str) -> dict[str, Any]:
+def _read(
+    path: str | os.PathLike | None, overrides: Sequence[str] | str, allow_empty: bool = True
+) -> dict[str, Any]:
     """The normalized dict of a YAML preset (None = defaults) with the overrides applied."""
-    d = _normalize({} if path is None else _read_yaml(path))
+    d = _normalize({} if path is None else read_yaml_mapping(path, allow_empty=allow_empty))
     for text in [overrides] if isinstance(overrides, str) else overrides:
         _set(d, *_parse_override(text))
     return d
 
 
 def load_config(
-    path: str | os.PathLike | None, overrides: Sequence[str] = (), *, processes: int = 1
+    path: str | os.PathLike | None,
+    overrides: Sequence[str] = (),
+    *,
+    processes: int = 1,
+    allow_empty: bool = True,
 ) -> Config:
     """Read a YAML preset (None = defaults), apply KEY=VALUE overrides, validate and resolve.
 
-    `processes`: how many processes share the mesh, each with `devices` devices."""
-    return _build(_read(path, overrides), processes)
+    `processes`: how many processes share the mesh, each with `devices` devices;
+    `allow_empty=False` refuses an empty file."""
+    return _build(_read(path, overrides, allow_empty), processes)
 
 
 def peek(path: str | os.PathLike | None, overrides: Sequence[str], key: str) -> Any:

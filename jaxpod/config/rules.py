@@ -81,6 +81,10 @@ def _check_fields(cfg: Config, section: str) -> None:
             fail(f"{key}={get(cfg, key)} must be in [0, 1)")
 
 
+# after fail, get and _check_fields, which the memory rules use (a cycle, resolved by order)
+from jaxpod.config.rules_memory import check_memory, parse_bytes  # noqa: E402, F401, I001
+
+
 def _devices(cfg: Config) -> str:
     """'devices=8', or with several processes 'devices=4 per process x 2 processes = 8 devices'."""
     if cfg.processes == 1:
@@ -248,92 +252,6 @@ def check_precision(cfg: Config) -> None:
         fail(f"precision.loss_scale_init={cfg.precision.loss_scale_init} must be > 0")
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(text: str | None, key: str = "memory.device_budget") -> int | None:
-    """'900MB' -> 900_000_000, '16GiB' -> 17179869184, '1234' -> 1234; None stays None."""
-    if text is None:
-        return None
-    raw = text.strip().upper()
-    digits = raw.rstrip("KMGTIB ")
-    unit = raw[len(digits) :].strip()
-    try:
-        value = float(digits) * _UNITS[unit]
-    except (ValueError, KeyError):
-        fail(f"{key}={text!r} is not a size; use e.g. 900MB, 16GiB or a byte count")
-    if value <= 0:
-        fail(f"{key}={text!r} must be > 0")
-    return int(value)
-
-
-def check_memory(cfg: Config, replica: int) -> None:
-    """Where bytes live, against the model's stages and the resolved `replica` count."""
-    _check_fields(cfg, "memory")
-    parse_bytes(cfg.memory.device_budget)
-    mem, md = cfg.memory, cfg.model
-    if cfg.kind.stages == "packed" and (
-        mem.phases != 1
-        or mem.rts != 1
-        or mem.offload
-        or mem.stream != "layer"
-        or mem.mlp_panels > 1
-        or mem.vocab_slices > 1
-    ):
-        fail(
-            "memory.phases/rts/offload/stream/mlp_panels/vocab_slices are for transformer "
-            f"models; leave them at 1/1/[]/layer/1/1 for model.name={md.name}"
-        )
-    for key in ("memory.rts", "memory.rts_optimizer"):
-        value = get(cfg, key)
-        if value is not None and replica % value:
-            fail(
-                f"{key}={value} does not divide mesh.replica={replica}; use a divisor of {replica}"
-            )
-    rts, rts_opt = mem.rts, mem.rts if mem.rts_optimizer is None else mem.rts_optimizer
-    if max(rts, rts_opt) % min(rts, rts_opt):
-        fail(
-            f"memory.rts={rts} and memory.rts_optimizer={rts_opt} must divide one another "
-            "(weights and optimizer state are split over nested groups of replicas)"
-        )
-    if mem.phases > md.layers:
-        fail(f"memory.phases={mem.phases} is more than model.layers={md.layers}; use fewer")
-    if mem.mlp_panels > 1 and mem.stream != "matrix":
-        fail(
-            f"memory.mlp_panels={mem.mlp_panels} streams the MLP's matrices in blocks, which "
-            "only memory.stream=matrix does; set memory.stream=matrix or memory.mlp_panels=1"
-        )
-    local_ff = md.d_ff // cfg.mesh.tensor
-    if local_ff % mem.mlp_panels:
-        fail(
-            f"memory.mlp_panels={mem.mlp_panels} does not divide the {local_ff} hidden units "
-            "per tensor shard (model.d_ff/mesh.tensor); use a divisor of it"
-        )
-    if mem.vocab_slices > 1 and md.name != "gpt":
-        fail(
-            f"memory.vocab_slices={mem.vocab_slices} blocks GPT's token table; model.name="
-            f"{md.name} uses its table whole: set memory.vocab_slices=1"
-        )
-    local_vocab = md.vocab // cfg.mesh.tensor
-    if local_vocab % mem.vocab_slices:
-        fail(
-            f"memory.vocab_slices={mem.vocab_slices} does not divide the {local_vocab} table rows "
-            "per tensor shard (model.vocab/mesh.tensor); use a divisor of it"
-        )
-    if mem.stream == "matrix" and md.remat == "none":
-        fail(
-            "memory.stream=matrix makes each weight matrix a remat unit, gathered again in the "
-            "backward pass; it needs a remat policy: set model.remat=full (or minimal, ...)"
-        )
-    per_stage = md.layers // cfg.mesh.pipeline
-    if per_stage % mem.phases:
-        fail(
-            f"memory.phases={mem.phases} does not divide the {per_stage} layers of each pipeline "
-            f"stage (model.layers/mesh.pipeline); use a divisor of {per_stage}"
-        )
-
-
 def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
     """(grad_accum, global_batch), each derived from the other (default grad_accum=1); a
     GPipe pass's micro-batches divide grad_accum, and its output tokens split over the
@@ -421,6 +339,19 @@ def check_schedule(cfg: Config, group: int) -> None:
             f"memory.phases={cfg.memory.phases} does not divide the {chunk} layers of a chunk "
             f"(model.layers/(mesh.pipeline*train.virtual_stages)); use a divisor of {chunk}"
         )
+
+
+def warnings(cfg: Config) -> list[str]:
+    """Legal but surprising run settings, one line each (the CLI prints them)."""
+    out = []
+    o, t = cfg.optim, cfg.train
+    if o.warmup_steps > t.steps:
+        out.append(
+            f"optim.warmup_steps={o.warmup_steps} is more than train.steps={t.steps}: the "
+            f"learning rate never reaches optim.lr={o.lr:g} (it stops at "
+            f"{o.lr * t.steps / o.warmup_steps:.3g}); use optim.warmup_steps<={t.steps}"
+        )
+    return out
 
 
 def validate_and_resolve(cfg: Config) -> Config:

@@ -156,13 +156,14 @@ def load_run_config(config: str, overrides: list[str], spec: DistributedSpec) ->
     `devices` counts each process's virtual CPU devices; the config is loaded with the
     process count (`processes`), so the mesh is validated against `devices × processes`. With
     explicit flags everything is validated before jax starts; with `--distributed auto` the
-    process count is only known after joining (before it, only `devices` is read).
+    process count is only known after joining (before it, only `devices` is read). An empty
+    config file is refused: a run of every default is never what was meant.
     """
     from jaxpod.platform import use_virtual_cpu_devices
     from jaxpod.run.profiling import check_profile_steps
 
     def load(processes: int) -> Config:
-        cfg = load_config(config, overrides, processes=processes)
+        cfg = load_config(config, overrides, processes=processes, allow_empty=False)
         check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
         return cfg
 

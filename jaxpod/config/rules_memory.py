@@ -1,0 +1,93 @@
+"""Validation of the `memory` section: where bytes live (device profile, budget, RTS, offload,
+phases, streamed matrices, the token table's slices), checked against the model's stages and
+the resolved replica count. Split from `jaxpod.config.rules`, which calls `check_memory`;
+`parse_bytes` reads sizes such as `900MB` or `16GiB`. jax-free, like every config module.
+"""
+
+from jaxpod.config.rules import _check_fields, fail, get
+from jaxpod.config.schema import Config
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str | None, key: str = "memory.device_budget") -> int | None:
+    """'900MB' -> 900_000_000, '16GiB' -> 17179869184, '1234' -> 1234; None stays None."""
+    if text is None:
+        return None
+    raw = text.strip().upper()
+    digits = raw.rstrip("KMGTIB ")
+    unit = raw[len(digits) :].strip()
+    try:
+        value = float(digits) * _UNITS[unit]
+    except (ValueError, KeyError):
+        fail(f"{key}={text!r} is not a size; use e.g. 900MB, 16GiB or a byte count")
+    if value <= 0:
+        fail(f"{key}={text!r} must be > 0")
+    return int(value)
+
+
+def check_memory(cfg: Config, replica: int) -> None:
+    """Where bytes live, against the model's stages and the resolved `replica` count."""
+    _check_fields(cfg, "memory")
+    parse_bytes(cfg.memory.device_budget)
+    mem, md = cfg.memory, cfg.model
+    if cfg.kind.stages == "packed" and (
+        mem.phases != 1
+        or mem.rts != 1
+        or mem.offload
+        or mem.stream != "layer"
+        or mem.mlp_panels > 1
+        or mem.vocab_slices > 1
+    ):
+        fail(
+            "memory.phases/rts/offload/stream/mlp_panels/vocab_slices are for transformer "
+            f"models; leave them at 1/1/[]/layer/1/1 for model.name={md.name}"
+        )
+    for key in ("memory.rts", "memory.rts_optimizer"):
+        value = get(cfg, key)
+        if value is not None and replica % value:
+            fail(
+                f"{key}={value} does not divide mesh.replica={replica}; use a divisor of {replica}"
+            )
+    rts, rts_opt = mem.rts, mem.rts if mem.rts_optimizer is None else mem.rts_optimizer
+    if max(rts, rts_opt) % min(rts, rts_opt):
+        fail(
+            f"memory.rts={rts} and memory.rts_optimizer={rts_opt} must divide one another "
+            "(weights and optimizer state are split over nested groups of replicas)"
+        )
+    if mem.phases > md.layers:
+        fail(f"memory.phases={mem.phases} is more than model.layers={md.layers}; use fewer")
+    if mem.mlp_panels > 1 and mem.stream != "matrix":
+        fail(
+            f"memory.mlp_panels={mem.mlp_panels} streams the MLP's matrices in blocks, which "
+            "only memory.stream=matrix does; set memory.stream=matrix or memory.mlp_panels=1"
+        )
+    local_ff = md.d_ff // cfg.mesh.tensor
+    if local_ff % mem.mlp_panels:
+        fail(
+            f"memory.mlp_panels={mem.mlp_panels} does not divide the {local_ff} hidden units "
+            "per tensor shard (model.d_ff/mesh.tensor); use a divisor of it"
+        )
+    if mem.vocab_slices > 1 and md.name != "gpt":
+        fail(
+            f"memory.vocab_slices={mem.vocab_slices} blocks GPT's token table; model.name="
+            f"{md.name} uses its table whole: set memory.vocab_slices=1"
+        )
+    local_vocab = md.vocab // cfg.mesh.tensor
+    if local_vocab % mem.vocab_slices:
+        fail(
+            f"memory.vocab_slices={mem.vocab_slices} does not divide the {local_vocab} table rows "
+            "per tensor shard (model.vocab/mesh.tensor); use a divisor of it"
+        )
+    if mem.stream == "matrix" and md.remat == "none":
+        fail(
+            "memory.stream=matrix makes each weight matrix a remat unit, gathered again in the "
+            "backward pass; it needs a remat policy: set model.remat=full (or minimal, ...)"
+        )
+    per_stage = md.layers // cfg.mesh.pipeline
+    if per_stage % mem.phases:
+        fail(
+            f"memory.phases={mem.phases} does not divide the {per_stage} layers of each pipeline "
+            f"stage (model.layers/mesh.pipeline); use a divisor of {per_stage}"
+        )
