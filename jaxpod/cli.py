@@ -1,15 +1,17 @@
 """`jaxpod` command line: parse, set up the process, call the library. Nothing else.
 
-    jaxpod train CONFIG [KEY=VALUE ...] [--coordinator HOST:PORT --num-processes N
-                                         --process-id I | --distributed auto]
+    jaxpod train CONFIG [KEY=VALUE ...] [--allow-changes KEY,...] [--coordinator HOST:PORT
+                                         --num-processes N --process-id I | --distributed auto]
     jaxpod profile CONFIG [KEY=VALUE ...] [--steps N] [--warmup W] [same multi-host flags]
     jaxpod plan CONFIG [KEY=VALUE ...] [--json] [--chart FILE.png]
     jaxpod compile CONFIG [KEY=VALUE ...] [--json]
     jaxpod runs [DIR] [--json]
     jaxpod tensorboard [LOGDIR] [--host H] [--port P]
 
-User mistakes (config, data, mesh, flags) print one line `jaxpod: error: ...` and exit 2, with
-no traceback; the config is validated before jax even starts.
+User mistakes (config, data, mesh, flags) and failed runs print one line `jaxpod: error: ...`
+and exit 2, with no traceback; the config, the run directory (`jaxpod.run.logdir`: checked and
+locked) and the host's RAM are checked before jax even starts. Ctrl-C exits 130 (SIGTERM 143).
+Options and KEY=VALUE overrides may come in any order.
 """
 
 from __future__ import annotations
@@ -45,19 +47,37 @@ def _spec(args: argparse.Namespace):
 
 
 def _warn(cfg) -> None:
-    for warning in cfg.warnings():
+    from jaxpod.config.rules import warnings
+
+    for warning in [*cfg.warnings(), *warnings(cfg)]:
         print(f"jaxpod: warning: {warning}", file=sys.stderr)
+
+
+def _claim(cfg, spec) -> None:
+    """Before jax starts (one process, or process 0 with explicit flags): the host's RAM,
+    then the run directory, checked and locked until the process ends."""
+    if spec.enabled and spec.process_id != 0:
+        return
+    from jaxpod.run.hostmem import check_host_ram
+    from jaxpod.run.logdir import hold
+
+    if not spec.enabled:
+        check_host_ram(cfg)
+    hold(cfg.train.logdir)
 
 
 def _train(args: argparse.Namespace) -> None:
     from jaxpod.run.distributed import load_run_config
 
     config, overrides = _split_config_and_overrides(args.items, "train")
-    cfg = load_run_config(config, overrides, _spec(args))  # joins the runtime, before jax
+    spec = _spec(args)
+    cfg = load_run_config(config, overrides, spec)  # joins the runtime, before jax
     _warn(cfg)
+    _claim(cfg, spec)
     from jaxpod.run.loop import run_training
 
-    run_training(cfg)
+    allow = [k.strip() for k in (args.allow_changes or "").split(",") if k.strip()]
+    run_training(cfg, allow_changes=allow)
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -69,6 +89,7 @@ def _profile(args: argparse.Namespace) -> None:
     check_spec(spec)
     overrides = profile_overrides(config, overrides, args.steps, args.warmup)
     cfg = load_run_config(config, overrides, spec)
+    _claim(cfg, spec)
     from jaxpod.run.loop import run_training
     from jaxpod.run.profiling import how_to_open
 
@@ -92,6 +113,7 @@ def _plan(args: argparse.Namespace) -> None:
     config, overrides = _split_config_and_overrides(args.items, "plan")
     cfg = load_config(config, overrides)
     _warn(cfg)
+    _warn_host_ram(cfg)
     if args.chart and not args.chart.lower().endswith((".png", ".svg", ".pdf")):
         raise UserError(f"--chart {args.chart}: name a .png, .svg or .pdf file")
     result = plan(cfg)
@@ -103,6 +125,14 @@ def _plan(args: argparse.Namespace) -> None:
 
         path = plan_chart(result, args.chart, name=" ".join([Path(config).stem, *overrides]))
         print(f"jaxpod: chart written to {path}", file=sys.stderr)
+
+
+def _warn_host_ram(cfg) -> None:
+    from jaxpod.run.hostmem import host_ram_problem
+
+    problem = host_ram_problem(cfg)
+    if problem is not None:
+        print(f"jaxpod: warning: `jaxpod train` would refuse this: {problem}", file=sys.stderr)
 
 
 def _compile(args: argparse.Namespace) -> None:
@@ -147,8 +177,18 @@ def _tensorboard(args: argparse.Namespace) -> None:
             "anyone who can reach this port can read your runs",
             file=sys.stderr,
         )
-    Path(args.logdir).mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", args.logdir]
+    if not Path(args.logdir).expanduser().is_dir():
+        raise UserError(
+            f"LOGDIR {args.logdir} is not a directory (no runs there yet?); pass the directory "
+            "your runs are in, e.g. jaxpod tensorboard runs"
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "tensorboard.main",
+        "--logdir",
+        str(Path(args.logdir).expanduser()),
+    ]
     cmd += ["--host", args.host, "--port", str(args.port)]
     print(f"TensorBoard on http://{args.host}:{args.port}/ (Ctrl-C to stop)", flush=True)
     sys.stderr.flush()
@@ -189,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a config on the (replica, pipeline, tensor) mesh")
     _add_run_arguments(train)
+    train.add_argument(
+        "--allow-changes",
+        metavar="KEY,...",
+        help="resume although these config keys (or sections, or 'all') changed since the "
+        "checkpoint; the old config is kept as config.until-<step>.yaml",
+    )
     train.set_defaults(run=_train)
 
     profile = sub.add_parser(
@@ -227,17 +273,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse with options and KEY=VALUE overrides in any order (`--warmup 5 mesh.tensor=1`):
+    the words argparse leaves over after the options join the positional items."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    flags = [e for e in extra if e.startswith("-")]
+    if flags or (extra and not hasattr(args, "items")):
+        parser.error(f"unrecognized arguments: {' '.join(flags or extra)}")
+    if extra:
+        args.items = [*args.items, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     errors.exit_on_user_error()
     try:
         args.run(args)
+        return
     except UserError as err:
-        print(f"jaxpod: error: {err}", file=errors.user_stderr())
-        raise SystemExit(2) from None
-    except KeyboardInterrupt:
-        print("jaxpod: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        code, line = 2, f"jaxpod: error: {errors.one_line(err)}"
+    except KeyboardInterrupt as stop:
+        import signal
+
+        code = 128 + getattr(stop, "signum", signal.SIGINT)
+        line = f"jaxpod: {getattr(stop, 'message', 'interrupted')}"
+    if "jaxpod.run.logdir" in sys.modules:  # a run directory claimed but not released
+        sys.modules["jaxpod.run.logdir"].release_all()
+    print(line, file=errors.user_stderr())
+    errors.exit_now(code)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """User-facing errors: one line naming the field and the fix.
 
-The CLI prints them without a traceback and exits 2.
+The CLI prints them without a traceback (`one_line`: never an unbounded value) and exits 2;
+`exit_now` leaves promptly even when library threads (orbax's writers) would keep the
+interpreter alive.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import TextIO
+import threading
+import time
+from typing import NoReturn, TextIO
 
 
 class UserError(Exception):
@@ -20,6 +24,34 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A dataset that cannot be read (missing path, no text, too small for the batch)."""
+
+
+def one_line(text: object, limit: int = 600) -> str:
+    """`text` on one line; words over 80 characters (pasted values) and the whole line cut."""
+    words = [w if len(w) <= 80 else f"{w[:60]}...{w[-12:]}" for w in str(text).split()]
+    line = " ".join(words)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def exit_now(code: int, wait: float = 5.0) -> NoReturn:
+    """Exit with `code`: normally, unless non-daemon threads (a library's background writers)
+    are still alive after `wait` seconds; then without waiting for them (`os._exit`, after
+    flushing stdout and stderr), so a failed run never holds its machine."""
+    deadline = time.monotonic() + wait
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    alive = [
+        t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon
+    ]
+    if not alive:
+        raise SystemExit(code)
+    for stream in (sys.stdout, sys.stderr, user_stderr()):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 # The CLI exits right after a user error. Some failures (a checkpoint whose arrays cannot be

@@ -1,30 +1,42 @@
 """Checkpoints of the train state under `<train.logdir>/checkpoints/<step>/` (orbax).
 
 A checkpoint holds the `TrainState` (step, params, optimizer state; every array saved shard by
-shard from the devices that own it) and a small JSON record (step, seed). The data position
-needs no saving: the batch of step k is a pure function of (seed, k).
+shard from the devices that own it) and a small JSON record: step, seed, the config that trained
+it, the run record's lines of that step, and a checksum of every array (two uint32 sums of its
+bits, computed on the devices, exact under any sharding), verified after every restore, so bytes
+changed on disk are refused naming the array. The data position needs no saving: the batch of
+step k is a pure function of (seed, k).
 
 Saving is asynchronous: `save` returns once the arrays are copied off the devices, and orbax
 writes them in the background into a temporary directory that is renamed into place when
 complete, so a run killed mid-save leaves the earlier checkpoints intact and the incomplete one
 is never listed. Restoring reads straight into the target shardings of the current mesh (which
 may differ from the saving mesh): no array is ever gathered onto one device. Only orbax's
-standard formats (tensorstore arrays + JSON) are read; nothing is unpickled.
+standard formats (tensorstore arrays + JSON) are read; nothing is unpickled. A save that fails
+(disk full, permissions) is a one-line `UserError`; waits for background writes are bounded
+when the run is already failing.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
+import sys
+import threading
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxpod.engine import Engine, TrainState
 from jaxpod.errors import Muted, UserError
 
 CHECKPOINTS = "checkpoints"
+ABANDON_SECONDS = 20.0  # how long a failing run waits for background writes before leaving
+_GOLDEN = np.uint32(2654435761)  # Knuth's multiplicative hash: position weights of a checksum
 
 
 def _part(key) -> str:
@@ -75,12 +87,47 @@ def _shape(leaf) -> str:
     return f"{list(leaf.shape)} {jax.numpy.dtype(leaf.dtype).name}"
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """The bits of `x` as uint32 values, elementwise (same shape, same sharding)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    size = jnp.dtype(x.dtype).itemsize
+    if x.dtype == jnp.bool_ or size not in (1, 2, 4):
+        return x.astype(jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _leaf_sums(x: jax.Array) -> jax.Array:
+    """uint32[2]: the sum of `x`'s bits and their position-weighted sum (mod 2^32). Integer
+    sums are exact in any order, so the result does not depend on the sharding."""
+    bits = _bits(x)
+    position = jnp.zeros(x.shape, jnp.uint32)
+    stride = 1
+    for dim in reversed(range(x.ndim)):
+        position += jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim) * np.uint32(stride)
+        stride = (stride * x.shape[dim]) % 2**32
+    weights = position * _GOLDEN + np.uint32(1)
+    return jnp.stack([bits.sum(dtype=jnp.uint32), (bits * weights).sum(dtype=jnp.uint32)])
+
+
+_sums = jax.jit(lambda leaves: [_leaf_sums(x) for x in leaves])
+
+
+def checksums(state: TrainState) -> dict[str, list[int]]:
+    """`{"params.blocks.mlp.w_in": [sum, weighted sum], ...}` of every array of `state`."""
+    sums = _sums(jax.tree.leaves(state))
+    host = [np.asarray(s.addressable_data(0)).tolist() for s in sums]  # replicated scalars
+    return {".".join(p): v for p, v in zip(_paths(state), host, strict=True)}
+
+
 class Checkpointer:
     """Save and restore `TrainState`s in `<logdir>/checkpoints/` (keeps the newest `keep`)."""
 
     def __init__(self, logdir: str | Path, keep: int):
         self.directory = Path(logdir).absolute() / CHECKPOINTS
         self.shown = Path(logdir) / CHECKPOINTS  # as the user spelled it, for messages
+        self.saved_step: int | None = None  # the newest step this checkpointer saved
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=False, enable_async_checkpointing=True
         )
@@ -97,20 +144,55 @@ class Checkpointer:
         """The newest complete checkpoint's step (incomplete, temporary ones are ignored)."""
         return self._manager.latest_step() if self.directory.is_dir() else None
 
-    def save(self, step: int, state: TrainState, seed: int) -> None:
+    def save(
+        self,
+        step: int,
+        state: TrainState,
+        seed: int,
+        *,
+        config: dict | None = None,
+        records: list[dict] = (),
+    ) -> None:
         """Start saving `state` as checkpoint `step`; returns once the arrays are off-device.
 
-        The state may be donated to the next train step as soon as this returns.
+        The state may be donated to the next train step as soon as this returns. `config` (the
+        run's config as a dict) and `records` (the run record's lines of this step, e.g. its
+        metrics) are kept with it: a resume restores them even if the record lost them.
+        A save that fails is a one-line `UserError` naming the directory.
         """
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_to_nested(state)),
-                meta=ocp.args.JsonSave({"step": step, "seed": seed}),
-            ),
-            force=True,
+        meta = {"step": step, "seed": seed, "checksums": checksums(state)}
+        meta |= {"config": config, "records": list(records)}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with Muted() as mute:  # a failed write leaves orbax's threads printing tracebacks
+                try:
+                    self._manager.save(
+                        step,
+                        args=ocp.args.Composite(
+                            state=ocp.args.StandardSave(_to_nested(state)),
+                            meta=ocp.args.JsonSave(meta),
+                        ),
+                        force=True,
+                    )
+                except Exception:
+                    mute.keep()
+                    raise
+        except Exception as exc:
+            raise self._save_error(exc) from None
+        self.saved_step = step
+
+    def _save_error(self, exc: BaseException) -> UserError:
+        return UserError(
+            f"checkpoint could not be saved under {self.shown} ({_why(exc)}); check that the "
+            "directory is writable and has free space, then run again to resume from the "
+            "last saved checkpoint"
         )
+
+    def meta(self, step: int) -> dict:
+        """The JSON record of checkpoint `step` (step, seed, and if written: config, records,
+        checksums)."""
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        return dict(self._manager.restore(step, args=args)["meta"])
 
     def restore(self, step: int, engine: Engine, like: TrainState, seed: int) -> TrainState:
         """Checkpoint `step`, read directly into `engine.state_sharding` (the current mesh).
@@ -122,9 +204,12 @@ class Checkpointer:
         where = self.shown / str(step)
         fix = "delete that directory to resume from the previous checkpoint, or use a fresh"
         fix += " train.logdir"
+        for part in ("state/_METADATA", "meta/metadata"):
+            if not (self.directory / str(step) / part).is_file():
+                raise UserError(f"checkpoint {where} cannot be read ({part} is missing); {fix}")
         try:
-            args = ocp.args.Composite(meta=ocp.args.JsonRestore())
-            saved_seed = dict(self._manager.restore(step, args=args)["meta"]).get("seed")
+            meta = self.meta(step)
+            saved_seed = meta.get("seed")
             saved = _flat(self._manager.item_metadata(step)["state"])
         except Exception as exc:  # orbax/tensorstore raise many types for a damaged directory
             raise UserError(f"checkpoint {where} cannot be read ({_why(exc)}); {fix}") from None
@@ -150,18 +235,66 @@ class Checkpointer:
                 _settle(seconds=3.0)
         if why is not None:
             raise UserError(f"checkpoint {where} cannot be read ({why}); {fix}")
-        return _from_nested(restored["state"], like)
+        state = _from_nested(restored["state"], like)
+        _check_sums(where, meta.get("checksums"), checksums(state), fix)
+        return state
 
     def close(self) -> None:
-        """Wait for in-flight saves to be committed, then release the manager."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Wait for in-flight saves to be committed, then release the manager; a background
+        write that failed is a one-line `UserError`."""
+        try:
+            with Muted() as mute:
+                try:
+                    self._manager.close()
+                except Exception:
+                    mute.keep()
+                    raise
+        except Exception as exc:
+            raise self._save_error(exc) from None
+
+    def abandon(self, seconds: float = ABANDON_SECONDS) -> None:
+        """Close, waiting at most `seconds` for in-flight writes (the run is failing anyway:
+        a write that never ends must not hold the process). Errors are dropped."""
+
+        def close() -> None:
+            try:
+                self._manager.close()
+            except Exception:  # noqa: S110 - the run's own error is what gets reported
+                pass
+
+        thread = threading.Thread(target=close, daemon=True)
+        thread.start()
+        thread.join(seconds)
 
     def __enter__(self) -> Checkpointer:
+        """Inside, errors of orbax's abandoned writes (after one failed) are not printed."""
+        self._hooks = sys.excepthook, sys.unraisablehook
+        sys.excepthook = lambda *e: None if _abandoned(e[1]) else self._hooks[0](*e)
+        sys.unraisablehook = lambda u: None if _abandoned(u.exc_value) else self._hooks[1](u)
+        logging.getLogger("absl").addFilter(_reraised)
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        try:
+            if kind is None:
+                self.close()
+            else:  # a second Ctrl-C wants out now: an uncommitted save is discarded atomically
+                self.abandon(2.0 if issubclass(kind, KeyboardInterrupt) else ABANDON_SECONDS)
+        finally:
+            sys.excepthook, sys.unraisablehook = self._hooks
+            logging.getLogger("absl").removeFilter(_reraised)
+
+
+def _reraised(record: logging.LogRecord) -> bool:
+    """False (drop) for orbax's logs of a failed background write (with its traceback): the
+    same error is raised by the next save or the close, and reported there in one line."""
+    return not (record.exc_info and "orbax" in record.pathname)
+
+
+def _abandoned(exc: BaseException | None) -> bool:
+    """The error a write raises when orbax has given up on it after another write failed
+    (its callback finds the event loop closed): noise next to the error that matters."""
+    return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
 
 
 def _settle(seconds: float) -> None:
@@ -180,7 +313,22 @@ def _settle(seconds: float) -> None:
 
 def _why(exc: BaseException) -> str:
     text = " ".join(str(exc).split()).split(" See full")[0]
-    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+    if len(text) > 200:  # the cause is usually at the end ("... File too large")
+        text = f"{text[:100]} ... {text[-95:]}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _check_sums(where: Path, saved: dict | None, here: dict, fix: str) -> None:
+    """One-line `UserError` naming the first array whose checksum differs from the saved one
+    (`saved` is None for a checkpoint written before checksums were kept)."""
+    if saved is None:
+        return
+    for path in sorted(here):
+        if saved.get(path) != here[path]:
+            raise UserError(
+                f"checkpoint {where} is damaged: {path} does not match the checksum saved with "
+                f"it (its bytes under {where}/state changed after saving); {fix}"
+            )
 
 
 def _check_matches(where: Path, saved: dict[str, object], here: dict[str, object]) -> None:

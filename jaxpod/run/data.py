@@ -9,6 +9,7 @@ the number of processes. Host-side only: numpy + standard library, no jax, nothi
 
 from __future__ import annotations
 
+import codecs
 import functools
 import math
 import os
@@ -156,7 +157,7 @@ def _stdlib_corpus(root: str, max_bytes: int) -> tuple[np.ndarray, int]:
             break
         try:
             with open(p, "rb") as f:
-                data = f.read()
+                data = f.read(max_bytes - total)  # never more than the cap leaves room for
         except OSError:
             continue
         chunks.append(data)
@@ -186,10 +187,12 @@ def _text_corpus(path: str, max_bytes: int) -> tuple[np.ndarray, int, int, bool]
         if total >= max_bytes:
             break
         try:
-            data = f.read_bytes()
+            with open(f, "rb") as stream:  # never more than the cap leaves room for
+                data = stream.read(max_bytes - total + 1)
             if b"\0" in data[:8192]:
                 raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")
-            data.decode("utf-8")
+            cut = len(data) > max_bytes - total  # a character cut at the cap is no error
+            codecs.getincrementaldecoder("utf-8")().decode(data, final=not cut)
         except (OSError, UnicodeDecodeError):
             skipped += 1
             continue

@@ -3,15 +3,23 @@
 The loop dispatches step N+1 before it reads step N's metrics to the host, so the device
 queue never runs dry while Python formats numbers.
 
+Around the loop (`jaxpod.run.logdir`, `hostmem`, `resume`, `interrupt`): the run directory is
+locked, the host's RAM checked, a resume refused if the config changed where results would;
+a non-finite loss or parameter norm stops the run before a checkpoint of it is written; Ctrl-C
+saves the current step and stops. A step's records are read and written before its checkpoint
+is saved, and kept in it, so the record is never missing a checkpointed step.
+
 With several processes (`jaxpod.run.distributed`) every process runs this same loop on its own
-devices of one global mesh; only process 0 writes the run record and prints.
+devices of one global mesh; only process 0 writes the run record, holds the lock and prints.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +33,9 @@ from jaxpod.errors import UserError
 from jaxpod.parallel.mesh import make_mesh, select_devices
 from jaxpod.planner.plan import check_budget
 from jaxpod.run.checkpoint import Checkpointer
+from jaxpod.run.hostmem import check_host_ram, is_oom, oom_error
+from jaxpod.run.interrupt import Interrupted, StopRequests
+from jaxpod.run.logdir import hold
 from jaxpod.run.mapping import describe, format_mapping
 from jaxpod.run.metrics import (
     EVAL_FILE,
@@ -36,6 +47,15 @@ from jaxpod.run.metrics import (
 )
 from jaxpod.run.prefetch import Prefetcher
 from jaxpod.run.profiling import StepProfiler, check_profile_steps
+from jaxpod.run.resume import (
+    check_changes,
+    check_saved_config,
+    earlier_record,
+    keep_config,
+    keep_records_upto,
+    lost_records,
+    trim_events,
+)
 from jaxpod.run.tasks import Task, build_task
 
 
@@ -58,36 +78,37 @@ def _prepare_logdir(logdir: Path) -> None:
         old.unlink(missing_ok=True)
 
 
-def _step_of(line: str) -> float:
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):  # e.g. a line cut short by a killed run
-        return float("inf")
-
-
-def _keep_metrics_upto(logdir: Path, step: int) -> None:
-    """Drop the `metrics.jsonl` records after `step` (a resumed run redoes those steps)."""
-    path = logdir / METRICS_FILE
-    if path.exists():
-        lines = path.read_text().splitlines(keepends=True)
-        kept = [ln if ln.endswith("\n") else ln + "\n" for ln in lines if _step_of(ln) <= step]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(path)
-
-
-def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
+def run_training(
+    cfg: Config, *, quiet: bool = False, allow_changes: Collection[str] = ()
+) -> RunResult:
     """Train `cfg` and leave the run record in `cfg.train.logdir`.
 
     If `<logdir>/checkpoints/` holds a complete checkpoint, resume from the newest one (same
     losses as an uninterrupted run); otherwise start fresh, replacing an earlier record.
-    `cfg.devices` counts the devices of each process (`jaxpod.run.distributed`); the mesh spans
-    those of every process. Only process 0 writes files and prints.
+    A resume whose config differs in keys outside `jaxpod.run.resume.FREE` is refused unless
+    they are in `allow_changes` (dotted keys, sections, or "all"). `cfg.devices` counts the
+    devices of each process (`jaxpod.run.distributed`); the mesh spans those of every process.
+    Only process 0 writes files, holds the logdir's lock and prints. A SIGINT/SIGTERM during
+    the steps saves the current step and raises `Interrupted`.
     """
     check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
     check_budget(cfg)  # a mapping over memory.device_budget is refused before anything runs
+    if jax.process_count() == 1:
+        check_host_ram(cfg)  # virtual devices share this host's RAM
     main = jax.process_index() == 0
-    quiet = quiet or not main
+    lock = hold(cfg.train.logdir) if main else None
+    try:
+        return _run(cfg, quiet or not main, main, allow_changes)
+    except Exception as exc:
+        if is_oom(exc):
+            raise oom_error(exc, cfg) from None
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -> RunResult:
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     mesh = make_mesh(cfg.mesh, select_devices(cfg.total_devices))
     task, state = build_task(cfg, mesh)
@@ -100,21 +121,35 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
     logdir = Path(cfg.train.logdir)
     ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints)
     start = ckpt.latest_step() or 0
+    kept_records: list = []
     if start:  # refuses (UserError) a mismatched or damaged checkpoint before touching logdir
         try:
             state = ckpt.restore(start, engine, state, cfg.train.seed)
+            meta = ckpt.meta(start)
+            where = f"{logdir} (checkpoint {start})"
+            saved = check_saved_config(meta.get("config") or _saved_config(logdir), where)
+            changes = check_changes(saved, config_to_dict(cfg), start, where, allow_changes)
         except UserError:
             ckpt.close()
             raise
-        if start >= cfg.train.steps:
+        kept_records = meta.get("records") or []
+        if start >= cfg.train.steps:  # nothing is written: the record stays as it is
             ckpt.close()
             say(f"complete       {ckpt.shown / str(start)} is at step {start}; nothing to do")
             _say_where(say, logdir)
             return RunResult(logdir, state, [], {}, mapping)
         say(f"resumed        from step {start} ({ckpt.shown / str(start)})")
+        if changes:
+            say(f"changed        {', '.join(k for k, _, _ in changes)} since step {start}")
         if main:
-            _keep_metrics_upto(logdir, start)
+            if changes:
+                keep_config(logdir, start)
+            keep_records_upto(logdir, start)
+            trim_events(logdir, start)  # the steps after `start` are redone: shown once
     elif main:
+        earlier = earlier_record(logdir)
+        if earlier:
+            say(f"fresh start    replacing {earlier} in {logdir}")
         _prepare_logdir(logdir)
     if main:
         (logdir / "config.yaml").write_text(dump_yaml(cfg))
@@ -127,16 +162,21 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
 
     losses, val_losses = [], {}
     profiler = StepProfiler(logdir, cfg.train.profile_steps, enabled=main)
+    stop = StopRequests(enabled=jax.process_count() == 1)
     # The writer closes last: it waits for the last checkpoint to commit, then flushes.
-    with MetricsWriter(logdir, enabled=main) as writer, ckpt:
+    with stop, MetricsWriter(logdir, enabled=main) as metrics_writer, ckpt:
+        writer = _Recorder(metrics_writer)
         writer.text("config", "```\n" + dump_yaml(cfg) + "\n```")
         writer.text("mapping", "```\n" + format_mapping(mapping) + "\n```")
         writer.hparams({**flat_hparams(config_to_dict(cfg)), "processes": jax.process_count()})
+        for prefix, record in lost_records(logdir, kept_records) if main else []:
+            metrics_writer.write(record, prefix)  # lost by a kill right after the commit
         if not start:
             _evaluate(task, state, 0, writer, val_losses, say)
         try:
+            stop.armed = True
             state, losses = _train_steps(
-                cfg, task, state, writer, val_losses, say, quiet, ckpt, profiler
+                cfg, task, state, writer, val_losses, say, quiet, ckpt, profiler, stop
             )
         finally:
             profiler.stop()  # an interrupted run still leaves a readable trace
@@ -144,8 +184,44 @@ def run_training(cfg: Config, *, quiet: bool = False) -> RunResult:
         write_eval_record(logdir, cfg, task.unit)
     if profiler.trace is not None:
         say(f"profile        {profiler.trace} ({profiler.trace.stat().st_size:,} bytes)")
+    if stop.requested is not None:
+        step = int(state.step)
+        raise Interrupted(
+            stop.requested,
+            f"interrupted at step {step}: saved {ckpt.shown / str(step)} and the record up to "
+            "it; run the same command to resume",
+        )
     _say_where(say, logdir)
     return RunResult(logdir, state, losses, val_losses, mapping, profiler.trace)
+
+
+def _saved_config(logdir: Path) -> dict | None:
+    """The run's `config.yaml` (for checkpoints that do not keep their config)."""
+    from jaxpod.config.load import read_yaml_mapping
+
+    try:
+        return read_yaml_mapping(logdir / "config.yaml")
+    except UserError:
+        return None
+
+
+class _Recorder:
+    """The metrics writer, remembering the newest step's records (kept in its checkpoint)."""
+
+    def __init__(self, writer: MetricsWriter):
+        self.writer, self.step, self.records = writer, None, []
+
+    def write(self, record: dict, prefix: str = "train") -> None:
+        if record["step"] != self.step:
+            self.step, self.records = record["step"], []
+        self.records.append([prefix, record])
+        self.writer.write(record, prefix)
+
+    def of(self, step: int) -> list:
+        return list(self.records) if self.step == step else []
+
+    def __getattr__(self, name: str):
+        return getattr(self.writer, name)
 
 
 def write_eval_record(logdir: Path, cfg: Config, unit: str = "tokens") -> dict:
@@ -201,8 +277,9 @@ class _StepLog:
     (before an evaluation, a trace stop, the end); `restart_timing(step)` excludes work done
     between steps (evaluation, writing a trace) from the next step times."""
 
-    def __init__(self, cfg: Config, task: Task, writer, bar, log, start: int):
+    def __init__(self, cfg: Config, task: Task, writer, bar, log, start: int, ckpt):
         self.cfg, self.task, self.writer, self.bar, self.log = cfg, task, writer, bar, log
+        self.ckpt = ckpt
         self.rate = f"{task.unit}_per_s"
         self.losses: list[float] = []
         self.pending: list = []  # (step, metrics on device) not yet read to the host
@@ -224,7 +301,8 @@ class _StepLog:
             step, metrics = self.pending.pop(0)
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
             self.losses.append(host["loss"])
-            if step % log_every and step != steps:
+            bad = _nonfinite(self.cfg, host)
+            if (step % log_every and step != steps) and not bad:
                 continue
             now = time.perf_counter()
             step_time = (now - self.last_time) / (step - self.last_step)
@@ -238,20 +316,39 @@ class _StepLog:
                     f"step {step:>6}/{steps}  loss {host['loss']:.4f}  {acc}"
                     f"lr {host['lr']:.2e}  {speed:,.0f} {self.task.unit}/s"
                 )
+            if bad:
+                saved = self.ckpt.saved_step
+                newest = f"the newest checkpoint, step {saved}, is intact" if saved else "none"
+                raise UserError(
+                    f"training diverged at step {step}: {bad}, so the run stopped before "
+                    f"saving it ({newest}); lower optim.lr or optim.grad_clip (resume with "
+                    "--allow-changes optim), or use precision.loss_scale=dynamic"
+                )
 
 
-def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, profiler):
+def _nonfinite(cfg: Config, host: dict[str, float]) -> str | None:
+    """What is not finite in a step's metrics ("loss nan", ...), or None. With a dynamic loss
+    scale a non-finite loss is an overflow the step skipped; the parameters must stay finite."""
+    keys = ["param_norm"] if cfg.precision.loss_scale == "dynamic" else ["loss", "param_norm"]
+    bad = [f"{k} {host[k]}" for k in keys if k in host and not math.isfinite(host[k])]
+    return ", ".join(bad) or None
+
+
+def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, profiler, stop):
     """The step loop proper, from `state.step` + 1. Returns the final state and the losses.
 
     Batches are assembled `data.prefetch` steps ahead by a background thread (host reads and
-    host->device copies overlap the running step)."""
+    host->device copies overlap the running step). Before a checkpoint is saved every
+    metric up to its step is read, checked and written; a stop request (`stop.requested`)
+    saves the current step and ends the loop."""
     steps, eval_every, every = cfg.train.steps, cfg.train.eval_every, cfg.train.checkpoint_every
     start = int(state.step)
     hide = quiet or not sys.stderr.isatty()
     bar = tqdm(total=steps, initial=start, unit="step", disable=hide, file=sys.stderr)
     # With a live progress bar, lines go above it; otherwise (CI, pipes) plain log lines.
     log = say if bar.disable else bar.write
-    steplog = _StepLog(cfg, task, writer, bar, log, start)
+    steplog = _StepLog(cfg, task, writer, bar, log, start, ckpt)
+    config = config_to_dict(cfg)
     with Prefetcher(task.batch, start, steps, depth=cfg.data.prefetch) as batches:
         for step, batch in zip(range(start + 1, steps + 1), batches, strict=True):
             with profiler.step(step):
@@ -266,8 +363,12 @@ def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, p
                 steplog.flush()
                 _evaluate(task, state, step, writer, val_losses, log)
                 steplog.restart_timing(step)  # evaluation is not charged to the next steps
-            if (every and step % every == 0) or step == steps:
-                ckpt.save(step, state, cfg.train.seed)  # async: returns once off-device
+            if (every and step % every == 0) or step == steps or stop.requested is not None:
+                steplog.flush()  # reads, checks and writes the metrics up to `step` first
+                records = writer.of(step)
+                ckpt.save(step, state, cfg.train.seed, config=config, records=records)
+            if stop.requested is not None:
+                break  # async save: committed when the checkpointer closes
     steplog.flush()
     bar.close()
     return state, steplog.losses

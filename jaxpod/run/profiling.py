@@ -115,8 +115,8 @@ def profile_overrides(config: str, overrides: list[str], steps: int, warmup: int
     `warmup` steps run untraced (compilation and caches settle), then `steps` steps are
     traced: `train.steps=warmup+steps`, `train.profile_steps=[warmup+1, warmup+steps+1]`, no
     periodic evaluation, every step logged. The run goes to `<train.logdir>-profile` (its old
-    checkpoints removed, so it never resumes), or to a `train.logdir=` given by the user, which
-    must not hold checkpoints.
+    checkpoints removed, so it never resumes: the directory is locked first), or to a
+    `train.logdir=` given by the user, which must not hold checkpoints.
     """
     import shutil
 
@@ -133,7 +133,10 @@ def profile_overrides(config: str, overrides: list[str], steps: int, warmup: int
                 "a fresh directory: pick another train.logdir or leave it out"
             )
     else:
+        from jaxpod.run.logdir import hold
+
         logdir = f"{logdir.rstrip('/')}-profile"
+        hold(logdir)  # never delete the checkpoints of a run that is using them
         shutil.rmtree(Path(logdir) / CHECKPOINTS, ignore_errors=True)
     total = warmup + steps
     return [

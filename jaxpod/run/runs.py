@@ -4,7 +4,8 @@ A run directory is any directory holding a `config.yaml` (written by `jaxpod tra
 the first step). Everything shown is read from the run record: `config.yaml` (model, mesh,
 steps), `metrics.jsonl` (the last training loss, the steps done, tokens/s) and `eval.json`
 (the final validation loss; `metrics.jsonl`'s `val_loss` records if the run has not finished).
-Nothing is unpickled; unreadable files show as dashes.
+Nothing is unpickled; YAML is read without aliases (`jaxpod.config.load.safe_yaml`); bytes
+that are not UTF-8 are replaced, and what cannot be read at all shows as dashes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from jaxpod.config.load import safe_yaml
 from jaxpod.errors import UserError
 from jaxpod.run.metrics import EVAL_FILE, METRICS_FILE
 
@@ -26,8 +28,8 @@ def _records(path: Path) -> list[dict]:
     """The parseable records of a `metrics.jsonl` (a line cut short by a kill is skipped)."""
     out = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
         return out
     for line in lines:
         try:
@@ -41,16 +43,16 @@ def _records(path: Path) -> list[dict]:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        raw = safe_yaml(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, yaml.YAMLError):
         return {}
     return raw if isinstance(raw, dict) else {}
 
 
 def _read_json(path: Path) -> dict:
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        raw = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError):
         return {}
     return raw if isinstance(raw, dict) else {}
 
@@ -109,7 +111,9 @@ def describe_run(run: Path, root: Path) -> dict:
 def find_runs(root: str | Path) -> list[Path]:
     """Directories under `root` (itself included) holding a `config.yaml`, oldest first by
     directory modification time."""
-    root = Path(root)
+    root = Path(root).expanduser()
+    if root.exists() and not root.is_dir():
+        raise UserError(f"runs directory {root} is a file; pass a directory, e.g. jaxpod runs runs")
     if not root.is_dir():
         raise UserError(f"runs directory {root} does not exist; pass one, e.g. jaxpod runs runs")
     found = {p.parent for p in root.rglob("config.yaml") if "checkpoints" not in p.parts}
@@ -118,7 +122,7 @@ def find_runs(root: str | Path) -> list[Path]:
 
 def list_runs(root: str | Path = "runs") -> list[dict]:
     """`describe_run` of every run under `root`, oldest first."""
-    return [describe_run(run, Path(root)) for run in find_runs(root)]
+    return [describe_run(run, Path(root).expanduser()) for run in find_runs(root)]
 
 
 def _cell(row: dict, column: str) -> str:

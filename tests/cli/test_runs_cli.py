@@ -107,6 +107,7 @@ def test_runs_of_a_missing_dir_is_one_line_error(tmp_path):
 
 
 def _serve(tmp_path: Path, *flags: str) -> subprocess.Popen:
+    (tmp_path / "runs").mkdir(exist_ok=True)  # a LOGDIR that does not exist is refused
     return subprocess.Popen(
         [sys.executable, "-m", "jaxpod.cli", "tensorboard", str(tmp_path / "runs"), *flags],
         stdout=subprocess.PIPE,

@@ -1,0 +1,160 @@
+"""The run directory, claimed before a run writes to it: checked, created, locked.
+
+`hold(logdir)` makes sure `train.logdir` can be a run directory (not a file, under no file,
+writable), creates it, and takes an exclusive `fcntl.flock` on `<logdir>/.jaxpod.lock`, which
+records the holder's pid, host and start time. A second run on the same directory is refused
+in one line naming the holder; the kernel drops the lock of a process that dies, so a lock file
+left by a killed run is taken over (with a note naming the dead holder). `release()` removes
+the lock file and, if the run left nothing else, the directories `hold` created: a run refused
+before its first step leaves no trace. jax-free: the CLI claims the directory before jax starts.
+
+With several processes only process 0 holds the lock (they share one directory). flock is
+per host on most network filesystems: two hosts are not kept apart by it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from jaxpod.errors import UserError
+
+LOCK_FILE = ".jaxpod.lock"
+_held: dict[str, LogdirLock] = {}  # resolved path -> the lock this process holds
+
+
+def _where(logdir: Path) -> str:
+    return f"train.logdir={logdir}"
+
+
+def check_logdir(logdir: str | Path) -> None:
+    """One-line `UserError` if `logdir` cannot be a run directory (before anything starts)."""
+    path = Path(logdir)
+    fix = "pick another train.logdir"
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{_where(path)} is a file, not a directory; {fix}")
+    existing = path
+    while not existing.exists():  # the nearest existing ancestor (where mkdir would start)
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{_where(path)}: {existing} is a file, not a directory; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created in {existing}"
+        raise UserError(f"{_where(path)} {what} (permission denied); {fix}")
+
+
+class LogdirLock:
+    """This process's claim on a run directory (see `hold`)."""
+
+    def __init__(self, logdir: Path, fd: int, created: Path | None):
+        self.logdir, self._fd, self._created = logdir, fd, created
+
+    def release(self) -> None:
+        """Drop the lock (and the directories `hold` created, if the run left them empty)."""
+        if self._fd is None:
+            return
+        _held.pop(str(self.logdir.resolve()), None)
+        (self.logdir / LOCK_FILE).unlink(missing_ok=True)  # still locked: nobody re-reads it
+        os.close(self._fd)
+        self._fd = None
+        path = self.logdir
+        while self._created is not None and path.is_relative_to(self._created):
+            try:
+                path.rmdir()  # only if empty
+            except OSError:
+                break
+            path = path.parent
+
+    def __enter__(self) -> LogdirLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> dict:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _describe(holder: dict) -> str:
+    pid, host = holder.get("pid", "?"), holder.get("host", "?")
+    started = holder.get("started")
+    since = f", since {started}" if isinstance(started, str) else ""
+    return f"pid {pid} on host {host}{since}"
+
+
+def _lock(path: Path) -> int:
+    """An fd holding the flock of `path`; one-line `UserError` if another process holds it."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UserError(
+                f"{_where(path.parent)}: cannot create {path.name} ({exc.strerror}); "
+                "pick another train.logdir"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise UserError(
+                f"{_where(path.parent)} is in use by another jaxpod run ({_describe(holder)}); "
+                "wait for it to finish or stop it, or pick another train.logdir"
+            ) from None
+        try:  # the holder may have removed the file between our open and flock: retry
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def hold(logdir: str | Path) -> LogdirLock:
+    """Check, create and lock `logdir` for this process (again: the same lock)."""
+    path = Path(logdir)
+    key = str(path.resolve())
+    if key in _held:
+        return _held[key]
+    check_logdir(path)
+    created = None
+    for parent in [path, *path.parents]:
+        if parent.exists():
+            break
+        created = parent
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"{_where(path)} cannot be created ({exc.strerror}); pick another train.logdir"
+        ) from None
+    fd = _lock(path / LOCK_FILE)
+    stale = _holder(fd)
+    if stale.get("pid") is not None:
+        print(
+            f"jaxpod: note: {_where(path)} was locked by a run that is no longer running "
+            f"({_describe(stale)}); taking it over",
+            file=sys.stderr,
+            flush=True,
+        )
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    me["started"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+    lock = _held[key] = LogdirLock(path, fd, created)
+    return lock
+
+
+def release_all() -> None:
+    """Release every lock this process holds (the CLI, when a run ends in an error)."""
+    for lock in list(_held.values()):
+        lock.release()

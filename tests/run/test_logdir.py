@@ -1,0 +1,113 @@
+"""The run directory's claim (`jaxpod.run.logdir`), the host-RAM check (`jaxpod.run.hostmem`)
+and `~` in path keys: jax-free, in process (two real runs: tests/cli/test_interrupt_cli.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import make_tiny_cfg
+
+from jaxpod.errors import UserError
+from jaxpod.run import hostmem
+from jaxpod.run.logdir import LOCK_FILE, check_logdir, hold
+
+
+def test_lock_is_taken_released_and_leaves_nothing(tmp_path):
+    run = tmp_path / "a" / "b"
+    lock = hold(run)
+    assert hold(run) is lock  # the same process may claim it again (CLI, then the loop)
+    holder = (run / LOCK_FILE).read_text()
+    assert f'"pid": {os.getpid()}' in holder
+    lock.release()
+    assert not (tmp_path / "a").exists()  # created by the claim, left empty: removed
+
+
+def test_release_keeps_a_directory_with_a_record(tmp_path):
+    with hold(tmp_path / "run") as lock:
+        (lock.logdir / "metrics.jsonl").write_text("{}\n")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_lock_held_by_another_process_is_refused_naming_it(tmp_path):
+    tmp_path.joinpath(LOCK_FILE).write_text("")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, json, os, sys, time\n"
+            f"fd = os.open({str(tmp_path / LOCK_FILE)!r}, os.O_RDWR)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "os.write(fd, json.dumps({'pid': os.getpid(), 'host': 'hostA'}).encode())\n"
+            "print('held', flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UserError, match=f"in use by another jaxpod run .pid {holder.pid} "):
+            hold(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    hold(tmp_path).release()  # the kernel dropped the dead holder's lock
+
+
+def test_a_stale_lock_file_is_taken_over_with_a_note(tmp_path, capsys):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    (tmp_path / LOCK_FILE).write_text(f'{{"pid": {dead}, "host": "h"}}\n')
+    with hold(tmp_path):
+        fd = os.open(tmp_path / LOCK_FILE, os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxpod: note: ") and f"pid {dead} on host h" in err, err
+    assert "taking it over" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("inside", ["", "sub"], ids=["is-a-file", "under-a-file"])
+def test_a_file_in_the_way_is_one_line(tmp_path, inside):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match=r"is a file, not a directory; pick another train.logdir"):
+        check_logdir(tmp_path / "f" / inside if inside else tmp_path / "f")
+    assert (tmp_path / "f").read_text() == "x"
+
+
+def test_tilde_is_expanded_in_path_keys(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = make_tiny_cfg("train.logdir=~/runs/x", "data.name=text-files", "data.path=~/text")
+    assert cfg.train.logdir == f"{tmp_path}/runs/x"
+    assert cfg.data.path == f"{tmp_path}/text"
+
+
+def test_meminfo_and_the_host_ram_refusal(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  24684096 kB\nMemAvailable:    2000000 kB\n")
+    assert hostmem.available_bytes(meminfo) == 2_000_000 * 1024
+    assert hostmem.available_bytes(tmp_path / "none") is None
+    cfg = make_tiny_cfg("model.d_model=4096", "model.d_ff=16384")
+    need, per_device = hostmem.needed_bytes(cfg)
+    assert need == 8 * per_device and per_device > 4e9  # as `jaxpod plan` counts it
+    with pytest.raises(UserError) as err:
+        hostmem.check_host_ram(cfg, available=2_000_000 * 1024)
+    line = str(err.value)
+    assert line.startswith("devices=8 virtual CPU devices need ~") and "2.0 GB is available" in line
+    assert "use fewer devices" in line
+    hostmem.check_host_ram(make_tiny_cfg(), available=2_000_000 * 1024)  # tiny fits
+
+
+def test_xla_out_of_memory_becomes_one_line():
+    exc = RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4000000000000 bytes.\n at ...")
+    assert hostmem.is_oom(exc) and not hostmem.is_oom(ValueError("shape mismatch"))
+    line = str(hostmem.oom_error(exc, make_tiny_cfg()))
+    assert (
+        line.startswith("XLA ran out of memory (RESOURCE_EXHAUSTED: Out of memory")
+        and "\n" not in line
+    )
