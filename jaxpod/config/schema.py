@@ -28,6 +28,7 @@ ImageData = Literal["digits", "synthetic-imagenet", "image-folder"]
 DataName = Literal[TextData, ImageData]  # nested Literals flatten: text names, then images
 Dtype = Literal["float32", "float16", "bfloat16"]
 Master = Literal["float32", "same-as-params"]
+Moments = Literal["same-as-master", "float32"]
 LossScale = Literal["none", "static", "dynamic"]
 Device = Literal["cpu", "ipu-gc200", "h100-80gb", "tpu-v5e"]
 Stream = Literal["layer", "matrix"]
@@ -123,6 +124,9 @@ class OptimConfig:
     power: float = 1.0  # polynomial schedule: lr * (1 - progress) ** power after warm-up
     end_lr: float = 0.0  # polynomial schedule's final learning rate
     trust_coefficient: float = 0.001  # lars
+    # the optimizer state's dtype: the master weights' (default) or float32 (Adam's second
+    # moments of 16-bit masters underflow in float16)
+    moments: Moments = "same-as-master"
 
 
 @dataclass(frozen=True)
@@ -239,11 +243,18 @@ class Config:
             self.precision.master == "same-as-params"
             and self.precision.params != "float32"
             and self.optim.name in ("adamw", "lamb")
+            and self.optim.moments != "float32"
         ):
             out.append(
                 f"optim.name={self.optim.name} with 16-bit master weights keeps its second "
                 f"moments (g^2) in {self.precision.params}, where small values underflow; "
-                "prefer optim.name=lars or sgd, or precision.master=float32"
+                "set optim.moments=float32, or prefer optim.name=lars or sgd"
+            )
+        if "activations" in self.memory.offload:
+            out.append(
+                "memory.offload includes activations, but the step jax 0.10.2 lowers places no "
+                "saved activation on the host (tests/planner/test_transfers.py): they stay on "
+                "the device and the planner counts them there; drop it from memory.offload"
             )
         return out
 

@@ -18,7 +18,7 @@ from jaxpod.config import Config
 from jaxpod.models.params import Masks
 from jaxpod.parallel import offload
 from jaxpod.parallel.mesh import split_replica
-from jaxpod.parallel.replica import rts_dims, with_rts
+from jaxpod.parallel.replica import NO_GATHER, rts_dims, with_rts
 
 
 class Layout(NamedTuple):
@@ -69,12 +69,17 @@ def make_layout(
     host = jax.tree.map(lambda s: everything or (s and mem.phases > 1), masks.stacked)
     layers_on_host = any(jax.tree.leaves(jax.tree.map(lambda h, s: h and s, host, masks.stacked)))
     avoid = jax.tree.map(lambda _: (), masks.stacked)  # dimensions panels are cut along
-    if mem.stream == "matrix" and mesh.shape["pipeline"] == 1 and layers_on_host:
-        # each step fetches its panels (`stream.run_stack`), cut before the gather
-        avoid = jax.tree.map(lambda s, a: a if s else (), masks.stacked, panel_axes)
     if mem.vocab_slices > 1:  # slices of rows, cut before the gather: never split the rows
         avoid = jax.tree.map(lambda t, a: (0,) if t else a, masks.table, avoid)
     dims = rts_dims(params, specs, masks.stacked, emesh.shape, w_axes, avoid)
+    if mem.stream == "matrix":
+        # each step gathers (and, host-resident, fetches) only its panels, cut from the local
+        # shard before the gather: RTS splits another dimension. A leaf with no other (the
+        # MLP biases) is gathered whole and then cut, unless its panels are fetched.
+        cut = jax.tree.map(lambda s, a, p: p if s else a, masks.stacked, avoid, panel_axes)
+        panel_dims = rts_dims(params, specs, masks.stacked, emesh.shape, w_axes, cut)
+        keep = lambda d, p: d if p == NO_GATHER and not layers_on_host else p  # noqa: E731
+        dims = jax.tree.map(keep, dims, panel_dims)
     opt_dims = rts_dims(params, specs, masks.stacked, emesh.shape, o_axes)
     return Layout(
         emesh,

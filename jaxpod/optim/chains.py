@@ -223,7 +223,26 @@ def make_optimizer(
             stacked=stacked_mask,
         ),
     }[cfg.name]()
+    if cfg.moments == "float32":
+        base = float32_state(base)
     clips = []
     if cfg.grad_clip > 0:
         clips = [optax.clip_by_global_norm(cfg.grad_clip) if clip else optax.identity()]
     return optax.chain(*clips, base), lr
+
+
+def float32_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` run in float32: its state (moments) is created from float32 params, it sees float32
+    grads and params, and its updates are cast back to the grads' dtypes. Same math as `tx`
+    on 16-bit leaves, without 16-bit moments (`optim.moments=float32`)."""
+
+    def up(tree):
+        return jax.tree.map(
+            lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
+        )
+
+    def update(grads, state, params=None):
+        updates, state = tx.update(up(grads), state, None if params is None else up(params))
+        return jax.tree.map(lambda u, g: u.astype(g.dtype), updates, grads), state
+
+    return optax.GradientTransformation(lambda params: tx.init(up(params)), update)

@@ -12,11 +12,13 @@ A pod's *streaming memory* is emulated with the `pinned_host` memory kind: array
   `memory.stream=matrix` (`jaxpod.parallel.stream`), each a checkpoint that does not save
   the fetched copy; a pipelined stage fetches its whole stack before the GPipe ticks. The
   update moves the weights to the device whole.
-- `activations`: the remat policy's saved values are offloaded (`jaxpod.parallel.remat`).
+- `activations`: the remat policy asks for its saved values on the host
+  (`jaxpod.parallel.remat`).
 
-On jax 0.10.2 XLA does not execute the per-phase transfers as written (it brings host
-weights in at the `shard_map` boundary), and on CPU both memory kinds are host RAM:
-docs/memory.md, "What XLA executes".
+In jax 0.10.2 the lowered step has none of the per-phase or per-step transfers (the host
+weights come in whole at the `shard_map` boundary) and no activation placement; on CPU both
+memory kinds are host RAM. The planner counts what the step does (docs/memory.md), and
+tests/planner/test_transfers.py checks that against the lowered program.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """The planner's byte model: what one device holds of a mapping, per kind of state.
 
-`activation_bytes(cfg)` models what the train step keeps alive (saved residuals per layer
-and pipeline tick, the pipeline's buffers, the larger of the loss head and one layer's
-backward working set); `device_bytes(cfg, layout, acts)` adds the weights, gradients,
+`activation_bytes(cfg, profile)` models what the train step keeps alive (saved residuals per
+layer and pipeline tick, the pipeline's buffers, the larger of the loss head and one layer's
+backward working set); `device_bytes(cfg, layout, acts, profile)` adds the weights, gradients,
 optimizer state, the update's working set and the RTS-gathered copies, on the device and on
 the host. Analytic, no jax: nothing is built, so any mapping can be planned.
 
-Why a model and not a measurement: `jaxpod plan` answers for the *target* device
-(`memory.device`, e.g. a GC200) before any hardware or compile is spent; `jaxpod compile`
-gives XLA's figure for the same step on this backend. The terms are calibrated against
-XLA:CPU on the configurations in docs/benchmarks.md (`tests/test_planner.py` re-checks
-them), so agreement there is calibration, not validation.
-
-Some credits are the plan's, not yet the program's (host weights fetched a window at a
-time inside the pipeline, optimizer state off the device during the update, offloaded
-activations under remat `full`): docs/memory.md lists them, with every term of the model.
+Every credit is a transfer the compiled step makes (tests/planner/test_transfers.py finds
+them in the lowered program): host-resident layers reach the device a phase (pipeline 1) or a
+weight matrix (`memory.stream=matrix`) at a time, a pipelined stage's whole stack before the
+ticks; the update moves the whole parameter and optimizer trees to the device; saved
+saved activations never leave the device (the lowered step has no such placement). Nothing
+is prefetched. The device profile's `widens_16bit` says how the backend computes.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ import math
 from jaxpod.config import Config
 from jaxpod.optim.strips import strips
 from jaxpod.planner.counts import block_params
+from jaxpod.planner.profiles import DeviceProfile, get_profile
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MOMENTS = {"adamw": 2, "lamb": 2, "sgd": 1, "lars": 1}
@@ -43,11 +41,18 @@ EFFICIENTNET_ACT_PER_PIXEL = 80.0  # saved activation scalars per input pixel, B
 
 
 # ----------------------------------------------------------------------------- activations
-def _layer_sets(cfg: Config) -> dict:
-    """Bytes of one layer's residuals for one micro-batch on one device: `all` (what autodiff
-    saves without remat) and `saved` (what the remat policy keeps, layer input included)."""
+def compute_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
+    """Bytes of one activation scalar: the compute dtype's, or 4 on a device that computes
+    16-bit dtypes in float32 (`DeviceProfile.widens_16bit`)."""
+    profile = profile or get_profile(cfg.memory.device)
+    return 4 if profile.widens_16bit else DTYPE_BYTES[cfg.precision.compute]
+
+
+def _layer_sets(cfg: Config, cb: int) -> dict:
+    """Bytes of one layer's residuals for one micro-batch on one device (`cb` bytes a scalar):
+    `all` (what autodiff saves without remat) and `saved` (what the remat policy keeps, layer
+    input included)."""
     md, t = cfg.model, cfg.mesh.tensor
-    cb = DTYPE_BYTES[cfg.precision.compute]
     b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
     btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
     # With sequence_chunks = C > 1 each query block and each MLP token block is a checkpoint:
@@ -110,7 +115,7 @@ def _layer_sets(cfg: Config) -> dict:
     return {"all": every, "saved": saved, "work": work, "btd": res * cb}
 
 
-def activation_bytes(cfg: Config) -> dict:
+def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     """Activation bytes per device, with the breakdown.
 
     - `saved`: residuals kept for the backward pass. pipeline == 1: the micro-batches run one
@@ -128,7 +133,8 @@ def activation_bytes(cfg: Config) -> dict:
     the backward pass reaches the layers.
     """
     md, mesh, tr = cfg.model, cfg.mesh, cfg.train
-    cb = DTYPE_BYTES[cfg.precision.compute]
+    profile = profile or get_profile(cfg.memory.device)
+    cb = compute_bytes(cfg, profile)
     if md.name == "efficientnet":
         width, depth, _, _ = EFFICIENTNET[md.variant]
         per_image = EFFICIENTNET_ACT_PER_PIXEL * width * depth * md.image_size**2 * cb
@@ -145,7 +151,7 @@ def activation_bytes(cfg: Config) -> dict:
             "ticks": in_flight,
             "estimated": True,
         }
-    sets = _layer_sets(cfg)
+    sets = _layer_sets(cfg, cb)
     # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)
     stages, micro, per_stage = mesh.pipeline, cfg.pipeline_group, md.layers // mesh.pipeline
     kind, virtual = tr.pipeline_schedule, tr.virtual_stages
@@ -169,8 +175,9 @@ def activation_bytes(cfg: Config) -> dict:
     vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_slices  # logits of a row block
     head = head_tokens * vocab_rows * 4 * HEAD_LOGIT_COPIES // head_chunks
     head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // head_chunks
-    offloaded = "activations" in cfg.memory.offload
-    on_device_saved = min(saved, 2 * sets["saved"]) if offloaded else saved
+    # memory.offload=activations earns nothing: the lowered step places no saved value on the
+    # host (tests/planner/test_transfers.py), so every saved activation stays on the device
+    on_device_saved = saved
     total = on_device_saved + buffers + max(head, sets["work"])
     return {
         "saved": saved,
@@ -195,40 +202,30 @@ def _step_share(cfg: Config) -> float:
     return max(d * d, 2 * d * f / cfg.memory.mlp_panels) / sum(block_params(d, f))
 
 
-def _window(cfg: Config, layout: dict) -> float:
-    """Fraction of a stage's weights resident on the device: all of them, or with params
-    offloaded the non-layer weights plus two of the K phases' layers (current + prefetched
-    next), or with `memory.stream=matrix` two steps' weights (each step fetches its own)."""
-    if "params" not in cfg.memory.offload:
-        return 1.0
-    share = min(1.0, 2 / cfg.memory.phases)
-    if cfg.memory.stream == "matrix":
-        per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
-        share = min(share, 2 * _step_share(cfg) / per_stage)
-    local = max(layout["local"], 1)
-    return (layout["local_other"] + layout["local_layers"] * share) / local
-
-
-def device_bytes(cfg: Config, layout: dict, acts: dict) -> dict:
+def device_bytes(
+    cfg: Config, layout: dict, acts: dict, profile: DeviceProfile | None = None
+) -> dict:
+    """Bytes per device of each kind of state, and the device and host totals (see the module
+    docstring); `profile` (default `memory.device`) is the device the step runs on."""
     mem, prec = cfg.memory, cfg.precision
     rts = mem.rts
     rts_opt = mem.rts_optimizer or rts
     pb = DTYPE_BYTES[prec.params]
     mb = 4 if prec.master == "float32" else pb
     local = layout["local"]
-    window = _window(cfg, layout)
     offload = set(mem.offload)
 
     weights_all = local / rts * mb + (local / rts * pb if mb != pb else 0)
-    optimizer_all = local / rts_opt * MOMENTS[cfg.optim.name] * mb
+    moment_bytes = 4 if cfg.optim.moments == "float32" else mb
+    optimizer_all = local / rts_opt * MOMENTS[cfg.optim.name] * moment_bytes
     accumulated = cfg.train.grad_accum > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
     accumulated |= cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule == "1f1b"  # carried
     grads_stage = local / rts * pb * (2 if accumulated else 1)
     grads_update = local / rts * pb
-    updates = local / rts * mb * window
+    updates = local / rts * mb
     gathered = 0
     if rts > 1 and cfg.model.remat == "none":
-        gathered = local * pb * window  # every layer's gathered copy is saved
+        gathered = local * pb  # every layer's gathered copy is saved
     elif rts > 1:  # the non-layer weights, and one layer at a time (recomputed in backward)
         per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
         layer = layout["local_layers"] / per_stage
@@ -241,16 +238,22 @@ def device_bytes(cfg: Config, layout: dict, acts: dict) -> dict:
             other += 2 * table / mem.vocab_slices - tables
         gathered = (other + layer) * pb
 
-    weights = weights_all * window
-    grads = grads_stage * window
+    # Host-resident weights are on the device for the whole step: jax 0.10.2 moves them in at
+    # the shard_map boundary (the per-phase / per-matrix device_puts inside it are not
+    # executed as written), and a pipelined stage fetches its stack before the ticks.
+    weights = weights_all
+    grads = grads_stage
     optimizer = 0 if "optimizer" in offload else optimizer_all
     activations = acts["total"]
     inputs = cfg.train.grad_accum * cfg.train.micro_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
     if cfg.kind.data == "images":
         inputs = cfg.train.grad_accum * cfg.train.micro_batch * 3 * cfg.model.image_size**2
     backward_peak = grads + activations
-    # the update holds the reduced grads, a same-size copy (unscaled/clipped) and the updates
-    update_peak = 2 * grads_update * window + updates
+    # The update runs on whole trees: host-resident weights and optimizer state are moved to
+    # the device first (`StackedStages.update`), the reduced grads too. It holds the grads, a
+    # same-size copy (unscaled/clipped) and the updates.
+    moved_in = weights_all - weights + optimizer_all - optimizer
+    update_peak = moved_in + 2 * grads_update + updates
     # 16-bit masters of stacked layers: `jaxpod.optim.per_layer`, tensor by tensor
     if mb < 4 and cfg.kind.stages == "stacked":
         md, mesh, devices = cfg.model, cfg.mesh, cfg.total_devices
@@ -265,14 +268,19 @@ def device_bytes(cfg: Config, layout: dict, acts: dict) -> dict:
         # the grads, a 16-bit copy of the stacked layer weights (XLA's loop carries), and the
         # working set of the largest block: float32 upcasts, moments, update and threefry's
         # random-bit temporaries, ~8 float32 copies (measured)
-        updates = layout["local_layers"] / rts * mb * window + block * 4 * 8
-        update_peak = grads_update * window + updates
+        updates = layout["local_layers"] / rts * mb + block * 4 * 8
+        update_peak = moved_in + grads_update + updates
     device_total = weights + optimizer + inputs + gathered + max(backward_peak, update_peak)
-    host_weights = weights_all - weights
+    host_weights = 0
     if "params" in offload:  # the host holds the stage's layer weights (the source of truth)
         host_weights = weights_all * layout["local_layers"] / max(local, 1)
     host_total = host_weights + (optimizer_all - optimizer) + acts.get("host", 0)
-    host_total += grads_stage * (1 - window)
+    # what the device stores between steps (XLA's device-resident arguments): the weights,
+    # only the non-layer ones if the layers are host-resident, the optimizer state unless
+    # offloaded, and the batch
+    stored = weights_all
+    if "params" in offload:
+        stored *= layout["local_other"] / max(local, 1)
     return {
         "weights": int(weights),
         "grads": int(grads),
@@ -280,8 +288,10 @@ def device_bytes(cfg: Config, layout: dict, acts: dict) -> dict:
         "activations": int(activations),
         "updates": int(updates),
         "gathered": int(gathered),
+        "moved_in": int(moved_in),
         "inputs": int(inputs),
         "device_total": int(device_total),
+        "arguments": int(stored + optimizer + inputs),
         "host_total": int(host_total),
         "peak": "backward" if backward_peak >= update_peak else "update",
     }

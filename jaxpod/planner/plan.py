@@ -73,18 +73,6 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _phases_needed(cfg: Config, limit: int, params_override: int | None) -> int | None:
-    """The fewest phases (a divisor of the stage's layers) that fit, with params offloaded."""
-    if cfg.kind.stages == "packed":
-        return 1 if _device_total(cfg, params_override) <= limit else None
-    offload = tuple(sorted({*cfg.memory.offload, "params"}))
-    for k in _divisors(cfg.model.layers // cfg.mesh.pipeline):
-        trial = _with_memory(cfg, phases=k, offload=offload)
-        if _device_total(trial, params_override) <= limit:
-            return k
-    return None
-
-
 def _fewest(
     cfg: Config, limit: int, params_override, counts: list[int], changes, fit_only=False
 ) -> dict:
@@ -122,7 +110,7 @@ def _finer_vocab(cfg: Config, limit: int, params_override: int | None) -> dict:
     return _fewest(cfg, limit, params_override, counts, changes, fit_only=True)
 
 
-def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int | None) -> str:
+def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
     """Changes that would make the mapping fit, with the resulting device bytes."""
     mem, mesh, md = cfg.memory, cfg.mesh, cfg.model
     out = []
@@ -130,14 +118,8 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
     def option(label: str, trial: Config) -> None:
         out.append(f"{label} ({format_bytes(_device_total(trial, params_override))})")
 
-    if phases is not None:
-        offload = sorted({*mem.offload, "params"})
-        option(
-            f"memory.phases={phases} memory.offload=[{','.join(offload)}]",
-            _with_memory(cfg, phases=phases, offload=tuple(offload)),
-        )
-    streamed = mem.rts > 1 or "params" in mem.offload  # gathered or fetched per matrix
-    if cfg.kind.stages == "stacked" and streamed and md.remat != "none":
+    if cfg.kind.stages == "stacked" and mem.rts > 1 and md.remat != "none":  # gathered a step
+        # at a time
         stream = _finer_stream(cfg, limit, params_override)
         if stream:
             option(
@@ -154,7 +136,8 @@ def _suggest(cfg: Config, limit: int, phases: int | None, params_override: int |
         )
     if "optimizer" not in mem.offload and cfg.kind.stages == "stacked":
         trial = _with_memory(cfg, offload=tuple(sorted({*mem.offload, "optimizer"})))
-        option("memory.offload+=optimizer", trial)
+        if _device_total(trial, params_override) < _device_total(cfg, params_override):
+            option("memory.offload+=optimizer", trial)
     if cfg.kind.tensor_parallel and mesh.tensor > 1 and not md.sequence_parallel:
         if md.seq_len % mesh.tensor == 0:
             option("model.sequence_parallel=true", _with_model(cfg, sequence_parallel=True))
@@ -219,14 +202,10 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         scale = params_override / max(formula["total"], 1)
         for key in ("layers", "local", "local_layers", "local_other"):
             layout[key] = int(formula[key] * scale)
-    acts = activation_bytes(cfg)
-    per_device = device_bytes(cfg, layout, acts)
+    acts = activation_bytes(cfg, profile)
+    per_device = device_bytes(cfg, layout, acts, profile)
     limit = _budget(cfg, profile)
     fits = per_device["device_total"] <= limit
-    if fits:
-        phases = mem.phases
-    else:
-        phases = _phases_needed(cfg, limit, params_override)
     rts = mem.rts
     result = {
         "model": cfg.model.name,
@@ -268,10 +247,9 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         "streaming_memory_bytes": profile.streaming_bytes,
         "fits": fits,
         "host_fits": per_device["host_total"] <= profile.streaming_bytes,
-        "phases": phases,
     }
     if not fits:
-        result["suggestion"] = _suggest(cfg, limit, phases, params_override)
+        result["suggestion"] = _suggest(cfg, limit, params_override)
     return result
 
 
@@ -288,7 +266,7 @@ def check_budget(cfg: Config, plan_: dict | None = None) -> None:
     parts = ", ".join(
         f"{k} {format_bytes(b[k])}" for k in ("weights", "grads", "optimizer", "activations")
     )
-    suggestion = p.get("suggestion") or "use more phases, more RTS or a deeper pipeline"
+    suggestion = p.get("suggestion") or "use more RTS or a deeper pipeline"
     raise UserError(
         f"memory.device_budget={cfg.memory.device_budget}: the plan needs "
         f"{format_bytes(total)} per device ({parts}) > {format_bytes(budget)}; {suggestion}"

@@ -3,7 +3,8 @@ can stream from (host DRAM / IPU streaming memory). Jax-free.
 
 The numbers are per device. `device_bytes` is the fast memory the step's arrays must fit in;
 `streaming_bytes` is the slower memory that offloaded state (`memory.offload`) and phased
-weights live in.
+weights live in. A backend's known differences from the target are explicit properties, not
+fitted constants: XLA:CPU computes 16-bit dtypes in float32 (`widens_16bit`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """One accelerator's two memory levels, in bytes per device."""
+    """One accelerator's two memory levels, in bytes per device, and how it runs a step."""
 
     name: str
     device_bytes: int
     streaming_bytes: int
     description: str
+    widens_16bit: bool = False  # float16/bfloat16 activations are computed and kept in float32
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -32,7 +34,9 @@ PROFILES: dict[str, DeviceProfile] = {
             16 * GiB,
             16 * GiB,
             "virtual XLA CPU device: a nominal 16 GiB each (the machine's RAM is shared by all "
-            "virtual devices, so no per-device figure is real); host memory is the same RAM",
+            "virtual devices, so no per-device figure is real); host memory is the same RAM; "
+            "16-bit compute runs in float32",
+            widens_16bit=True,
         ),
         DeviceProfile(
             "ipu-gc200",

@@ -31,7 +31,7 @@ def format_plan(p: dict) -> str:
     b = p["bytes_per_device"]
     offload = ",".join(p["offload"]) or "none"
     matrix = p["configured_stream"] == "matrix"
-    fetched = ", each step fetching its blocks" if "params" in p["offload"] else ""
+    fetched = ", each step gathering its blocks" if p["rts"] > 1 else ""
     unit = "image" if p["model"] == "efficientnet" else "token"
     head = [
         ("model", f"{p['model']}  ({p['params']:,} params{' ~est.' * p['params_estimated']})"),
@@ -70,6 +70,7 @@ def format_plan(p: dict) -> str:
         ("weights", b["weights"], "master (+16-bit working copy)"),
         ("grads", b["grads"], "peak during backward"),
         ("optimizer", b["optimizer"], p["optimizer"]),
+        ("moved in", b["moved_in"], "host-resident state moved to the device for the update"),
         ("activations", b["activations"], f"remat {p['remat']}"),
         ("updates", b["updates"], "optimizer update working set"),
         ("gathered", b["gathered"], "RTS all-gathered weights"),
@@ -89,11 +90,10 @@ def format_plan(p: dict) -> str:
         f"{format_bytes(p['streaming_memory_bytes'])}"
     )
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
-    phases = "none fits" if p["phases"] is None else p["phases"]
     lines += [
         "",
-        f"{verdict} ({format_bytes(b['device_total'])} of "
-        f"{format_bytes(p['device_memory_bytes'])}); phases needed: {phases}",
+        f"planner, {p['device_profile']}: {verdict} ({format_bytes(b['device_total'])} of "
+        f"{format_bytes(p['device_memory_bytes'])}); `jaxpod compile` gives XLA's bytes",
     ]
     if not p["host_fits"]:
         lines.append("host/streaming memory is exceeded too")

@@ -3,7 +3,8 @@
 Nothing is materialised: the state and the batch are `ShapeDtypeStruct`s carrying their
 shardings, so a mapping of a model far larger than this machine's memory can be checked
 for shape errors, sharding errors and per-device memory before any hardware is spent.
-`compiled.memory_analysis()` reports per-device bytes of the SPMD program.
+`compiled.memory_analysis()` reports per-device bytes of the SPMD program; beside them,
+the planner's prediction of the same quantities for this backend (`planner.backend_plan`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 
 from jaxpod.config import Config
 from jaxpod.engine import Engine, TrainState, abstract_engine
+from jaxpod.planner.backend import backend_plan
 from jaxpod.run.mapping import most_on_one_device
 
 
@@ -54,6 +56,8 @@ def compile_step(cfg: Config, mesh: Mesh) -> dict:
         cost = cost[0] if cost else {}
     state_bytes = most_on_one_device(state, kind=None)
     device_args = most_on_one_device((state, batch))
+    device_total = device_args + int(mem.temp_size_in_bytes)
+    planned = backend_plan(cfg, jax.default_backend())
     return {
         "devices": mesh.size,
         "mesh": dict(mesh.shape),
@@ -67,7 +71,14 @@ def compile_step(cfg: Config, mesh: Mesh) -> dict:
         "temp_bytes": int(mem.temp_size_in_bytes),
         "alias_bytes": int(mem.alias_size_in_bytes),
         # what the planner's device total counts: device-resident arguments + temporaries
-        "device_total_bytes": device_args + int(mem.temp_size_in_bytes),
+        "device_argument_bytes": device_args,
+        "device_total_bytes": device_total,
+        # the planner's prediction of the same quantities on this backend's device profile
+        "planned_profile": planned["profile"],
+        "planned_device_argument_bytes": planned["arguments"],
+        "planned_temp_bytes": planned["temporaries"],
+        "planned_device_total_bytes": planned["device_total"],
+        "planned_ratio": planned["device_total"] / max(device_total, 1),
         "flops_per_device": float(cost.get("flops", 0.0)),
     }
 
@@ -83,8 +94,14 @@ def format_compile(r: dict) -> str:
             f"compiled       in {r['compile_s']:.1f} s",
             f"per device     state {mib(r['state_bytes_per_device'])}, arguments "
             f"{mib(r['argument_bytes'])}, temporaries {mib(r['temp_bytes'])}",
-            f"device memory  {mib(r['device_total_bytes'])} (device-resident arguments + "
-            "temporaries: what `jaxpod plan` calls the device total)",
+            f"{'':15}{'XLA':>14}{'planned':>14}   (planner: device profile "
+            f"{r['planned_profile']!r})",
+            f"{'arguments':15}{mib(r['device_argument_bytes']):>14}"
+            f"{mib(r['planned_device_argument_bytes']):>14}   device-resident state + batch",
+            f"{'temporaries':15}{mib(r['temp_bytes']):>14}{mib(r['planned_temp_bytes']):>14}",
+            f"{'device total':15}{mib(r['device_total_bytes']):>14}"
+            f"{mib(r['planned_device_total_bytes']):>14}   planned / XLA "
+            f"{r['planned_ratio']:.2f}",
             f"flops          {r['flops_per_device']:.3e} per device per step (loops counted once)",
         ]
     )

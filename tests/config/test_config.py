@@ -66,6 +66,8 @@ def test_choices_table_matches_defaults():
         "model.norm",
         "optim.name",
         "optim.schedule",
+        "optim.moments",
+        "train.pipeline_schedule",
         "data.name",
         "precision.params",
         "precision.compute",
@@ -483,6 +485,10 @@ COMPANIONS = {
     ("data.name", "synthetic-imagenet"): ["model.name=efficientnet"],
     ("data.name", "image-folder"): ["model.name=efficientnet", "data.path=/some/dir"],
     ("memory.stream", "matrix"): ["model.remat=full"],
+    ("train.pipeline_schedule", "circular"): [
+        "mesh.pipeline=2", "train.grad_accum=2", "train.virtual_stages=2"
+    ],
+    ("train.pipeline_schedule", "1f1b"): ["mesh.pipeline=2"],
 }
 
 

@@ -12,7 +12,6 @@ from jaxpod.config import load_config
 from jaxpod.errors import UserError
 from jaxpod.models.efficientnet import flops_per_image
 from jaxpod.planner.plan import (
-    block_params,
     check_budget,
     efficientnet_stage_params,
     format_plan,
@@ -22,7 +21,7 @@ from jaxpod.planner.plan import (
 
 REQUIRED = (
     "devices replica pipeline tensor micro_batch grad_accum global_batch params "
-    "weight_fraction_per_device bytes_per_device device_memory_bytes fits phases"
+    "weight_fraction_per_device bytes_per_device device_memory_bytes fits"
 ).split()
 BERT_LARGE = [
     "model.name=bert",
@@ -118,7 +117,7 @@ def test_bert_large_pipeline8_fits_gc200_with_optimizer_state():
     )
     p = plan(cfg)
     b = p["bytes_per_device"]
-    assert p["fits"] and p["phases"] == 1 and not p["offload"]
+    assert p["fits"] and not p["offload"]
     assert b["optimizer"] > 0 and b["host_total"] == 0
     assert b["device_total"] <= 900e6
     assert p["weight_fraction_per_device"] == pytest.approx(1 / 8)
@@ -150,18 +149,17 @@ def test_rts_and_offload_move_bytes():
     assert p4["weights"] == pytest.approx(p1["weights"] / 4, rel=1e-6)
     assert p4["optimizer"] == pytest.approx(p1["optimizer"] / 4, rel=1e-6)
     off = plan(cfg_of(*base, "memory.offload=[optimizer]"))["bytes_per_device"]
+    # the optimizer state rests on the host, but the update moves it to the device whole
     assert off["optimizer"] == 0 and off["host_total"] == p1["optimizer"]
-    ph = plan(cfg_of(*base, "memory.offload=[params]", "memory.phases=6"))["bytes_per_device"]
-    assert ph["weights"] < 0.6 * p1["weights"] and ph["host_total"] > 0  # embeddings stay
-    # streamed matrix by matrix, each step fetches its own blocks: two steps' blocks on the
-    # device instead of two layers (the largest step: 2·D·F/k = 2 x 1024 x 4096 / 4 params),
-    # whatever the phases
-    steps = [*base, "memory.offload=[params]", "memory.stream=matrix", "memory.mlp_panels=4"]
-    for phases in (1, 6):
-        st = plan(cfg_of(*steps, f"memory.phases={phases}"))
-        width = st["dtype_bytes"]["master"]
-        saved = 2 * (sum(block_params(1024, 4096)) - 2 * 1024 * 4096 / 4) * width
-        assert ph["weights"] - st["bytes_per_device"]["weights"] == pytest.approx(saved, abs=2)
+    assert off["peak"] == "update"
+    assert off["device_total"] >= p1["device_total"] - p1["optimizer"] + p1["optimizer"] - 1
+    # host-resident layers are on the device for the whole step (moved in at the shard_map
+    # boundary; per-phase / per-matrix transfers are not executed as written): no credit,
+    # whatever the phases or the stream
+    for extra in (["memory.phases=6"], ["memory.stream=matrix", "memory.mlp_panels=4"]):
+        ph = plan(cfg_of(*base, "memory.offload=[params]", *extra))["bytes_per_device"]
+        assert ph["weights"] == p1["weights"] and ph["device_total"] >= p1["device_total"]
+        assert ph["arguments"] < p1["arguments"]  # what rests on the device between steps
 
 
 def test_not_fitting_plan_suggests_and_budget_refuses():
@@ -175,32 +173,7 @@ def test_not_fitting_plan_suggests_and_budget_refuses():
     assert "\n" not in str(err.value) and "900MB" in str(err.value) and "try" in str(err.value)
     check_budget(cfg_of("memory.device_budget=16GiB"))  # the tiny default fits: no error
     text = format_plan(p)
-    assert "DOES NOT FIT" in text and "MB" in text
-
-
-def test_phases_needed_is_the_fewest_that_fit():
-    base = [
-        *BERT_LARGE,
-        *FP16_LAMB,
-        "devices=16",
-        "mesh.pipeline=4",
-        "mesh.replica=4",
-        "model.remat=full",
-        "train.micro_batch=1",
-        "memory.rts=4",
-        "memory.offload=[optimizer]",
-        "memory.device=ipu-gc200",
-        "memory.device_budget=300MB",
-    ]
-    p = plan(cfg_of(*base))
-    assert not p["fits"] and p["phases"] is not None
-    k = p["phases"]
-    fit = plan(cfg_of(*base, f"memory.phases={k}", "memory.offload=[optimizer,params]"))
-    assert fit["fits"]
-    if k > 1:
-        smaller = max(d for d in range(1, k) if 6 % d == 0)
-        worse = plan(cfg_of(*base, f"memory.phases={smaller}", "memory.offload=[optimizer,params]"))
-        assert not worse["fits"]
+    assert "planner, cpu: DOES NOT FIT" in text and "MB" in text
 
 
 def test_efficientnet_takes_an_injected_param_count():
@@ -293,22 +266,29 @@ def test_suggestions_name_sequence_parallelism_and_chunks_with_their_bytes():
 
 
 def test_suggestion_streams_with_the_fewest_mlp_panels_that_fit():
-    """GPT-3 on a GC200 layer by layer (1.48 GB) or in 2 MLP blocks (1.07 GB) does not fit;
-    the suggestion is the fewest MLP blocks that do (4: 842 MB; each block costs the MLP's
-    collectives once more), with matrix streaming turned on if it is off. In a 700 MB budget
-    none fits: the suggestion is then the fewest blocks with the smallest total (8: 729 MB).
-    With the token table whole (864 MB) in an 800 MB budget: the fewest table blocks that
-    fit (4: 787 MB)."""
+    """GPT-3 POD256 in a device budget between the totals with 3 and 4 MLP panels: the
+    suggestion is the fewest panels that fit (4), with matrix streaming turned on if it is off;
+    in a budget below every total, the fewest panels with the smallest total. With the token
+    table whole, the fewest table blocks that fit. Budgets come from the plan's own totals."""
     from jaxpod.config import load_config
 
     path = ROOT / "configs" / "gpt3_175b_pod256.yaml"
-    layer = ["memory.stream=layer", "memory.mlp_panels=1"]
-    whole = ["memory.vocab_slices=1", "memory.device_budget=800MB"]
+
+    def total(*overrides):
+        return plan(load_config(path, list(overrides)))["bytes_per_device"]["device_total"]
+
+    panels = {k: total(f"memory.mlp_panels={k}") for k in (2, 3, 4, 8, 16)}
+    assert panels[2] > panels[3] > panels[4] > panels[8] == panels[16]  # 8: the RTS gather's
+    between = f"memory.device_budget={(panels[3] + panels[4]) // 2}B"
+    below = f"memory.device_budget={panels[8] // 2}B"
+    tables = {k: total("memory.vocab_slices=" + str(k)) for k in (1, 3, 4)}
+    table_budget = f"memory.device_budget={(tables[3] + tables[4]) // 2}B"
+    layer = ["memory.stream=layer", "memory.mlp_panels=1", between]
     for overrides, knob, fits in (
         (layer, "memory.stream=matrix memory.mlp_panels=4", True),
-        (["memory.mlp_panels=2"], "memory.mlp_panels=4", True),
-        (["memory.mlp_panels=4", "memory.device_budget=700MB"], "memory.mlp_panels=8", False),
-        (whole, "memory.vocab_slices=4", True),
+        (["memory.mlp_panels=2", between], "memory.mlp_panels=4", True),
+        (["memory.mlp_panels=4", below], "memory.mlp_panels=8", False),
+        (["memory.vocab_slices=1", table_budget], "memory.vocab_slices=4", True),
     ):
         p = plan(load_config(path, overrides))
         assert not p["fits"] and f"try: {knob} (" in p["suggestion"], p["suggestion"]

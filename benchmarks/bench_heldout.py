@@ -1,0 +1,99 @@
+"""The planner against XLA on mappings it was never tuned on, and on every preset.
+
+    python benchmarks/bench_heldout.py [--set heldout|presets] [--only TEXT] [--out FILE]
+
+(heldout) the rows of benchmarks/heldout.yaml, fixed in a commit before any fitting;
+(presets) every config in configs/, at its real size.
+Each row is compiled in a fresh subprocess with its own virtual device count
+(`jaxpod.run.aot.compile_step`, which reports XLA's device-resident arguments and temporaries
+beside the planner's prediction for the CPU backend's device profile). Prints a table,
+writes JSON (benchmarks/results/heldout.json or presets.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_worker, table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rows(which: str) -> list[dict]:
+    if which == "heldout":
+        return yaml.safe_load((ROOT / "benchmarks" / "heldout.yaml").read_text())
+    return [{"name": p.stem, "base": f"configs/{p.name}", "mesh": None, "overrides": []}
+            for p in sorted((ROOT / "configs").glob("*.yaml"))]  # fmt: skip
+
+
+def _overrides(row: dict) -> list[str]:
+    if row["mesh"] is None:
+        return list(row["overrides"])
+    r, p, t = row["mesh"]
+    mesh = [f"devices={r * p * t}", f"mesh.replica={r}", f"mesh.pipeline={p}", f"mesh.tensor={t}"]
+    return mesh + list(row["overrides"])
+
+
+def _worker(job: dict) -> dict:
+    from jaxpod.config import load_config
+    from jaxpod.parallel.mesh import make_mesh, select_devices
+    from jaxpod.run.aot import compile_step
+
+    cfg = load_config(ROOT / job["base"], job["overrides"])
+    return compile_step(cfg, make_mesh(cfg.mesh, select_devices(cfg.total_devices)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--set", default="heldout", choices=["heldout", "presets"])
+    ap.add_argument("--only", default="", help="rows whose name contains this text")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(json.loads(args.worker))))
+        return
+    from jaxpod.config import load_config
+
+    results, table_rows = {}, []
+    for row in rows(args.set):
+        if args.only not in row["name"]:
+            continue
+        over = _overrides(row)
+        devices = load_config(ROOT / row["base"], over).total_devices
+        t0 = time.perf_counter()
+        print(f"{row['name']}: compiling on {devices} devices ...", file=sys.stderr, flush=True)
+        try:
+            r = run_worker(__file__, {"base": row["base"], "overrides": over}, devices)
+        except RuntimeError as e:
+            print(f"  failed: {str(e).splitlines()[-1]}", file=sys.stderr)
+            table_rows.append([row["name"], devices, "failed", "", "", "", ""])
+            continue
+        results[row["name"]] = r
+        mb = lambda n: f"{n / 1e6:.1f}"  # noqa: E731
+        table_rows.append([
+            row["name"], devices,
+            f"{mb(r['device_argument_bytes'])} / {mb(r['planned_device_argument_bytes'])}",
+            f"{mb(r['temp_bytes'])} / {mb(r['planned_temp_bytes'])}",
+            mb(r["device_total_bytes"]), mb(r["planned_device_total_bytes"]),
+            f"{r['planned_ratio']:.2f}",
+        ])  # fmt: skip
+        print(f"  {time.perf_counter() - t0:.0f} s, planned / XLA {r['planned_ratio']:.2f}",
+              file=sys.stderr)  # fmt: skip
+    header = ["config", "devices", "args MB XLA / plan", "temps MB XLA / plan", "XLA MB",
+              "planned MB", "plan / XLA"]  # fmt: skip
+    print(table(f"planner vs XLA:CPU, {args.set}", header, table_rows))
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"{args.set}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
