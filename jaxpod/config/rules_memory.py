@@ -4,7 +4,7 @@ the resolved replica count. Split from `jaxpod.config.rules`, which calls `check
 `parse_bytes` reads sizes such as `900MB` or `16GiB`. jax-free, like every config module.
 """
 
-from jaxpod.config.rules import _check_fields, fail, get
+from jaxpod.config.fields import _check_fields, fail, get
 from jaxpod.config.schema import Config
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}

@@ -68,6 +68,7 @@ def test_choices_table_matches_defaults():
         "optim.schedule",
         "optim.moments",
         "train.pipeline_schedule",
+        "parallel.grad_allreduce",
         "data.name",
         "precision.params",
         "precision.compute",
@@ -718,9 +719,17 @@ def _config_imports(module: str) -> set[str]:
 
 
 def test_layers_import_downwards_only():
+    """schema <- fields <- rules_<topic> <- rules <- load: each imports only layers below."""
+    topics = {p.stem for p in (ROOT / "jaxpod" / "config").glob("rules_*.py")}
     assert _config_imports("schema") == set()
-    assert _config_imports("rules") == {"jaxpod.config.schema"}
-    assert _config_imports("load") == {"jaxpod.config.rules", "jaxpod.config.schema"}
+    assert _config_imports("fields") == {"jaxpod.config.schema"}
+    base = {"jaxpod.config.schema", "jaxpod.config.fields"}
+    for topic in topics:
+        assert _config_imports(topic) <= base, topic
+    below = base | {f"jaxpod.config.{t}" for t in topics}
+    assert {"jaxpod.config.schema"} <= _config_imports("rules") <= below
+    assert _config_imports("load") <= {"jaxpod.config.rules", *below}
+    assert "jaxpod.config.rules" in _config_imports("load")
     assert "TYPE_CHECKING" not in (ROOT / "jaxpod" / "config" / "rules.py").read_text()
 
 
