@@ -128,8 +128,12 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _warn_host_ram(cfg) -> None:
+    """A plan for this machine's virtual devices (`memory.device=cpu`) warns when training it
+    here would exceed the host's RAM; a plan for a pod's devices is about the pod."""
     from jaxpod.run.hostmem import host_ram_problem
 
+    if cfg.memory.device != "cpu":
+        return
     problem = host_ram_problem(cfg)
     if problem is not None:
         print(f"jaxpod: warning: `jaxpod train` would refuse this: {problem}", file=sys.stderr)

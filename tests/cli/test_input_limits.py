@@ -89,6 +89,9 @@ def test_train_refuses_a_model_the_host_ram_cannot_hold(tmp_path):
     plan = jaxpod("plan", TINY, "model.d_model=1000000")
     assert plan.returncode == 0, plan.stderr
     assert "jaxpod: warning: `jaxpod train` would refuse this: devices=8" in plan.stderr
+    # a plan for a pod's devices is about the pod, not this host: no warning
+    pod = jaxpod("plan", str(ROOT / "configs" / "gpt3_175b_pod256.yaml"))
+    assert pod.returncode == 0 and "warning" not in pod.stderr, pod.stderr
 
 
 @pytest.mark.cli
