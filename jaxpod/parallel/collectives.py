@@ -157,7 +157,7 @@ def ring_all_reduce(
         out = jnp.concatenate(
             [
                 _ring_all_reduce(h, Ring(axes, n, direction=d), dtype)
-                for h, d in zip(halves, (1, -1))
+                for h, d in zip(halves, (1, -1), strict=True)
             ]
         )
     elif hosts > 1:
@@ -165,11 +165,6 @@ def ring_all_reduce(
     else:
         out = _ring_all_reduce(flat, Ring(axes, n), dtype)
     return invariant(out[: x.size].reshape(x.shape), axis)
-
-
-def ring_bytes(nbytes: int, n: int) -> float:
-    """Bytes each device sends in a ring all-reduce of `nbytes` over n devices: 2(n-1)/n."""
-    return 2 * (n - 1) / n * nbytes
 
 
 def _names(axis: AxisName) -> tuple[str, ...]:

@@ -74,7 +74,8 @@ def run_all_reduces(n: int, todo, inputs):
 
     def local(xs):
         xs = [x[0] for x in xs]
-        rings = [ring_all_reduce(x, "x", **kinds[v])[None] for x, (v, _, _) in zip(xs, todo)]
+        pairs = zip(xs, todo, strict=True)
+        rings = [ring_all_reduce(x, "x", **kinds[v])[None] for x, (v, _, _) in pairs]
         psums = [jax.lax.psum(x, "x") for x in xs]
         return rings, psums, [jax.lax.psum(x.astype(jnp.float32), "x") for x in xs]
 
@@ -92,8 +93,9 @@ def ulp(values: np.ndarray, dtype) -> np.ndarray:
 def check_size(n: int) -> dict[str, float]:
     """Every case of axis size n; returns the worst |error| / allowed per kind of check."""
     todo = cases(n)
-    inputs, masks = zip(*(case_input(n, d, s, seed) for seed, (_, d, s) in enumerate(todo)))
-    rings, psums, wide = run_all_reduces(n, todo, list(inputs))
+    made = [case_input(n, d, s, seed) for seed, (_, d, s) in enumerate(todo)]
+    inputs, masks = [x for x, _ in made], [m for _, m in made]
+    rings, psums, wide = run_all_reduces(n, todo, inputs)
     worst: dict[str, float] = {}
 
     def within(kind: str, err, allowed, where: str) -> None:
