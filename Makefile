@@ -16,7 +16,7 @@ TB_PORT ?= 6006
 TEST_WORKERS ?= 2
 PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-.PHONY: demo test test-fast lint format tensorboard profile runs bench clean
+.PHONY: demo test test-fast lint format tensorboard profile runs bench notebooks figures clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,19 @@ runs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_core.py
+
+# The notebooks' sources are notebooks/NN_*.py (jupytext percent format); this writes each
+# paired .ipynb, executed, outputs included (a few minutes).
+NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.py)
+notebooks: $(STAMP)
+	$(BIN)/jupytext --to ipynb --update $(NOTEBOOKS)
+	$(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+		--ExecutePreprocessor.record_timing=False $(NOTEBOOKS:.py=.ipynb)
+
+# docs/figures/*.png from jaxpod and the committed data in docs/figures/data/ (a minute);
+# `$(BIN)/python -m jaxpod.figures --refresh compiled,meshes,digits` recomputes that data.
+figures: $(STAMP)
+	$(BIN)/python -m jaxpod.figures
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
