@@ -51,14 +51,23 @@ def presets_figure(compiled: dict | None = None):
     from jaxpod.planner.plan import plan
 
     compiled = data.load("compiled.json") if compiled is None else compiled
-    plans, xla = {}, {}
+    plans, xla, stale = {}, {}, []
     for name in data.PRESETS:
         label = PRESET_LABELS[name]
         plans[label] = plan(load_config(data.ROOT / "configs" / f"{name}.yaml"))
-        if compiled and name in compiled:
-            xla[label] = compiled[name]["device_total_bytes"]
+        entry = (compiled or {}).get(name)
+        if entry and entry.get("preset_digest") == data.preset_digest(name):
+            xla[label] = entry["device_total_bytes"]
+        else:
+            stale.append(name)
+    if stale:
+        print(
+            f"no XLA bar for {', '.join(stale)}: compiled.json does not hold this preset "
+            "(`python -m jaxpod.figures --refresh compiled`)",
+            file=sys.stderr,
+        )
     fig, ax = plt.subplots(figsize=(12, 4.6))
-    note = f", XLA:CPU compiled {compiled['date']}" if compiled else ""
+    note = f", XLA:CPU compiled {compiled['date']} ({compiled['commit']})" if xla else ""
     draw_bytes(ax, plans, xla, title=f"bytes per device of each preset: planner{note}")
     fig.tight_layout()
     return fig

@@ -3,18 +3,21 @@
     python -m jaxpod.figures --refresh compiled,meshes,digits   # minutes to tens of minutes
 
 - `compiled.json`: `jaxpod compile PRESET --json` of each full-size preset (XLA:CPU's
-  per-device arguments, temporaries and device total), one subprocess per preset.
+  per-device arguments, temporaries and device total), one subprocess per preset, with a
+  digest of the preset it compiled (a changed preset's bar is left out until refreshed).
 - `demo_meshes.json`: `jaxpod train configs/demo.yaml` for `MESH_STEPS` steps on each mesh
   of `MESHES` (the same global batch of 32 sequences everywhere), its `metrics.jsonl` kept.
 - `digits_1device.json`: `jaxpod train configs/efficientnet_digits.yaml` on one device (same
   micro-batch and global batch); the 8-device run is `docs/results/`.
 
-Each file records the command, the date, the jax version and this machine's CPU count
-beside the numbers. Runs execute through the CLI, exactly as a user would type them.
+Each file records the command, the date, the commit (and whether jaxpod/ or configs/ had
+uncommitted changes), the jax version and the CPU count beside the numbers. Runs execute
+through the CLI, exactly as a user would type them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -58,15 +61,31 @@ def _jaxpod(*args: str) -> str:
     return subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
 def _provenance(command: str) -> dict:
     import jax  # the version only; the subprocesses start their own jax
 
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", "jaxpod", "configs"))
+    commit = _git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if dirty else "")
     return {
         "command": command,
         "date": time.strftime("%Y-%m-%d"),
+        "commit": commit,
         "jax": jax.__version__,
         "cpus": os.cpu_count(),
     }
+
+
+def preset_digest(name: str) -> str:
+    """A digest of a preset's YAML content (not its comments): a compile is only shown
+    beside the planner while the preset is the one that was compiled."""
+    import yaml
+
+    content = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _write(name: str, data: dict) -> Path:
@@ -83,7 +102,7 @@ def refresh_compiled() -> Path:
     out = _provenance("jaxpod compile configs/PRESET.yaml --json")
     for name in PRESETS:  # written preset by preset: a long refresh keeps what it has
         result = json.loads(_jaxpod("compile", f"configs/{name}.yaml", "--json"))
-        out[name] = {k: result[k] for k in keep}
+        out[name] = {"preset_digest": preset_digest(name), **{k: result[k] for k in keep}}
         path = _write("compiled.json", out)
     return path
 
@@ -126,6 +145,7 @@ def refresh_meshes() -> Path:
         records = _train("configs/demo.yaml", mesh_overrides(mesh))
         runs[mesh_name(mesh)] = _curve(records, ("loss", "val_loss"))
     command = "jaxpod train configs/demo.yaml " + " ".join(mesh_overrides((2, 2, 2)))
+    command += "  (2x2x2 shown; each mesh with its own sizes: MESHES, jaxpod/figures/data.py)"
     return _write("demo_meshes.json", {**_provenance(command), "runs": runs})
 
 

@@ -67,7 +67,9 @@ def draw_bytes(
                 i - shift, value / 1e9, width, bottom=bottom / 1e9, color=COLOURS[kind], label=label
             )
             bottom += value
-        ax.text(i - shift, bottom / 1e9, format_bytes(bottom), ha="center", va="bottom", fontsize=7)
+        ax.text(
+            i - shift, bottom / 1e9, f"{bottom / 1e9:.2f}", ha="center", va="bottom", fontsize=7
+        )
         limit = p["device_memory_bytes"]
         ax.plot(
             [i - 0.48, i + 0.48],
@@ -103,7 +105,7 @@ def draw_bytes(
             ax.text(
                 i + shift,
                 other / 1e9,
-                format_bytes(other),
+                f"{other / 1e9:.2f}",
                 ha="center",
                 va="bottom",
                 fontsize=7,

@@ -167,4 +167,8 @@ def draw_measurements(axes, report: dict) -> None:
     axes[1].set(xlabel="micro-batches M", ylabel="ms per step", title="step time")
     for ax in axes:
         ax.set_xscale("log", base=2)
-        ax.legend(fontsize=7)
+        ms = sorted({int(x) for line in ax.get_lines() for x in line.get_xdata()})
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.minorticks_off()
+        if ax.get_lines():
+            ax.legend(fontsize=7)
