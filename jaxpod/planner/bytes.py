@@ -27,6 +27,9 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MOMENTS = {"adamw": 2, "lamb": 2, "sgd": 1, "lars": 1}
 TOKEN_BYTES = 4  # int32 token ids
 HEAD_LOGIT_COPIES = 3  # float32 logits, shifted logits, exp: live together in the loss head
+# with memory.vocab_slices > 1 the head's online softmax keeps a block's logits and its exp
+# (calibrated on bench_planner's vocab-slices row, docs/memory.md)
+SLICED_HEAD_LOGIT_COPIES = 2
 
 # EfficientNet (width, depth, native resolution) and approximate parameter counts with a
 # 1000-class head, for when the caller does not inject the exact count.
@@ -173,7 +176,8 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         head_tokens = tr.micro_batch * md.seq_len
     head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head blocks (as the engine)
     vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_slices  # logits of a row block
-    head = head_tokens * vocab_rows * 4 * HEAD_LOGIT_COPIES // head_chunks
+    copies = SLICED_HEAD_LOGIT_COPIES if cfg.memory.vocab_slices > 1 else HEAD_LOGIT_COPIES
+    head = head_tokens * vocab_rows * 4 * copies // head_chunks
     head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // head_chunks
     # memory.offload=activations earns nothing: the lowered step places no saved value on the
     # host (tests/planner/test_transfers.py), so every saved activation stays on the device
@@ -229,8 +233,9 @@ def device_bytes(
     elif rts > 1:  # the non-layer weights, and one layer at a time (recomputed in backward)
         per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
         layer = layout["local_layers"] / per_stage
-        if mem.stream == "matrix":  # the largest step's weights and their full-size grads
-            layer *= 2 * _step_share(cfg)
+        if mem.stream == "matrix":  # the largest step's panels, gathered (and their
+            # gradients reduce-scattered) one panel at a time: the panel is cut before the gather
+            layer *= _step_share(cfg)
         other = layout["local_other"]
         if mem.vocab_slices > 1:  # GPT's tables: one block of rows and its gradient at a time
             table = cfg.model.vocab // cfg.mesh.tensor * cfg.model.d_model
@@ -253,6 +258,8 @@ def device_bytes(
     # the device first (`StackedStages.update`), the reduced grads too. It holds the grads, a
     # same-size copy (unscaled/clipped) and the updates.
     moved_in = weights_all - weights + optimizer_all - optimizer
+    if (profile or get_profile(cfg.memory.device)).shares_host_memory:
+        moved_in = 0  # read in place (XLA:CPU)
     update_peak = moved_in + 2 * grads_update + updates
     # 16-bit masters of stacked layers: `jaxpod.optim.per_layer`, tensor by tensor
     if mb < 4 and cfg.kind.stages == "stacked":

@@ -4,7 +4,9 @@ can stream from (host DRAM / IPU streaming memory). Jax-free.
 The numbers are per device. `device_bytes` is the fast memory the step's arrays must fit in;
 `streaming_bytes` is the slower memory that offloaded state (`memory.offload`) and phased
 weights live in. A backend's known differences from the target are explicit properties, not
-fitted constants: XLA:CPU computes 16-bit dtypes in float32 (`widens_16bit`).
+fitted constants: XLA:CPU computes 16-bit dtypes in float32 (`widens_16bit`) and keeps both
+memory kinds in one RAM, so its update reads host-resident optimizer state in place
+(`shares_host_memory`: nothing is moved in; measured in docs/memory.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class DeviceProfile:
     streaming_bytes: int
     description: str
     widens_16bit: bool = False  # float16/bfloat16 activations are computed and kept in float32
+    shares_host_memory: bool = False  # host memory kinds are device memory: no moved-in copy
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -37,6 +40,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "virtual devices, so no per-device figure is real); host memory is the same RAM; "
             "16-bit compute runs in float32",
             widens_16bit=True,
+            shares_host_memory=True,
         ),
         DeviceProfile(
             "ipu-gc200",

@@ -89,10 +89,27 @@ def test_host_optimizer_state_is_moved_in_whole_for_the_update(mesh_for):
     to_host = {t for kind, t in placements if kind == "pinned_host"}
     assert host and host <= to_device and host <= to_host  # moved in, written back
     assert to_device | to_host <= {t for t, _ in arguments} | {"tensor<f32>", "tensor<i32>"}
-    b = plan(make_tiny_cfg("memory.offload=[optimizer]", "model.remat=full", mesh=(1, 1, 2)))
-    kept = plan(make_tiny_cfg("model.remat=full", mesh=(1, 1, 2)))["bytes_per_device"]
+    pod = ("memory.device=ipu-gc200", "model.remat=full")
+    b = plan(make_tiny_cfg("memory.offload=[optimizer]", *pod, mesh=(1, 1, 2)))
+    kept = plan(make_tiny_cfg(*pod, mesh=(1, 1, 2)))["bytes_per_device"]
     b = b["bytes_per_device"]
     assert b["optimizer"] == 0 and b["moved_in"] == kept["optimizer"] > 0
+
+
+def test_xla_cpu_reads_host_optimizer_state_in_place(mesh_for):
+    """The `cpu` profile's `shares_host_memory`: on XLA:CPU, where both memory kinds are one
+    RAM, offloading the optimizer state leaves the step's temporaries as they were (the update
+    reads it in place), so the planner moves nothing in on that backend."""
+    from jaxpod.run.aot import compile_step
+
+    results = []
+    for offload in ("[]", "[optimizer]"):
+        cfg = make_tiny_cfg(f"memory.offload={offload}", "model.remat=full", mesh=(2, 1, 1))
+        results.append(compile_step(cfg, mesh_for(cfg)))
+    kept, offloaded = results
+    assert offloaded["temp_bytes"] == kept["temp_bytes"]
+    assert offloaded["device_argument_bytes"] < kept["device_argument_bytes"]
+    assert offloaded["planned_temp_bytes"] == kept["planned_temp_bytes"]
 
 
 @pytest.mark.parametrize("remat", ["minimal", "attention"])
