@@ -15,11 +15,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import jupytext  # a dev dependency: missing, the pairing check must fail, not skip
+import nbformat
 import pytest
 from helpers import ROOT
-
-jupytext = pytest.importorskip("jupytext")
-nbformat = pytest.importorskip("nbformat")
 
 FOLDER = ROOT / "notebooks"
 SOURCES = sorted(FOLDER.glob("[0-9][0-9]_*.py"))
