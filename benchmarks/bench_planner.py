@@ -73,7 +73,7 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((1, 2, 1), "full", 8, []),
     ((1, 2, 1), "full", 8, ["train.pipeline_group=2"]),
     # streamed matrix by matrix (memory.stream=matrix), the MLP in 2 or 4 blocks; the d 512
-    # case is tests/test_planner.py::test_matrix_stream_shrinks_compiled_memory's
+    # case is tests/planner/test_plan_vs_xla.py::test_matrix_stream_shrinks_compiled_memory's
     ((4, 1, 1), "full", 2, [*RTS4, *MATRIX, "memory.mlp_panels=2"]),
     ((4, 2, 1), "full", 4, [*WEIGHTS, "model.layers=8", *RTS4, *MATRIX, "memory.mlp_panels=2"]),
     ((1, 2, 4), "full", 4, ["model.sequence_parallel=true", "model.sequence_chunks=8", *MATRIX]),

@@ -294,8 +294,9 @@ for kind, v in [("gpipe", 1), ("circular", 2), ("1f1b", 1)]:
 
 # %% [markdown]
 # What the tables promise, measured: `benchmarks/bench_schedules.py` compiles and times the
-# train step of a GPT (8 layers, d 256) under each schedule for several `M`, and writes
-# `benchmarks/results/schedules.json`. Left: XLA's compiled bytes per device on a 1 × 4 × 1
+# train step of a GPT (8 layers, d 256) under each schedule for several `M`; its JSON is kept
+# in `docs/figures/data/schedules.json` (the tables: `docs/benchmarks.md`). Left: XLA's
+# compiled bytes per device on a 1 × 4 × 1
 # mesh (the planner's prediction dashed): gpipe and circular grow with `M`, 1f1b does not.
 # Right: the step time on this machine.
 

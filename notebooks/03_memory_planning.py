@@ -20,12 +20,13 @@
 # weights, gradients, optimizer state and activations, which of them stay on the device and which
 # live in host (IPU *streaming*) memory, and whether the mapping fits the device profile. This
 # notebook draws those numbers for the reference mappings (section 1), shows what replicated
-# tensor sharding (RTS) and phased execution change (section 2), and runs a tiny GPT whose layer
-# weights live in host memory and are streamed in phases, with the measured bytes by memory kind and a trace of
-# what XLA actually executes on CPU (section 3).
+# tensor sharding (RTS), phases and finer gathers change (section 2), and runs a tiny GPT whose
+# layer weights rest in host memory, with the measured bytes by memory kind and a trace of what
+# XLA executes on CPU (section 3).
 #
-# The byte model is checked against XLA's `memory_analysis()` of the compiled step in
-# `tests/test_planner.py` (within 15 %).
+# The planner credits only what the compiled step does (`tests/planner/test_transfers.py` finds
+# each transfer in the lowered program); `jaxpod compile` prints XLA's bytes beside the
+# planner's for the compiling backend, and `docs/memory.md` has its accuracy on a held-out set.
 
 # %%
 import os
@@ -55,9 +56,9 @@ CONFIGS = ROOT / "configs"
 #
 # | preset | model | mesh (replica × pipeline × tensor) |
 # |---|---|---|
-# | `bert_large_pod16` | BERT-Large, seq 128, LAMB state in streaming memory | 4 × 4 × 1 |
-# | `bert_large_pod16_pipeline8` | BERT-Large, seq 512, everything on chip | 2 × 8 × 1 |
-# | `gpt3_175b_pod256` | GPT-3 175B, phases 12, RTS 4, everything offloadable offloaded | 4 × 8 × 8 |
+# | `bert_large_pod16` | BERT-Large, seq 128, RTS 4, LAMB state resting in streaming memory | 4 × 4 × 1 |
+# | `bert_large_pod16_pipeline8` | BERT-Large, seq 512, RTS 2, everything on chip | 2 × 8 × 1 |
+# | `gpt3_175b_pod256` | GPT-3 175B, RTS 4, layers and LAMB state resting in streaming memory | 4 × 8 × 8 |
 # | `efficientnet_b4_g16_pod16` | EfficientNet-B4 G16, 380², FP16 + LARS | 8 × 2 × 1 |
 #
 # (and the POD64, POD128 and POD256 versions of the EfficientNet preset). The device total is the
@@ -98,27 +99,25 @@ for name, p in plans.items():
           f"  fits {p['fits']}")
 
 # %% [markdown]
-# The two BERT-Large mappings fit: on 4 stages only because the LAMB moments live in streaming
-# memory, on 8 stages with everything on chip (FP16 master weights with stochastic rounding and
-# FP16 moments are what make it fit). **GPT-3 fits a GC200 only with every one of jaxpod's memory
-# knobs turned** (729 MB of 900 MB; layer by layer it would need 1.48 GB). The full table of the
-# GPT-3 preset:
+# The planner says the two BERT-Large mappings fit: on 4 stages with RTS 4 and the float32 LAMB
+# moments resting in streaming memory (moved to the device whole for the update), on 8 stages
+# with RTS 2 and everything on chip. **GPT-3 does not fit a GC200 with the program jaxpod
+# compiles**: the step moves a stage's host-resident layers in whole and keeps them for the
+# step, and moves the LAMB state in whole for the update. The full table of the GPT-3 preset:
 
 # %%
 print(format_plan(plans["gpt3_175b_pod256"]))
 
 # %% [markdown]
-# Why: at tensor 8 one layer's float16 weights are `12·d²/8 × 2 B ≈ 453 MB` per device once
-# all-gathered over the RTS group for use, and 113 MB at rest (RTS 4). The preset therefore
-# streams each layer matrix by matrix (`memory.stream=matrix`, the MLP in `memory.mlp_panels=8`
-# blocks): each step fetches only the blocks it reads from streaming memory and gathers them,
-# so two steps' blocks (19 MB), not two layers (226 MB), are on the device, and one 38 MB block
-# is gathered at a time. The token table (155 MB once gathered) is used 16 blocks of rows at a
-# time (`memory.vocab_slices=16`), so a 10 MB block is gathered, never the table. What remains
-# is mostly activations (510 MB: the pipeline's buffers, 233 MB, and the backward pass's working
-# set, 264 MB — the recomputed layer's: under tensor parallelism XLA does not shrink it to one
-# step's, but with RTS it keeps one token block's MLP hidden units, `docs/benchmarks.md`). The
-# same mapping fits an 80 GB H100 comfortably:
+# Why: a device stores 1/256 of 175 B float16 weights, 1.37 GB, and the step holds all of them
+# (plus their gradients) because jax 0.10.2 lowers no per-phase transfer; the float32 LAMB state
+# (5.6 GB) is moved in whole for the update. What the gathers do earn: at tensor 8 one layer's
+# weights are `12·d²/8 × 2 B ≈ 453 MB` once all-gathered over the RTS group, so the preset runs
+# each layer matrix by matrix (`memory.stream=matrix`, the MLP in `memory.mlp_panels=8` panels)
+# and gathers one panel at a time, and uses the token table 16 blocks of rows at a time
+# (`memory.vocab_slices=16`). Fitting a GC200 would take the pod's phased execution (one
+# phase's weights on the device at a time) and an update streamed layer by layer. The same
+# mapping fits an 80 GB H100:
 
 # %%
 for device in ("ipu-gc200", "tpu-v5e", "h100-80gb"):
@@ -135,11 +134,10 @@ for device in ("ipu-gc200", "tpu-v5e", "h100-80gb"):
 # stages × 4 replicas with everything on the device. The weights and LAMB state shrink by `k`,
 # but the gathered working copy of the stage's weights is added back while it runs.
 #
-# **Phases** (`memory.phases = K`, with `memory.offload=[params]`) keep the stage's layer stack in
-# host memory and bring it in `K` pieces; two pieces are on the device at a time (the running one
-# and the prefetched next), so the resident layer weights fall as `min(1, 2/K)`. Below: GPT-3
-# 175B on its POD256 mesh, streamed layer by layer, for every divisor `K` of its 12 layers per
-# stage.
+# **Phases** (`memory.phases = K`, with `memory.offload=[params]`) run the stage's layers as `K`
+# scans. In jax 0.10.2 the lowered step has no per-phase transfer: the host-resident stack comes
+# in whole, so the planner gives every `K` the same bytes. Below: GPT-3 175B on its POD256 mesh,
+# layer by layer, for every divisor `K` of its 12 layers per stage: the bars are equal.
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -167,26 +165,18 @@ table({**rts_plans, **phase_plans}, "weights", "optimizer", "gathered", "device_
 # With nothing offloaded, BERT-Large on 4 stages needs 1.14 GB; `rts 4` brings it to 548 MB: the
 # weights, the optimizer state and the gradients (reduce-scattered layer by layer as the backward
 # pass leaves them) all shrink by 4, and only the all-gathered working copy of one layer and the
-# embeddings is paid back. `rts_optimizer` alone shrinks only the LAMB state (816 MB).
-# (The preset streams the LAMB state from host memory instead: 708 MB on the device.)
-# For GPT-3 streamed layer by layer, phases take the resident layer weights from 1.40 GB to
-# 267 MB per device (`K = 12`, one layer per phase; `K = 1` and `K = 2` are the same because two
-# phases are always resident) and the device total from 4.71 GB to 1.48 GB, still well above the
-# GC200's 900 MB.
+# embeddings is paid back. `rts_optimizer` alone shrinks only the LAMB state.
+# For GPT-3, the phases change no byte (the stack comes in whole).
 #
-# **Streaming finer than a layer** (`memory.stream=matrix`): each layer runs as steps of one
-# weight matrix each — queries, keys, values, `W_o`, and the MLP in `memory.mlp_panels` blocks of
-# hidden units. A step fetches only its blocks from streaming memory (the phase becomes the
-# step: two steps' blocks resident, whatever `K`) and gathers only them (its gradient
-# reduce-scattered and written back as soon as the step's backward pass produces it). The
-# price: the backward pass recomputes the layer's forward once more, and `k` MLP blocks move the
-# MLP's activations over the tensor axis `k` times. Past 8 blocks nothing changes: `W_o` and a
-# third of `W_qkv` are as large as an MLP block. XLA agrees on small configs
-# (`tests/test_planner.py`) and on GPT-3 itself its temporaries fall from 7.6 to 6.3 GB
-# (`docs/benchmarks.md`); that the fetches happen step by step is checked in the program
-# (`tests/test_memory.py`), but jax 0.10.2 executes host transfers once per step (see the
-# README). The last unit is the token table's (`memory.vocab_slices`, right): whole, its
-# gathered copy and its gradient cost 155 MB; in 16 blocks of rows, 19 MB.
+# **Gathering finer than a layer** (`memory.stream=matrix`): with RTS, each layer runs as steps
+# of one weight matrix each — queries, keys, values, `W_o`, and the MLP in `memory.mlp_panels`
+# panels of hidden units — and a step all-gathers only its panel (cut from the local shard
+# before the gather; its gradient reduce-scattered as the step's backward pass produces it,
+# `tests/planner/test_transfers.py` finds the panel-sized gathers). The price: the backward
+# pass recomputes the layer's forward once more, and `k` MLP panels move the MLP's activations
+# over the tensor axis `k` times. Past 8 panels nothing changes: `W_o` and a third of `W_qkv`
+# are as large as an MLP panel. The last unit is the token table's (`memory.vocab_slices`,
+# right): gathered whole, or one block of rows at a time.
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -206,7 +196,7 @@ table({**stream_plans, **vocab_plans}, "weights", "grads", "gathered", "activati
 # ## 3 · An offloaded run: bytes by memory kind, and the trace
 #
 # A tiny GPT (4 layers, d 64, the `tiny.yaml` preset) on 2 × 2 × 2 = 8 virtual devices, with its
-# weights in host memory (`memory.offload=[params]`, JAX's `pinned_host` memory kind) and each
+# weights resting in host memory (`memory.offload=[params]`, JAX's `pinned_host` memory kind) and each
 # stage's 2 layers run in `memory.phases=2` phases. `jaxpod.run.mapping.bytes_per_device`
 # measures the live arrays of the state by memory kind on every device; XLA reports the
 # temporary bytes of the compiled step.

@@ -5,7 +5,7 @@
 
 The figures come from jaxpod itself (the schedule tables, the planner, `stochastic_round`)
 and from committed data: `docs/figures/data/` (see `jaxpod.figures.data`, recomputed with
-`--refresh`), `docs/results/` (the digits run) and `benchmarks/results/schedules.json`
+`--refresh`), `docs/results/` (the digits run) and `docs/figures/data/schedules.json`
 (`benchmarks/bench_schedules.py`). A figure whose data is missing is skipped with a message.
 Each `*_figure()` returns a matplotlib figure; the notebooks call the same functions.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from jaxpod.figures import data, save
 
 OUT = data.ROOT / "docs" / "figures"
-SCHEDULE_BENCH = data.ROOT / "benchmarks" / "results" / "schedules.json"
+SCHEDULE_BENCH = data.ROOT / "docs" / "figures" / "data" / "schedules.json"
 PRESET_LABELS = {
     "bert_large_pod16": "BERT-L POD16\n4x4x1",
     "bert_large_pod16_pipeline8": "BERT-L POD16\n2x8x1, seq 512",

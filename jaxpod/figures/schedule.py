@@ -127,7 +127,7 @@ def _series(section: dict, prefix: str, kind: str) -> tuple[list[int], list[dict
 
 
 def draw_measurements(axes, report: dict) -> None:
-    """`benchmarks/results/schedules.json` (written by `benchmarks/bench_schedules.py`):
+    """`docs/figures/data/schedules.json` (`benchmarks/bench_schedules.py`'s JSON):
     XLA's compiled device total against M on 1x4x1 (the planner's dashed) on `axes[0]`, the
     measured step time against M on each mesh on `axes[1]`."""
     colours = {kind: f"C{i}" for i, (kind, _) in enumerate(CASES)}

@@ -3,7 +3,7 @@
 `plan(cfg)` is analytic and instant: it imports no jax and builds no model. Parameter counts
 come from the model's formulas, per-device bytes from the parameter layout of `jaxpod.parallel.mesh`
 (`LOGICAL_TO_MESH`), activations from a model of what the train step keeps alive, checked
-against XLA's `memory_analysis()` of the compiled step in `tests/test_planner.py`.
+against XLA's `memory_analysis()` of the compiled step in `tests/planner/test_plan_vs_xla.py`.
 
 Parameter counts (D = d_model, F = d_ff, V = vocab, T = seq_len, L = layers):
 

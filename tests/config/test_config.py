@@ -487,7 +487,9 @@ COMPANIONS = {
     ("data.name", "image-folder"): ["model.name=efficientnet", "data.path=/some/dir"],
     ("memory.stream", "matrix"): ["model.remat=full"],
     ("train.pipeline_schedule", "circular"): [
-        "mesh.pipeline=2", "train.grad_accum=2", "train.virtual_stages=2"
+        "mesh.pipeline=2",
+        "train.grad_accum=2",
+        "train.virtual_stages=2",
     ],
     ("train.pipeline_schedule", "1f1b"): ["mesh.pipeline=2"],
 }
