@@ -27,8 +27,14 @@ class DataError(UserError):
 
 
 def one_line(text: object, limit: int = 600) -> str:
-    """`text` on one line; words over 80 characters (pasted values) and the whole line cut."""
-    words = [w if len(w) <= 80 else f"{w[:60]}...{w[-12:]}" for w in str(text).split()]
+    """`text` on one line; words over 80 characters (pasted values; paths over 300) and the
+    whole line cut."""
+
+    def cut(w: str) -> str:
+        longest = 300 if "/" in w else 80
+        return w if len(w) <= longest else f"{w[: longest - 20]}...{w[-12:]}"
+
+    words = [cut(w) for w in str(text).split()]
     line = " ".join(words)
     return line if len(line) <= limit else line[: limit - 3] + "..."
 

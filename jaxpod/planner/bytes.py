@@ -278,16 +278,14 @@ def device_bytes(
         updates = layout["local_layers"] / rts * mb + block * 4 * 8
         update_peak = moved_in + grads_update + updates
     device_total = weights + optimizer + inputs + gathered + max(backward_peak, update_peak)
-    host_weights = 0
-    if "params" in offload:  # the host holds the stage's layer weights (the source of truth)
+    # what rests on the host: every weight with params offloaded, the layer stack with phases
+    host_weights = weights_all if "params" in offload else 0
+    if "params" not in offload and mem.phases > 1:
         host_weights = weights_all * layout["local_layers"] / max(local, 1)
     host_total = host_weights + (optimizer_all - optimizer) + acts.get("host", 0)
-    # what the device stores between steps (XLA's device-resident arguments): the weights,
-    # only the non-layer ones if the layers are host-resident, the optimizer state unless
-    # offloaded, and the batch
-    stored = weights_all
-    if "params" in offload:
-        stored *= layout["local_other"] / max(local, 1)
+    # what the device stores between steps (XLA's device-resident arguments): the weights
+    # that do not rest on the host, the optimizer state unless offloaded, and the batch
+    stored = weights_all - host_weights
     return {
         "weights": int(weights),
         "grads": int(grads),

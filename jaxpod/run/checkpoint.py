@@ -100,7 +100,9 @@ def _bits(x: jax.Array) -> jax.Array:
 
 def _leaf_sums(x: jax.Array) -> jax.Array:
     """uint32[2]: the sum of `x`'s bits and their position-weighted sum (mod 2^32). Integer
-    sums are exact in any order, so the result does not depend on the sharding."""
+    sums are exact in any order, so the result does not depend on the sharding. A leaf in
+    host memory (`memory.offload`) is read into device memory first."""
+    x = jax.device_put(x, jax.memory.Space.Device)
     bits = _bits(x)
     position = jnp.zeros(x.shape, jnp.uint32)
     stride = 1

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cli
 
 REQUIRED = (
     "devices replica pipeline tensor micro_batch grad_accum global_batch params "
-    "weight_fraction_per_device bytes_per_device device_memory_bytes fits phases"
+    "weight_fraction_per_device bytes_per_device device_memory_bytes fits"
 ).split()
 PER_DEVICE = "weights grads optimizer activations device_total host_total".split()
 
