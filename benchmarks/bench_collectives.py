@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_worker, table  # noqa: E402
+from common import run_worker, table, time_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
@@ -74,15 +74,7 @@ def _worker(job: dict) -> dict:
     asked = _asked(engine, state, batch)
     step = engine.train_step.lower(state, batch).compile()
     hlo = step.as_text()
-    for _ in range(2):  # warm-up
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(job["repeats"]):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
+    state, metrics, times = time_steps(step, state, batch, job["repeats"])
     size = lambda dtype, dims: BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
     grad_bytes = sum(p.size * p.dtype.itemsize for p in jax.tree.leaves(state.params))
     return {

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_worker, table  # noqa: E402
+from common import run_worker, table, time_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
@@ -71,15 +71,7 @@ def _worker(job: dict) -> dict:
     tokens = np.random.default_rng(0).integers(0, 256, shape).astype(np.int32)
     batch = jax.device_put((tokens,), engine.batch_sharding)
     step = engine.train_step.lower(state, batch).compile()
-    for _ in range(2):  # warm-up
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(job["repeats"]):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
+    state, metrics, times = time_steps(step, state, batch, job["repeats"])
     return {"step_s": float(np.median(times)), "step_s_min": float(np.min(times))}
 
 

@@ -28,6 +28,25 @@ def run_worker(script: str, job: dict, devices: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def time_steps(step, state, batch, repeats: int, warmup: int = 2):
+    """Run `state, metrics = step(state, batch)` `warmup` times, then time `repeats` steps
+    (each waited for). Returns `(state, the last metrics, seconds per step)`."""
+    import time
+
+    import jax
+
+    for _ in range(warmup):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return state, metrics, times
+
+
 def table(title: str, header: list[str], rows: list[list]) -> str:
     """A markdown table under a `### title` heading, columns padded to their widest cell."""
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
