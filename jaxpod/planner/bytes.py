@@ -20,6 +20,7 @@ import math
 
 from jaxpod.config import Config
 from jaxpod.optim.strips import strips
+from jaxpod.planner import efficientnet
 from jaxpod.planner.counts import block_params
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 
@@ -30,17 +31,6 @@ HEAD_LOGIT_COPIES = 3  # float32 logits, shifted logits, exp: live together in t
 # with memory.vocab_slices > 1 the head's online softmax keeps a block's logits and its exp
 # (calibrated on bench_planner's vocab-slices row, docs/memory.md)
 SLICED_HEAD_LOGIT_COPIES = 2
-
-# EfficientNet (width, depth, native resolution) and approximate parameter counts with a
-# 1000-class head, for when the caller does not inject the exact count.
-EFFICIENTNET = {
-    "b0": (1.0, 1.0, 224, 5.3e6),
-    "b1": (1.0, 1.1, 240, 7.8e6),
-    "b2": (1.1, 1.2, 260, 9.2e6),
-    "b3": (1.2, 1.4, 300, 12.2e6),
-    "b4": (1.4, 1.8, 380, 19.3e6),
-}
-EFFICIENTNET_ACT_PER_PIXEL = 80.0  # saved activation scalars per input pixel, B0, no remat
 
 
 # ----------------------------------------------------------------------------- activations
@@ -138,22 +128,11 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     md, mesh, tr = cfg.model, cfg.mesh, cfg.train
     profile = profile or get_profile(cfg.memory.device)
     cb = compute_bytes(cfg, profile)
-    if md.name == "efficientnet":
-        width, depth, _, _ = EFFICIENTNET[md.variant]
-        per_image = EFFICIENTNET_ACT_PER_PIXEL * width * depth * md.image_size**2 * cb
-        if md.remat != "none":
-            per_image *= 0.25
-        in_flight = cfg.pipeline_group + mesh.pipeline - 1 if mesh.pipeline > 1 else 1
-        saved = int(per_image * tr.micro_batch * in_flight / mesh.pipeline)
-        return {
-            "saved": saved,
-            "pipeline_buffers": 0,
-            "head": 0,
-            "layer_work": 0,
-            "total": saved,
-            "ticks": in_flight,
-            "estimated": True,
-        }
+    if md.name == "efficientnet":  # packed heterogeneous stages: jaxpod.planner.efficientnet
+        from jaxpod.planner.counts import efficientnet_stage_params
+
+        row = max(efficientnet_stage_params(cfg))  # n_max: every stage's row is this long
+        return efficientnet.activation_bytes(cfg, cb, row, DTYPE_BYTES[cfg.precision.params])
     sets = _layer_sets(cfg, cb)
     # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)
     stages, micro, per_stage = mesh.pipeline, cfg.pipeline_group, md.layers // mesh.pipeline
@@ -261,6 +240,8 @@ def device_bytes(
     if (profile or get_profile(cfg.memory.device)).shares_host_memory:
         moved_in = 0  # read in place (XLA:CPU)
     update_peak = moved_in + 2 * grads_update + updates
+    if "update_work" in acts:  # packed rows: the update's whole-row working set
+        update_peak = moved_in + grads_update + acts["update_work"]
     # 16-bit masters of stacked layers: `jaxpod.optim.per_layer`, tensor by tensor
     if mb < 4 and cfg.kind.stages == "stacked":
         md, mesh, devices = cfg.model, cfg.mesh, cfg.total_devices
