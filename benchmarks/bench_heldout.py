@@ -1,13 +1,15 @@
 """The planner against XLA on mappings it was never tuned on, and on every preset.
 
-    python benchmarks/bench_heldout.py [--set heldout|presets] [--only TEXT] [--out FILE]
+    python benchmarks/bench_heldout.py [--set heldout|presets|calibration-efficientnet]
+                                       [--only TEXT] [--out FILE]
 
 (heldout) the rows of benchmarks/heldout.yaml, fixed in a commit before any fitting;
-(presets) every config in configs/, at its real size.
+(presets) every config in configs/, at its real size; (calibration-efficientnet) the rows of
+benchmarks/calibration_efficientnet.yaml, the configs EfficientNet's byte model was read off.
 Each row is compiled in a fresh subprocess with its own virtual device count
 (`jaxpod.run.aot.compile_step`, which reports XLA's device-resident arguments and temporaries
 beside the planner's prediction for the CPU backend's device profile). Prints a table,
-writes JSON (benchmarks/results/heldout.json or presets.json).
+writes JSON (benchmarks/results/<set>.json).
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from common import run_worker, table  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+ROW_FILES = {"heldout": "heldout.yaml", "calibration-efficientnet": "calibration_efficientnet.yaml"}
+
+
 def rows(which: str) -> list[dict]:
-    if which == "heldout":
-        return yaml.safe_load((ROOT / "benchmarks" / "heldout.yaml").read_text())
+    if which in ROW_FILES:
+        return yaml.safe_load((ROOT / "benchmarks" / ROW_FILES[which]).read_text())
     return [{"name": p.stem, "base": f"configs/{p.name}", "mesh": None, "overrides": []}
             for p in sorted((ROOT / "configs").glob("*.yaml"))]  # fmt: skip
 
@@ -53,7 +58,7 @@ def _worker(job: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--set", default="heldout", choices=["heldout", "presets"])
+    ap.add_argument("--set", default="heldout", choices=[*ROW_FILES, "presets"])
     ap.add_argument("--only", default="", help="rows whose name contains this text")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
