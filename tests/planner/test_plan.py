@@ -186,7 +186,8 @@ def test_efficientnet_takes_an_injected_param_count():
         "model.pipeline_splits=[4a]",
     )
     p = plan(cfg, params_override=1_234_567)
-    assert p["params"] == 1_234_567 and p["activations_breakdown"]["estimated"]
+    assert p["params"] == 1_234_567  # activations come from the real stages' structure
+    assert not p["activations_breakdown"]["estimated"]
 
 
 PODS = [(16, 8, 256), (64, 32, 64), (128, 64, 32), (256, 128, 16)]
@@ -208,18 +209,19 @@ def test_efficientnet_b4_g16_pod_presets(pod, replica, grad_accum):
     assert p["flops_per_example"] == flops_per_image("b4", 380, 1000, g16=True)
 
 
-def test_a_smaller_gpipe_pass_is_suggested_and_fits():
+def test_a_smaller_gpipe_pass_shrinks_the_carries():
     """EfficientNet-B4 G16 on a POD16 runs 256 micro-batches through one GPipe pass: 257
-    ticks of saved stage inputs do not fit a GC200. The planner suggests the largest
-    `train.pipeline_group` that fits, and with it the activations shrink by (16+1)/(256+1)."""
+    ticks of saved stage inputs do not fit a GC200 (the planner suggests 1F1B). A smaller
+    `train.pipeline_group` shrinks the GPipe carries (every tick's input and output, the
+    embedded micro-batches: 2 (M + 1) + M of them) by (2·17 + 16) / (2·257 + 256)."""
 
     path = ROOT / "configs" / "efficientnet_b4_g16_pod16.yaml"
     p = plan(load_config(path))
-    assert not p["fits"] and "train.pipeline_group=16 (" in p["suggestion"]
+    assert not p["fits"] and "train.pipeline_schedule=1f1b" in p["suggestion"]
     q = plan(load_config(path, ["train.pipeline_group=16"]))
-    assert q["fits"] and q["pipeline_group"] == 16
+    assert q["pipeline_group"] == 16
     ratio = q["activations_breakdown"]["saved"] / p["activations_breakdown"]["saved"]
-    assert ratio == pytest.approx(17 / 257, rel=1e-3)
+    assert ratio == pytest.approx(50 / 770, rel=1e-3)
 
 
 def test_param_layout_matches_the_model():
