@@ -1,7 +1,11 @@
 """A fact about XLA:CPU's compiled train step that the planner's byte model does not yet
 count (docs/memory.md, "What the planner does not count"): the donated optimizer state is
 copied whole. The update reads each old moment after the new one is written into its donated
-buffer, so copy insertion copies every moment. Where the scheduler places the copies decides
+buffer, so copy insertion copies every moment. The cause is the guard (`jaxpod.optim.guarded`):
+`where(finite, new, old)` writes each new moment over its donated buffer, while the parameters'
+update, fused apart, recomputes the new moment from the old one; nothing orders the two
+readers, so XLA keeps the old moment in a copy. Without the guard there is no copy (the
+update then reads the written moment). Where the scheduler places the copies decides
 how long they live: in bench_schedules' cells (read with benchmarks/xla_peak.py) they precede
 the tick loops and are alive through the backward pass; the printed HLO's order is not the
 schedule, so this test checks the copies' bytes only.
@@ -48,3 +52,32 @@ def test_cpu_copies_the_whole_optimizer_state(mesh, more, tiny_cfg, mesh_for):
     optimizer = plan(cfg)["bytes_per_device"]["optimizer"]
     print(f"{mesh} {more}: copies {copied / 1e6:.2f} MB, optimizer {optimizer / 1e6:.2f} MB")
     assert copied == pytest.approx(optimizer, rel=0.01)
+
+
+def _copied_moments(guard: bool) -> int:
+    """Copies of donated [512, 512] state in optax AdamW's jitted step, with or without a
+    `where(finite, new, old)` guard over the new params and moments."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    opt = optax.adamw(1e-3)
+    params = {"w": jnp.zeros((512, 512))}
+
+    def step(p, s, g):
+        updates, new_s = opt.update(g, s, p)
+        new_p = optax.apply_updates(p, updates)
+        if guard:
+            ok = jnp.isfinite(optax.global_norm(g))
+            new_p, new_s = (jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+                            for new, old in ((new_p, p), (new_s, s)))  # fmt: skip
+        return new_p, new_s
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    hlo = step.lower(params, opt.init(params), params).compile().as_text()
+    return len(re.findall(r"= f32\[512,512\]\S* copy\(", hlo[hlo.index("ENTRY") :]))
+
+
+def test_the_guard_is_why_the_moments_are_copied():
+    """AdamW's two moments are copied only when the update is guarded."""
+    assert (_copied_moments(guard=False), _copied_moments(guard=True)) == (0, 2)
