@@ -29,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import run_worker, table, time_steps  # noqa: E402
 
+from jaxpod.platform import virtual_cpu_flags  # noqa: E402  (jax-free)
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
 MODEL += ["model.seq_len=128", "model.remat=none", "train.micro_batch=2", "train.grad_accum=1"]
@@ -118,7 +120,7 @@ def run(name: str, processes: int, repeats: int) -> dict:
     with socket.socket() as sock:  # a free port on loopback for the coordinator
         sock.bind(("127.0.0.1", 0))
         job["port"] = sock.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}")
+    env = dict(os.environ, XLA_FLAGS=virtual_cpu_flags(8 // processes))
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--worker", json.dumps(job | {"pid": i})],

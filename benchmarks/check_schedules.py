@@ -19,9 +19,12 @@ import os
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
+
+from jaxpod.platform import virtual_cpu_flags  # noqa: E402  (jax-free)
+
+os.environ["XLA_FLAGS"] = virtual_cpu_flags(8)  # before jax starts
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_RTOL, GRAD_TOL = 1e-6, 3e-6

@@ -1,5 +1,6 @@
 """What the benchmark scripts share: running a job in a fresh subprocess with its own virtual
-device count (fixed when jax starts), and printing a markdown table."""
+device count (fixed when jax starts) and the XLA flags every jaxpod process compiles with
+(`jaxpod.platform.virtual_cpu_flags`), and printing a markdown table."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxpod.platform import virtual_cpu_flags  # jax-free
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_worker(script: str, job: dict, devices: int) -> dict:
     """`python script --worker JOB` with `devices` virtual CPU devices; its last stdout line
     is the JSON result."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, XLA_FLAGS=virtual_cpu_flags(devices))
     proc = subprocess.run(
         [sys.executable, script, "--worker", json.dumps(job)],
         capture_output=True,

@@ -10,14 +10,20 @@ import os
 MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
-def use_virtual_cpu_devices(count: int) -> None:
-    """Ask XLA for `count` virtual CPU devices (ignored by TPU/GPU backends), scheduled to
-    minimise memory (`MEMORY_SCHEDULER`, unless `XLA_FLAGS` already sets that flag).
-
-    Must run before jax initialises its backend: the flags are read once, at start-up.
-    """
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+def virtual_cpu_flags(count: int, existing: str = "") -> str:
+    """`existing` XLA flags with the device count set to `count` and, unless they already set
+    it, the memory-minimising scheduler (`MEMORY_SCHEDULER`): the flags every jaxpod process
+    (CLI, tests, benchmark workers) compiles with, so they all measure the same program."""
+    flags = [f for f in existing.split() if "device_count" not in f]
     flags.append(f"--xla_force_host_platform_device_count={count}")
     if not any(f.split("=")[0] == MEMORY_SCHEDULER.split("=")[0] for f in flags):
         flags.append(MEMORY_SCHEDULER)
-    os.environ["XLA_FLAGS"] = " ".join(flags)
+    return " ".join(flags)
+
+
+def use_virtual_cpu_devices(count: int) -> None:
+    """Ask XLA for `count` virtual CPU devices (ignored by TPU/GPU backends) with
+    `virtual_cpu_flags`. Must run before jax initialises its backend: the flags are read once,
+    at start-up.
+    """
+    os.environ["XLA_FLAGS"] = virtual_cpu_flags(count, os.environ.get("XLA_FLAGS", ""))
