@@ -14,9 +14,10 @@ of the session compiled before is a cache hit: the cache key is the whole progra
 compile options and XLA flags, so a hit is the identical executable. Set
 `JAX_COMPILATION_CACHE_DIR` yourself to keep a cache across sessions (it is then not removed).
 
-Markers (registered in pyproject.toml): `cli`, `full_size`, `notebook` and `long_run` name
-the kinds of test that `make test-fast` leaves out; each of them implies `slow`, which is what
-`make test-fast` deselects (`-m "not slow"`).
+Markers (registered in pyproject.toml): `cli`, `full_size`, `notebook`, `long_run` and
+`engine` name the kinds of test that `make test-fast` leaves out; each of them implies `slow`,
+which is what `make test-fast` deselects (`-m "not slow"`). Tests under tests/engine/ and
+those using the equivalence lab are `engine` tests without saying so.
 
 Scheduling (`make test`: `--dist loadgroup`): every test runs in its module's group (one
 worker per module, module fixtures built once) unless it is marked `xdist_group` itself; the
@@ -55,7 +56,10 @@ CACHE_ENV = {
 }
 
 # Markers that keep a test out of `make test-fast`; each implies `slow`.
-SLOW_KINDS = ("cli", "full_size", "notebook", "long_run")
+SLOW_KINDS = ("cli", "full_size", "notebook", "long_run", "engine")
+# `engine` (a whole model's train step or loss and gradients compiled on a mesh, 10-60 s each
+# on 2 cores) is implied by these folders and by the equivalence lab's fixture.
+ENGINE_FOLDERS = ("tests/engine/",)
 
 # Test modules (or `xdist_group` names) in the order their groups are handed to the workers,
 # before every other group: the longest first (measured with `--durations=0` on 2 cores).
@@ -118,6 +122,8 @@ def pytest_collection_modifyitems(config, items):
     run with `--no-loadscope-reorder`)."""
     groups = {}
     for item in items:
+        if item.nodeid.startswith(ENGINE_FOLDERS) or "lab" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.engine)
         if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
             item.add_marker(pytest.mark.slow)
         groups[item.nodeid] = _group_of(item)

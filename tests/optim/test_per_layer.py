@@ -17,6 +17,8 @@ from jaxpod.optim.guarded import guarded_update, whole_tree
 from jaxpod.optim.per_layer import per_layer
 from jaxpod.optim.strips import MIN_STRIP, strips
 
+pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
+
 FP16 = ["precision.params=float16", "precision.master=same-as-params"]
 FP16 += ["precision.loss_scale=dynamic", "precision.loss_scale_init=1024"]
 STRIP = 1024  # elements: every tiny weight matrix and the embedding are updated in 8 strips

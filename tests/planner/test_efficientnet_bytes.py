@@ -12,6 +12,8 @@ from jaxpod.planner.bytes import activation_bytes
 from jaxpod.planner.efficientnet import carry_size, pieces
 from jaxpod.planner.profiles import get_profile
 
+pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
+
 F32 = ["precision.params=float32", "precision.compute=float32", "precision.master=float32"]
 F32 += ["precision.loss_scale=none", "optim.name=sgd"]
 CPU = get_profile("cpu")

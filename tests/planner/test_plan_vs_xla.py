@@ -12,6 +12,8 @@ import pytest
 
 from jaxpod.planner.plan import plan
 
+pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
+
 SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
 RTS4 = ["memory.rts=4", "memory.rts_optimizer=4"]
 WEIGHTS = ["model.seq_len=16", "train.micro_batch=1", "model.d_model=256", "model.d_ff=1024"]

@@ -20,6 +20,8 @@ import pytest
 
 from jaxpod.planner.plan import plan
 
+pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
+
 SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
 PARAM = re.compile(r"%(\S+) = (\w+)\[([\d,]*)\]\S* parameter\(\d+\).*?op_name=\"([^\"]+)\"")
