@@ -31,7 +31,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_XDIST)
 
-# The edit loop: no CLI subprocesses, full-size compiles, notebooks or long training runs.
+# The edit loop: no CLI subprocesses, full-size compiles, notebooks, long training runs or
+# whole-train-step engine compiles (the `slow` kinds, tests/conftest.py).
 test-fast: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_XDIST) -m "not slow"
 
