@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jaxpod.platform import virtual_cpu_flags  # jax-free
+
 ROOT = Path(__file__).resolve().parents[1]
 VALUE = re.compile(r"value: <\d+ (\S+?)(?: \(phi\))? @0> \(size=(\d+),offset=(\d+)\): (\S+)")
 
@@ -120,10 +122,8 @@ def main() -> None:
         return
     devices = load_config(args.config, args.overrides).total_devices
     with tempfile.TemporaryDirectory() as dump:
-        flags = f"--xla_force_host_platform_device_count={devices} --xla_dump_to={dump} "
-        env = dict(
-            os.environ, XLA_FLAGS=flags + "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE"
-        )
+        dumps = f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE"
+        env = dict(os.environ, XLA_FLAGS=virtual_cpu_flags(devices, dumps))  # as jaxpod
         cmd = [sys.executable, __file__, args.config, *args.overrides, "--worker", "1"]
         subprocess.run(cmd, env=env, cwd=ROOT, check=True)
         print(report(dump, args.top))

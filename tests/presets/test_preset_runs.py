@@ -47,8 +47,7 @@ def test_emulated_preset_trains(name, steps, tmp_path):
     [
         ("bert_large_pod16", 16, None),  # planned / XLA 1.33: docs/memory.md says why
         ("gpt3_175b_pod256", 256, 0.10),
-        # structural byte model: 0.99 under bench_heldout's default scheduler; this CLI compile
-        # (memory-minimising scheduler) was not re-measured, so no bound yet
+        # planned / XLA 0.81 (memory scheduler): docs/memory.md, the presets
         ("efficientnet_b4_g16_pod16", 16, None),
     ],
 )
