@@ -12,7 +12,16 @@ import time
 import numpy as np
 import pytest
 from helpers import ROOT, free_port
-from helpers.cli import TINY, assert_user_error, cli_cmd, cli_env, jaxpod
+from helpers.cli import (
+    TINY,
+    assert_user_error,
+    cli_cmd,
+    cli_env,
+    finish,
+    jaxpod,
+    start,
+    start_two_processes,
+)
 
 from jaxpod.run.metrics import read_metrics
 
@@ -27,44 +36,11 @@ COMMON = [
 
 
 def test_two_processes_train_like_one(tmp_path):
-    port = free_port()
-    multi = tmp_path / "multi"
-    procs = [
-        subprocess.Popen(
-            cli_cmd(
-                "train",
-                TINY,
-                *COMMON,
-                "devices=4",  # per process: 2 x 4 = the 8 devices of the 2x2x2 mesh
-                f"train.logdir={multi}",
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-            ),
-            cwd=ROOT,
-            env=cli_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    single = tmp_path / "single"
-    reference = subprocess.Popen(
-        cli_cmd("train", TINY, *COMMON, "devices=8", f"train.logdir={single}"),
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    outs = [p.communicate(timeout=300) for p in [*procs, reference]]
-    for p, (_, err) in zip([*procs, reference], outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    main_out, worker_out = outs[0][0], outs[1][0]
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    # per process 4 devices: 2 x 4 = the 8 devices of the 2x2x2 mesh
+    procs = start_two_processes("train", TINY, *COMMON, "devices=4", f"train.logdir={multi}")
+    reference = start("train", TINY, *COMMON, "devices=8", f"train.logdir={single}")
+    main_out, worker_out, _ = finish([*procs, reference], timeout=300)
     assert "step      3/3" in main_out
     assert "step " not in worker_out and "devices " not in worker_out  # only process 0 prints
     assert '"processes": 2' in (multi / "mapping.json").read_text()

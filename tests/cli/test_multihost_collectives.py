@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import ROOT, free_port
-from helpers.cli import TINY, cli_cmd, cli_env
+from helpers.cli import TINY, cli_env, finish, start, start_two_processes
 
 from jaxpod.run.metrics import read_metrics
 
@@ -116,44 +116,11 @@ OPTION = ["parallel.grad_allreduce=ring", "parallel.grad_bucket_bytes=65536", "m
 
 
 def test_ring_training_on_two_processes_equals_the_default(tmp_path):
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            cli_cmd(
-                "train",
-                TINY,
-                *COMMON,
-                *OPTION,
-                "devices=4",
-                f"train.logdir={tmp_path / 'ring'}",
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-            ),
-            cwd=ROOT,
-            env=cli_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for i in range(2)
-    ]
-    procs.append(
-        subprocess.Popen(
-            cli_cmd("train", TINY, *COMMON, "devices=8", f"train.logdir={tmp_path / 'psum'}"),
-            cwd=ROOT,
-            env=cli_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
+    procs = start_two_processes(
+        "train", TINY, *COMMON, *OPTION, "devices=4", f"train.logdir={tmp_path / 'ring'}"
     )
-    outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    procs.append(start("train", TINY, *COMMON, "devices=8", f"train.logdir={tmp_path / 'psum'}"))
+    finish(procs, timeout=600)
     losses = {
         name: np.array([r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r])
         for name in ("ring", "psum")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import ROOT, TINY_YAML
+from helpers import ROOT, TINY_YAML, free_port
 
 TINY = str(TINY_YAML)
 
@@ -25,6 +25,33 @@ def cli_env(**extra: str) -> dict[str, str]:
 def cli_cmd(*args: str) -> list[str]:
     """`python -m jaxpod.cli ARGS` with this interpreter (the venv's)."""
     return [sys.executable, "-m", "jaxpod.cli", *args]
+
+
+def start(*args: str) -> subprocess.Popen:
+    """Start `jaxpod ARGS` (from the repository root), its stdout and stderr piped."""
+    return subprocess.Popen(
+        cli_cmd(*args),
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def start_two_processes(*args: str) -> list[subprocess.Popen]:
+    """Start `jaxpod ARGS` as processes 0 and 1 of one job, coordinated on a free port."""
+    port = free_port()
+    job = ("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id")
+    return [start(*args, *job, str(i)) for i in range(2)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Wait for every process; each must exit 0. Returns their stdouts."""
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return [out for out, _ in outs]
 
 
 def jaxpod(
