@@ -28,6 +28,7 @@ FP16_SR = [
     "precision.loss_scale=dynamic",
 ]
 MATRIX = ["memory.stream=matrix"]
+BF16 = ["precision.compute=bfloat16"]
 D512 = ["model.d_model=512", "model.d_ff=2048", "model.seq_len=16", "train.micro_batch=1"]
 D512 += ["optim.name=sgd"]
 SP_CHUNKS = ["model.sequence_parallel=true", "model.sequence_chunks=8"]
@@ -69,6 +70,9 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
     ((1, 1, 1), "full", 1, [*WEIGHTS, "optim.name=lamb"]),
     ((1, 1, 1), "full", 1, [*WEIGHTS, "optim.name=lamb", *FP16_SR]),
     ((1, 2, 1), "full", 4, [*WEIGHTS, "model.layers=8", "optim.name=lamb", *FP16_SR]),
+    # bfloat16 compute: XLA:CPU keeps its values in float32 buffers (`stores_in_float32`)
+    ((1, 2, 1), "full", 4, [*BF16]),
+    ((1, 1, 1), "attention", 1, [*BF16]),
     # GPipe in passes: 8 micro-batches in one pass, then in four passes of 2
     ((1, 2, 1), "full", 8, []),
     ((1, 2, 1), "full", 8, ["train.pipeline_group=2"]),

@@ -41,7 +41,16 @@ def compute_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
     return 4 if profile.widens_16bit else DTYPE_BYTES[cfg.precision.compute]
 
 
-def _layer_sets(cfg: Config, cb: int) -> dict:
+def stored_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
+    """Bytes of one activation scalar kept between computations (saved residuals, pipeline
+    rows): the compute dtype's, or 4 where the backend stores that dtype in float32
+    (`DeviceProfile.stores_in_float32`)."""
+    profile = profile or get_profile(cfg.memory.device)
+    compute = cfg.precision.compute
+    return 4 if compute in profile.stores_in_float32 else DTYPE_BYTES[compute]
+
+
+def _layer_sets(cfg: Config, cb: int, sb: int) -> dict:
     """Bytes of one layer's residuals for one micro-batch on one device (`cb` bytes a scalar):
     `all` (what autodiff saves without remat), `saved` (what the remat policy keeps, layer
     input included), `work` (one layer's backward working set) and `btd` (one [b, T, D] row
@@ -73,11 +82,10 @@ def _layer_sets(cfg: Config, cb: int) -> dict:
     # The attention psum's output is saved; the MLP psum's output is not (the residual add's
     # backward needs no inputs, so autodiff drops it as a residual).
     psums = res if t > 1 else 0
-    # What a policy keeps is stored in the compute dtype (`sb` bytes a scalar): a backend that
-    # widens 16-bit arithmetic (`cb` = 4) widens it inside its fused computations, not in the
-    # buffers between them (XLA:CPU's GPT-3 POD256 program keeps its saved layer inputs and the
-    # pipeline's rows in float16).
-    sb = DTYPE_BYTES[cfg.precision.compute]
+    # What a policy keeps is stored in the compute dtype (`sb` bytes a scalar, `stored_bytes`):
+    # a backend that widens float16 arithmetic (`cb` = 4) widens it inside its fused
+    # computations, not in the buffers between them (XLA:CPU's GPT-3 POD256 program keeps its
+    # saved layer inputs and the pipeline's rows in float16); XLA:CPU stores bfloat16 in float32.
     kept_scalars = {
         "full": res,
         "minimal": res + 3 * btd // t + btd + btf,
@@ -119,17 +127,17 @@ def _layer_sets(cfg: Config, cb: int) -> dict:
     return {"all": every, "saved": saved, "work": work, "btd": res * sb}
 
 
-def _head_kept(cfg: Config, tokens: int) -> int:
+def _head_kept(cfg: Config, tokens: int, sb: int) -> int:
     """Bytes of the loss head's values alive through the layers' backward pass (`tokens`: the
-    head's tokens on this device). XLA:CPU computes the head's weight gradients after the
-    layers' backward, so each weighted op of the head keeps its input and its output's
-    cotangent, in the compute dtype: GPT the final LN's input, its output (the logits' input)
-    and that output's cotangent; BERT also the dense layer's input and its output's cotangent,
-    the head LN's input, its output (with the constant-1 column) and that output's cotangent;
-    both the float32 logits' cotangent. A head in blocks (`sequence_chunks`) computes them
-    inside its block loop and keeps none (measured); `memory.vocab_slices` is taken to be the
-    same (not read)."""
-    md, sb = cfg.model, DTYPE_BYTES[cfg.precision.compute]
+    head's tokens on this device; `sb` bytes a stored scalar, `stored_bytes`). XLA:CPU computes
+    the head's weight gradients after the layers' backward, so each weighted op of the head
+    keeps its input and its output's cotangent: GPT the final LN's input, its output (the
+    logits' input) and that output's cotangent; BERT also the dense layer's input and its
+    output's cotangent, the head LN's input, its output (with the constant-1 column) and that
+    output's cotangent; both the float32 logits' cotangent. A head in blocks
+    (`sequence_chunks`) computes them inside its block loop and keeps none (measured);
+    `memory.vocab_slices` is taken to be the same (not read)."""
+    md = cfg.model
     if math.gcd(md.sequence_chunks, tokens) > 1 or cfg.memory.vocab_slices > 1:
         return 0
     rows = 3 if md.name == "gpt" else 5 + 2 * (md.norm == "pre")
@@ -171,7 +179,8 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         opt16 = cfg.optim.moments != "float32" and cfg.precision.master != "float32"
         sr_rows = (1 + MOMENTS[cfg.optim.name] * opt16) if pb < 4 else 0
         return efficientnet.activation_bytes(cfg, cb, act, row, pb, sr_rows)
-    sets = _layer_sets(cfg, cb)
+    sb = stored_bytes(cfg, profile)
+    sets = _layer_sets(cfg, cb, sb)
     # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)
     stages, micro, per_stage = mesh.pipeline, cfg.pipeline_group, md.layers // mesh.pipeline
     kind, virtual = tr.pipeline_schedule, tr.virtual_stages
@@ -184,7 +193,7 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     if stages == 1 and md.remat != "none":
         # the head's operands through the layers' backward, as pipelined below (read on 1x1x1
         # and 1x1x4, remat full; without remat XLA:CPU computes the head's gradients at once)
-        head_kept = _head_kept(cfg, head_tokens)
+        head_kept = _head_kept(cfg, head_tokens, sb)
     if stages > 1 and kind != "1f1b":
         # gpipe and circular: the forward tick scan, the head, then autodiff's backward tick
         # scan, which holds besides the saved residuals (XLA:CPU's buffer assignment, read
@@ -207,7 +216,7 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
             sharded, replicated = block_params(md.d_model, md.d_ff)
             layer = (sharded // mesh.tensor + replicated) * DTYPE_BYTES[cfg.precision.params]
             tick_grads = per_stage * layer // cfg.memory.rts
-        head_kept = _head_kept(cfg, head_tokens)
+        head_kept = _head_kept(cfg, head_tokens, sb)
     if stages > 1 and kind == "1f1b":
         # the stage inputs of at most S micro-batches and their gradients (two ring buffers),
         # the two values sent each tick; a backward tick's residuals of the stage's layers;

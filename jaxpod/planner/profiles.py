@@ -4,8 +4,9 @@ can stream from (host DRAM / IPU streaming memory). Jax-free.
 The numbers are per device. `device_bytes` is the fast memory the step's arrays must fit in;
 `streaming_bytes` is the slower memory that offloaded state (`memory.offload`) and phased
 weights live in. A backend's known differences from the target are explicit properties, not
-fitted constants: XLA:CPU computes 16-bit dtypes in float32 (`widens_16bit`) and keeps both
-memory kinds in one RAM, so its update reads host-resident optimizer state in place
+fitted constants: XLA:CPU computes 16-bit dtypes in float32 (`widens_16bit`), keeps bfloat16
+values between its computations in float32 buffers (`stores_in_float32`) and both memory
+kinds in one RAM, so its update reads host-resident optimizer state in place
 (`shares_host_memory`: nothing is moved in; measured in docs/memory.md).
 """
 
@@ -25,7 +26,10 @@ class DeviceProfile:
     device_bytes: int
     streaming_bytes: int
     description: str
-    widens_16bit: bool = False  # float16/bfloat16 activations are computed and kept in float32
+    widens_16bit: bool = False  # float16/bfloat16 activations are computed in float32
+    # 16-bit compute dtypes whose values are stored in float32 buffers between computations
+    # (XLA:CPU converts bfloat16 ops to float32 whole; float16 is widened inside fusions only)
+    stores_in_float32: tuple[str, ...] = ()
     shares_host_memory: bool = False  # host memory kinds are device memory: no moved-in copy
 
 
@@ -40,6 +44,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "virtual devices, so no per-device figure is real); host memory is the same RAM; "
             "16-bit compute runs in float32",
             widens_16bit=True,
+            stores_in_float32=("bfloat16",),
             shares_host_memory=True,
         ),
         DeviceProfile(

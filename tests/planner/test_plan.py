@@ -319,3 +319,22 @@ def test_virtual_devices_schedule_for_memory_unless_xla_flags_say_otherwise(monk
     monkeypatch.setenv("XLA_FLAGS", chosen)
     use_virtual_cpu_devices(4)
     assert os.environ["XLA_FLAGS"].split() == [chosen, "--xla_force_host_platform_device_count=4"]
+
+
+def test_stored_bytes_follow_the_device_profile():
+    """Saved activations are counted as the backend stores them: XLA:CPU (`cpu`) widens both
+    16-bit dtypes in its arithmetic but keeps bfloat16 values in float32 buffers and float16 in
+    float16; a pod profile stores the compute dtype (test_plan_vs_xla checks both on XLA:CPU)."""
+    from jaxpod.planner.bytes import activation_bytes, compute_bytes, stored_bytes
+    from jaxpod.planner.profiles import get_profile
+
+    cpu, ipu = get_profile("cpu"), get_profile("ipu-gc200")
+    for dtype, on_cpu in [("float32", 4), ("float16", 2), ("bfloat16", 4)]:
+        cfg = cfg_of(f"precision.compute={dtype}", "model.remat=full")
+        assert compute_bytes(cfg, cpu) == 4
+        assert stored_bytes(cfg, cpu) == on_cpu
+        assert stored_bytes(cfg, ipu) == (4 if dtype == "float32" else 2)
+    bf16 = cfg_of("precision.compute=bfloat16", "model.remat=full")
+    f16 = cfg_of("precision.compute=float16", "model.remat=full")
+    assert activation_bytes(bf16, cpu)["saved"] == 2 * activation_bytes(f16, cpu)["saved"]
+    assert activation_bytes(bf16, ipu)["saved"] == activation_bytes(f16, ipu)["saved"]

@@ -132,3 +132,24 @@ def test_vocab_slices_shrink_compiled_memory(tiny_cfg, mesh_for):
     shape = ["model.vocab=8192", "train.grad_accum=4", "model.remat=full", *RTS4]
     blocks = ["memory.vocab_slices=8"]
     assert_planned_drop(tiny_cfg, mesh_for, (4, 2, 1), shape, [], blocks, 0.5)
+
+
+@pytest.mark.parametrize(("compute", "held"), [("bfloat16", {"bf16", "f32"}), ("float16", {"f16"})])
+def test_saved_layer_inputs_are_held_as_the_cpu_profile_says(tiny_cfg, mesh_for, compute, held):
+    """`DeviceProfile.stores_in_float32` read off the program: on 1x2x1 (remat full, M = 4:
+    5 ticks of 2 layers) the forward tick scan stacks the layer inputs [5, 2, mb, T, D] in the
+    compute dtype; under bfloat16 XLA:CPU converts the whole stack to float32 for the backward
+    tick scan, which holds that copy (benchmarks/xla_peak.py), under float16 it does not: what
+    `planner.bytes.stored_bytes` counts for the `cpu` profile (4 and 2 bytes a scalar)."""
+    import re
+
+    from jaxpod.planner.bytes import stored_bytes
+    from jaxpod.run.aot import abstract_inputs
+
+    cfg = tiny_cfg(*SMALL, "model.remat=full", "train.grad_accum=4",
+                   f"precision.compute={compute}", mesh=(1, 2, 1))  # fmt: skip
+    engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
+    hlo = engine.train_step.lower(state, batch).compile().as_text()
+    dtypes = set(re.findall(r"= (\w+)\[5,2,2,128,128\]", hlo))
+    assert dtypes == held, dtypes
+    assert stored_bytes(cfg) == (4 if "f32" in held else 2)
