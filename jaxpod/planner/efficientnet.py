@@ -31,7 +31,8 @@ minimising DFS scheduler, `jaxpod.platform.virtual_cpu_flags`), per device:
   every tick's input (the checkpoint's residual) and every tick output's cotangent (the
   transpose of the scan's collected rows), and the tick being differentiated has its input
   and its output's cotangent sliced out of them; the embedded micro-batches are dead by then
-  (the forward ticks consumed them). 1F1B keeps its two ring buffers.
+  (the forward ticks consumed them). With data-parallel replicas the collected tick outputs
+  are live too (the loss reads them after the update). 1F1B keeps its two ring buffers.
 - `update_work`: the update on whole rows (`PackedStages._stage_update`): float32 copies
   of the row, and with 16-bit rows the stochastic rounding's random bits.
 """
@@ -220,6 +221,11 @@ def activation_bytes(
         ticks = micro + S - 1
         # tick inputs, tick outputs' cotangents; the differentiated tick's input and cotangent
         carries = (2 * ticks + 2) * carry
+        if mesh.replica > 1:
+            # the scan's collected tick outputs (the last stage's logits, padded to A): the
+            # loss reads them, and with replicas XLA:CPU schedules the loss's all-reduce after
+            # the update, so they stay live through the backward
+            carries += ticks * carry
     # Pipelined without remat, the stage's `lax.switch` is linearized as a whole: every branch
     # returns the union of all branches' residuals (zeros for the stages not taken), so a
     # device holds every other stage's residual set beside its own.

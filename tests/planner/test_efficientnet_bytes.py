@@ -64,6 +64,16 @@ def test_gpipe_carries_are_every_tick_and_the_differentiated_one():
     assert acts["pipeline_buffers"] == (2 * acts["ticks"] + 2) * carry
 
 
+def test_replicas_keep_the_collected_tick_outputs():
+    """With data-parallel replicas XLA:CPU reduces the loss over them after the update, so
+    the scan's collected tick outputs ([M + S - 1, mb, A]) are live through the backward
+    (calibration rows f16-64 2x2x1 and 1x2x1, ga8: 26.7 MiB and 23.3 MiB of temporaries)."""
+    one = activation_bytes(_cfg(1, 2, "model.image_size=64", "train.grad_accum=8"), CPU)
+    two = activation_bytes(_cfg(2, 2, "model.image_size=64", "train.grad_accum=8"), CPU)
+    carry = 8 * 64 * 64 * 3 * 4
+    assert two["pipeline_buffers"] - one["pipeline_buffers"] == one["ticks"] * carry
+
+
 def test_more_images_more_bytes():
     """Twice the images per micro-batch: twice the carries and twice the stem stage's
     weight-gradient inputs (float16 rows: no padded gradient rows beside them; at 128 x 128
