@@ -3,17 +3,17 @@
 The step (`jaxpod.engine.packed`) runs each pipeline stage as one remat unit on a float32
 carry `[mb, A]` (A: the largest per-image tensor crossing a stage boundary, the input image
 included), switched by `lax.switch` per tick. What a device holds is read off the buffer
-assignment of the program jaxpod compiles (`benchmarks/xla_peak.py`: XLA:CPU's memory-
-minimising DFS scheduler, `jaxpod.platform.virtual_cpu_flags`), per device:
+assignment of the program jaxpod compiles (`benchmarks/xla_peak.py`; XLA:CPU's memory-
+minimising DFS scheduler, `jaxpod.platform.virtual_cpu_flags`). Per device:
 
-- `stage_work`: one stage's backward for one micro-batch. The stage is one remat unit: its
-  forward is recomputed, then differentiated, so remat `full` and `none` hold the same set
-  while it runs. Which values are live at its peak depends on the order the scheduler gives
-  the backward, and that order follows the stage's packed gradient row: XLA:CPU's DFS
-  scheduler visits the weight gradients (the operands of the one fusion that pads and sums
-  them into the row) last leaf first, because their transitive sizes all saturate its cap
-  and the cap grows with post-order position. The row's leaves are in the stage tree's key
-  order: blocks, head, stem. So
+- `stage_work`: one stage's backward for one micro-batch. With remat the stage's forward is
+  recomputed, then differentiated, so remat `full` and (without a pipeline) `none` hold the
+  same set. Which values are live at its peak depends on the order the scheduler gives the
+  backward, and that order follows the stage's packed gradient row: XLA:CPU's DFS scheduler
+  visits the weight gradients (the operands of the one fusion that pads and sums them into
+  the row) last leaf first, because their transitive sizes all saturate its cap and the cap
+  grows with post-order position. The row's leaves are in the stage tree's key order:
+  blocks, head, stem. So
   - the stage holding the stem (`weight_grad_inputs`): the stem's norm gradient goes first,
     and it needs the whole data-gradient chain from the stage's end down to the stem. Every
     piece's data gradient runs before any weight gradient, and at the stem's norm backward
@@ -22,11 +22,15 @@ minimising DFS scheduler, `jaxpod.platform.virtual_cpu_flags`), per device:
   - any other stage (`forward_values`): its last leaf's piece (the head, or the stage's last
     block) is differentiated first, so the peak is where the backward starts: every value
     the recomputed forward keeps for it is live, and the 1x1 kernels widened to float32.
+  Pipelined without remat, the switch is linearized as a whole and every branch returns the
+  union of all stages' residuals (`saved`: what autodiff keeps of each ConvNorm, and every
+  stage's weights), live through the backward; the stage adds its own backward to it.
 - `grad_rows`: the stage's parameter gradient is one padded row `[n_max]` per leaf (the
   transpose of `StagePacking.unpack`'s slices). With float32 rows XLA:CPU materialises the
   padded rows (one per conv kernel, one per norm) and sums them in one fused add at the
-  stage's end, when its activations are dead; pipelined without remat it adds them one by
-  one. A 16-bit row is one fusion reading the weight gradients: no padded row is live.
+  stage's end, when its activations are dead. A 16-bit row is one fusion reading the weight
+  gradients: no padded row is live. Pipelined without remat the row is built a leaf at a
+  time beside the backward (one row in flight).
 - `carries`: float32 `[mb, A]` buffers of the schedule: at the backward's peak GPipe keeps
   every tick's input (the checkpoint's residual) and every tick output's cotangent (the
   transpose of the scan's collected rows), and the tick being differentiated has its input
@@ -55,9 +59,17 @@ STEM_BACKWARD_TEMPS = 2
 # The head's backward as it starts (the forward-values peak): two float32 temporaries of its
 # norm's backward, beside the classifier's kernel gradient (float32 [head_ch, classes]).
 HEAD_BACKWARD_TEMPS = 2
-# Summed one by one (pipelined without remat, float32 rows): the running sum and the next
-# padded row.
-RUNNING_SUM_ROWS = 2
+# Without remat a ConvNorm's backward reads what autodiff saved: the centred and normalised
+# values (float32, group-shaped), the normalised values times the scale (float32) and, in the
+# compute dtype, the affine output and with swish its sigmoid, the sigmoid's derivative factor
+# and the swish output (the next conv's operand).
+SAVED_NORM_F32 = 3
+SAVED_SWISH_ACT = 4
+SAVED_PLAIN_ACT = 1
+# Pipelined without remat the gradient row is built beside the backward, a leaf at a time
+# into the accumulated row (the planner's `grads`): one more row is live, the float32 padded
+# row being added or, 16-bit, the row updated in place (`dynamic-update-slice`).
+RUNNING_SUM_ROWS = 1
 # Beside every padded row, the fused sum's own output.
 SUM_OUTPUT_ROWS = 1
 # The update's float32 rows: the unscaled gradient row (live from the backward's end through
@@ -70,6 +82,11 @@ SR_BIT_ROWS = 4
 
 def _size(hw: int, stride: int) -> int:
     return -(-hw // stride)  # SAME padding
+
+
+def _saved_convnorm(act: int, swish: bool) -> int:
+    """Bytes per output element autodiff saves for a ConvNorm's backward without remat."""
+    return SAVED_NORM_F32 * F32 + (SAVED_SWISH_ACT if swish else SAVED_PLAIN_ACT) * act
 
 
 def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
@@ -91,9 +108,13 @@ def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
     # cotangent and the norm backward's temporaries; the image, when a stage's input, in
     # `carries` or sliced out of the carry (below)
     stem_values = wide + F32 + act
+    stem_cot = (1 + STEM_BACKWARD_TEMPS) * wide * stem_out
     stem = {
-        "kept": (stem_values + (1 + STEM_BACKWARD_TEMPS) * wide) * stem_out,
+        "kept": stem_values * stem_out + stem_cot,
+        "cot": stem_cot,
         "forward": stem_values * stem_out,
+        # without remat: the image (the stem's operand, compute dtype) and its ConvNorm's
+        "saved": act * image + _saved_convnorm(act, True) * stem_out,
         "kernels": 0,  # (the stem's stage is never a forward-values stage)
         "convs": 1, "norms": 1, "in": image, "out": stem_out, "name": "stem",
     }  # fmt: skip
@@ -108,20 +129,24 @@ def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
         # of one group) keeps its operand widened and its conv output's cotangent (read by
         # both its data and its weight gradient); a grouped spatial conv reads its operand in
         # the compute dtype (the expand's swish) and recomputes its output's cotangent.
-        kept = 0
+        kept = cot = 0
         if s.expand != 1:
             kept += wide * n_in  # the block input, widened: the expand's operand
-            # expand conv output, its swish, its output's cotangent (the spatial's data
+            # expand conv output and its swish; its output's cotangent (the spatial's data
             # gradient) and its conv output's cotangent
-            kept += (3 * wide + act) * mid_in
+            kept += (wide + act) * mid_in
+            cot += 2 * wide * mid_in
         elif plain:
             kept += wide * n_in  # the block input, widened: the spatial conv's operand
         # spatial conv output, its swish, the SE-gated tensor (the projection's operand,
-        # widened) and its cotangent (the projection's data gradient)
-        kept += (3 * wide + act) * mid_out + (wide * mid_out if plain else 0)
-        # projection conv output and its cotangent; the block output's cotangent (the next
-        # piece's data gradient) is counted with the next piece's place in the stage below
-        kept += 2 * wide * n_out
+        # widened); the SE-gated tensor's cotangent (the projection's data gradient)
+        kept += (2 * wide + act) * mid_out
+        cot += wide * mid_out + (wide * mid_out if plain else 0)
+        # projection conv output; its conv output's cotangent. The block output's cotangent
+        # (the next piece's data gradient) is counted by `weight_grad_inputs`.
+        kept += wide * n_out
+        cot += wide * n_out
+        kept += cot
         # the SE's [mb, mid] vectors: pooled, reduced and gated, float32 and compute dtype
         kept += (3 * wide + 2 * act) * s.mid_ch
         # Forward values: per ConvNorm its conv output and centred values (float32), per
@@ -133,10 +158,14 @@ def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
         fwd += (wide + F32 + act) * mid_out + (act + wide) * mid_out
         fwd += (wide + F32) * n_out
         fwd += (wide + act) * s.mid_ch  # the SE's pooled vector and its gate
+        # Without remat: each ConvNorm's saved values, and the SE-gated tensor
+        saved = _saved_convnorm(act, True) * (mid_in * (s.expand != 1) + mid_out)
+        saved += _saved_convnorm(act, False) * n_out + act * mid_out
         kernels = s.in_ch * s.mid_ch * (s.expand != 1) + s.mid_ch * s.out_ch
         kernels += 2 * s.mid_ch * s.se_ch  # SE reduce and expand
         blocks.append({
-            "kept": kept, "forward": fwd, "kernels": kernels, "out_cot": n_out,
+            "kept": kept, "cot": cot, "forward": fwd, "saved": saved, "kernels": kernels,
+            "out_cot": n_out,
             "residual": s.residual, "convs": 3 if s.expand != 1 else 2,
             "norms": 3 if s.expand != 1 else 2, "in": n_in, "out": n_out, "name": s.name,
         })  # fmt: skip
@@ -147,11 +176,14 @@ def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
         # its operand widened, its conv output, swish and conv output's cotangent (its
         # output's cotangent is the mean's, a [mb, head_ch] vector)
         "kept": wide * head_in + (2 * wide + act) * head_out,
+        "cot": wide * head_out,
+        "saved": _saved_convnorm(act, True) * head_out,
         # its operand widened, conv output, centred values, swish; its backward starting:
         # the norm backward's temporaries and the classifier's kernel gradient (per step)
         "forward": wide * head_in + (wide + F32 + act + HEAD_BACKWARD_TEMPS * wide) * head_out,
         "kernels": last * head_ch,
         "classifier_grad": head_ch * md.num_classes * F32,
+        "in_out": head_out,
         "convs": 1, "norms": 1, "in": head_in, "out": md.num_classes, "name": "head",
     }  # fmt: skip
     runs = split_specs(specs, md.pipeline_splits)
@@ -169,20 +201,32 @@ def carry_size(stages: list[list[dict]]) -> int:
     return max(max(s[0]["in"], s[-1]["out"]) for s in stages)
 
 
+def _output_cotangents(stage: list[dict], wide: int, act: int) -> int:
+    """Bytes per image of the blocks' output cotangents held at the stem stage's peak: the
+    next piece's data gradient (float32 on XLA:CPU), or where a block and the next are both
+    residual the skip connection's sum in the compute dtype; none for the stage's last piece
+    (its output cotangent is the carry's) nor the stem (counted with its backward)."""
+    total = 0
+    for p, nxt in zip(stage, stage[1:], strict=False):
+        if "out_cot" in p:
+            total += (act if p["residual"] and nxt.get("residual") else wide) * p["out_cot"]
+    return total
+
+
 def weight_grad_inputs(stage: list[dict], wide: int, act: int, pipelined: bool) -> int:
     """Bytes per image live at the stem stage's peak: every piece's weight-gradient inputs,
-    and each block's output cotangent (the next piece's data gradient, float32; in the
-    compute dtype where that block and the next are both residual, the skip connection's
-    sum; none for the stage's last piece, whose output cotangent is the carry's)."""
-    total = sum(p["kept"] for p in stage)
-    for p, nxt in zip(stage, stage[1:], strict=False):
-        if p["name"] == "stem":
-            continue  # counted with the stem's backward
-        both_residual = p.get("residual") and nxt.get("residual")
-        total += (act if both_residual else wide) * p["out_cot"] if "out_cot" in p else 0
-    if pipelined and stage[0]["name"] == "stem":  # the image sliced out of the carry, widened
+    the blocks' output cotangents and, pipelined, the image sliced out of the float32 carry
+    (without a pipeline the uint8 batch's conversion is fused into the stem's convolutions)."""
+    total = sum(p["kept"] for p in stage) + _output_cotangents(stage, wide, act)
+    if pipelined and stage[0]["name"] == "stem":
         total += wide * stage[0]["in"]
     return total
+
+
+def data_gradients(stage: list[dict], wide: int, act: int) -> int:
+    """Bytes per image of the cotangents among `weight_grad_inputs`: what the stem stage's
+    backward adds, data gradients first, to values already saved (remat `none`)."""
+    return sum(p["cot"] for p in stage) + _output_cotangents(stage, wide, act)
 
 
 def forward_values(stage: list[dict]) -> int:
@@ -199,13 +243,16 @@ def activation_bytes(
     grad_bytes: int,
     sr_rows: int = 0,
     param_bytes: int = F32,
+    stage_params: list[int] | None = None,
 ) -> dict:
     """Activation bytes per device (the breakdown `bytes.activation_bytes` reports), plus the
     packed update's working set (`update_work`). `cb`: bytes of a conv's operand or output
     (the compute dtype's, or 4 on a device that widens 16-bit); `act`: the compute dtype's
     bytes; `row_elements`: the packed row's length n_max; `grad_bytes`: a gradient's bytes;
     `sr_rows`: how many rows of that length the update rounds stochastically;
-    `param_bytes`: a weight's bytes (kernels narrower than `cb` are held widened)."""
+    `param_bytes`: a weight's bytes (kernels narrower than `cb` are held widened);
+    `stage_params`: each stage's parameter count (autodiff saves the weights without remat;
+    default: every stage's row full)."""
     mesh, tr, md = cfg.mesh, cfg.train, cfg.model
     stages = pieces(cfg, cb, act)
     mb, S = tr.micro_batch, mesh.pipeline
@@ -226,10 +273,6 @@ def activation_bytes(
             # loss reads them, and with replicas XLA:CPU schedules the loss's all-reduce after
             # the update, so they stay live through the backward
             carries += ticks * carry
-    # Pipelined without remat, the stage's `lax.switch` is linearized as a whole: every branch
-    # returns the union of all branches' residuals (zeros for the stages not taken), so a
-    # device holds every other stage's residual set beside its own.
-    union = S > 1 and md.remat == "none"
     widened = cb > param_bytes  # 16-bit kernels convolved in float32 on this device
     works = []
     for st in stages:
@@ -240,19 +283,35 @@ def activation_bytes(
             work += sum(p["kernels"] for p in st) * F32 if widened else 0
             work += st[-1].get("classifier_grad", 0)
         works.append(work)
-    saved = [forward_values(st) * mb for st in stages]
-    fused = S == 1 or md.remat != "none"  # float32 padded rows summed at the stage's end
-    stage_work = grad_rows = 0
-    for k, st in enumerate(stages):
-        work = works[k] + (sum(saved) - saved[k] if union else 0)
-        rows = 0
-        if grad_bytes == F32 and fused:  # the activations are dead by the rows' sum
-            rows = (sum(p["convs"] + p["norms"] for p in st) + SUM_OUTPUT_ROWS) * row_bytes
-            work, rows = (work, 0) if work >= rows else (0, rows)
-        elif grad_bytes == F32:  # added one by one beside the backward
-            rows = RUNNING_SUM_ROWS * row_bytes
-        if work + rows > stage_work + grad_rows:
-            stage_work, grad_rows = work, rows
+    if S > 1 and md.remat == "none":
+        # Pipelined without remat, the stage's `lax.switch` is linearized as a whole: every
+        # branch returns the union of all branches' residuals (zeros for the stages not
+        # taken), live through the backward ticks: every stage's saved values and weights
+        # (the unpacked leaves, in the params dtype). Beside them the stage's own backward:
+        # the stem's stage its data gradients, another its last piece's starting backward.
+        params = stage_params or [row_elements] * S
+        union = sum(sum(p["saved"] for p in st) for st in stages) * mb
+        union += sum(params) * param_bytes
+        rows = RUNNING_SUM_ROWS * row_bytes
+        stage_work = grad_rows = 0
+        for st in stages:
+            if st[0]["name"] == "stem":
+                own = data_gradients(st, cb, act) * mb
+            else:
+                own = st[-1].get("classifier_grad", 0)
+                if st[-1]["name"] == "head":
+                    own += HEAD_BACKWARD_TEMPS * cb * st[-1]["in_out"] * mb
+            stage_work, grad_rows = max((stage_work, grad_rows), (union + own, rows))
+    else:
+        stage_work = grad_rows = 0
+        for k, st in enumerate(stages):
+            work, rows = works[k], 0
+            if grad_bytes == F32:  # materialised padded rows, summed at the stage's end:
+                # the activations are dead by then
+                rows = (sum(p["convs"] + p["norms"] for p in st) + SUM_OUTPUT_ROWS) * row_bytes
+                work, rows = (work, 0) if work >= rows else (0, rows)
+            if work + rows > stage_work + grad_rows:
+                stage_work, grad_rows = work, rows
     total = carries + stage_work + grad_rows
     update_work = UPDATE_F32_ROWS * row_elements * F32
     if sr_rows:  # the rows are rounded one after another: one row's bits are live

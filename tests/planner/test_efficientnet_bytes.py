@@ -13,6 +13,7 @@ from jaxpod.planner.efficientnet import (
     SR_BIT_ROWS,
     UPDATE_F32_ROWS,
     carry_size,
+    data_gradients,
     forward_values,
     pieces,
     weight_grad_inputs,
@@ -128,6 +129,23 @@ def test_update_rounds_with_four_uint32_rows():
         assert activation_bytes(cfg, CPU)["update_work"] == rows * n_max * 4
     assert (UPDATE_F32_ROWS, SR_BIT_ROWS) == (2, 4)
     assert activation_bytes(_cfg(1, 1, "model.pipeline_splits=[]"), CPU)["sr_bits"] == 0
+
+
+def test_pipelined_without_remat_holds_every_stage_residuals():
+    """Pipelined without remat, the linearized switch returns every stage's saved values and
+    weights (params dtype); the stem's stage adds its data gradients, and one gradient row is
+    in flight beside the accumulated one (calibration rows ga4-none: f16 XLA 43.1 MiB,
+    planned 43.5; f32 60.9 and 61.7)."""
+    from jaxpod.planner.counts import efficientnet_stage_params
+
+    for over, act in (([], 2), (F32, 4)):
+        cfg = _cfg(1, 2, "model.image_size=64", "train.grad_accum=4", "model.remat=none", *over)
+        mb, params = cfg.train.micro_batch, efficientnet_stage_params(cfg)
+        stages = pieces(cfg, 4, act)
+        union = sum(p["saved"] for st in stages for p in st) * mb + sum(params) * act
+        acts = activation_bytes(cfg, CPU)
+        assert acts["layer_work"] == union + data_gradients(stages[0], 4, act) * mb
+        assert acts["grad_rows"] == max(params) * act
 
 
 def test_stage_is_one_remat_unit():
