@@ -1,6 +1,6 @@
 """What XLA:CPU's compiled train step holds at its temporaries' peak, value by value.
 
-    python benchmarks/xla_peak.py CONFIG [OVERRIDES ...] [--top N]
+    python benchmarks/xla_peak.py CONFIG [OVERRIDES ...] [--top N] [--dump DIR]
 
 Compiles the step with `--xla_dump_to` (a temporary directory), then reads the dump's
 buffer assignment (each temporary's offset and size) and live ranges (over the flattened
@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--dump", help="keep XLA's dump in this directory (default: a temporary one)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     from jaxpod.config import load_config
@@ -121,7 +122,8 @@ def main() -> None:
         )
         return
     devices = load_config(args.config, args.overrides).total_devices
-    with tempfile.TemporaryDirectory() as dump:
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = args.dump or tmp
         dumps = f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE"
         env = dict(os.environ, XLA_FLAGS=virtual_cpu_flags(devices, dumps))  # as jaxpod
         cmd = [sys.executable, __file__, args.config, *args.overrides, "--worker", "1"]

@@ -40,7 +40,9 @@
 # %%
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before importing jax
+from jaxpod.platform import use_virtual_cpu_devices  # imports no jax
+
+use_virtual_cpu_devices(8)  # before importing jax: 8 devices, jaxpod's XLA flags
 os.environ["JAX_PLATFORMS"] = "cpu"  # use the 8 virtual CPU devices even on a GPU machine
 
 import sys

@@ -64,10 +64,8 @@ ENGINE_FOLDERS = ("tests/engine/",)
 # Test modules (or `xdist_group` names) in the order their groups are handed to the workers,
 # before every other group: the longest first (measured with `--durations=0` on 2 cores).
 HEAVY_FIRST = (
-    "tests/run/test_digits_training.py",
-    "tests/engine/test_packed_engine.py",
+    "shared:tiny-efficientnet",  # helpers.TINY_EFFICIENTNET
     "tests/optim/test_per_layer.py@temporaries",
-    "tests/engine/test_pinned.py@pinned-efficientnet",
     "tests/notebooks/test_notebooks.py",
     "tests/cli/test_checkpoint_cli.py",
     "tests/optim/test_per_layer.py",
@@ -103,14 +101,21 @@ def pytest_unconfigure(config):
             del os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
+# `xdist_group` names shared across modules: tests that compile the same programs run in one
+# process, one after another, so the compilation cache serves every compile after the first.
+SHARED_PREFIX = "shared:"
+
+
 def _group_of(item) -> str:
     """The module's path (from the repository root), or `path@name` for a test marked
-    `xdist_group(name)`: a module's own groups never merge with another module's."""
+    `xdist_group(name)`: a module's own groups never merge with another module's, except the
+    names starting with `SHARED_PREFIX`, which are one group wherever they are used."""
     path = item.nodeid.split("::")[0]
     mark = item.get_closest_marker("xdist_group")
     if mark is None:
         return path
-    return f"{path}@{mark.args[0] if mark.args else mark.kwargs.get('name', 'default')}"
+    name = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+    return name if name.startswith(SHARED_PREFIX) else f"{path}@{name}"
 
 
 @pytest.hookimpl(tryfirst=True)

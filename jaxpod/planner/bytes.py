@@ -43,8 +43,9 @@ def compute_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
 
 def _layer_sets(cfg: Config, cb: int) -> dict:
     """Bytes of one layer's residuals for one micro-batch on one device (`cb` bytes a scalar):
-    `all` (what autodiff saves without remat) and `saved` (what the remat policy keeps, layer
-    input included)."""
+    `all` (what autodiff saves without remat), `saved` (what the remat policy keeps, layer
+    input included), `work` (one layer's backward working set) and `btd` (one [b, T, D] row
+    of the residual stream, as stored)."""
     md, t = cfg.model, cfg.mesh.tensor
     b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
     btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
@@ -72,13 +73,18 @@ def _layer_sets(cfg: Config, cb: int) -> dict:
     # The attention psum's output is saved; the MLP psum's output is not (the residual add's
     # backward needs no inputs, so autodiff drops it as a residual).
     psums = res if t > 1 else 0
-    saved = {
-        "none": every,
-        "full": res * cb,
-        "minimal": (res + 3 * btd // t + btd + btf) * cb,
-        "attention": (res + 4 * btd // t) * cb,
-        "comms": (res + psums) * cb,
-    }[md.remat]
+    # What a policy keeps is stored in the compute dtype (`sb` bytes a scalar): a backend that
+    # widens 16-bit arithmetic (`cb` = 4) widens it inside its fused computations, not in the
+    # buffers between them (XLA:CPU's GPT-3 POD256 program keeps its saved layer inputs and the
+    # pipeline's rows in float16).
+    sb = DTYPE_BYTES[cfg.precision.compute]
+    kept_scalars = {
+        "full": res,
+        "minimal": res + 3 * btd // t + btd + btf,
+        "attention": res + 4 * btd // t,
+        "comms": res + psums,
+    }
+    saved = every if md.remat == "none" else kept_scalars[md.remat] * sb
     # Recomputing one layer: everything it would have saved (`every`, split into its attention
     # and MLP halves), less what the policy keeps. memory.stream=matrix recomputes one step
     # at a time: the attention half, or one of the k MLP blocks (1/k of the hidden units, and
@@ -86,14 +92,19 @@ def _layer_sets(cfg: Config, cb: int) -> dict:
     # XLA realises that smaller working set without tensor parallelism only: with t > 1 it
     # holds the layer's working set plus the steps' inputs (measured on 1x2x4 and 1x1x4, with
     # and without sequence parallelism and chunks: docs/benchmarks.md), so that is counted.
-    attention = (4 * res + gathered // 2 + 4 * btd // t) * cb + (3 * cb + 1) * kept_scores
+    # Alive together at the peak of a recomputed layer's backward (the GELU's backward, in
+    # every remat-full program read with benchmarks/xla_peak.py): of the attention, the scores
+    # and the probabilities kept for its backward (exp is fused into them; the causal mask is
+    # one [T, T]); of the MLP, the pre-activation, the GELU's tanh, the cotangents of the
+    # GELU's output and of its input, 4 hidden-sized (the GELU's output is dead by then).
+    attention = (4 * res + gathered // 2 + 4 * btd // t) * cb + 2 * cb * kept_scores
     attention += attention_work
     mlp_in = (4 * res + gathered // 2) * cb
     # the recomputed MLP's hidden units: the whole sequence's, or with RTS (the weights
     # gathered inside the layer) one token block's (measured)
     hidden = btf // md.sequence_chunks if chunked and cfg.memory.rts > 1 else btf
-    mlp = mlp_in + 6 * hidden * cb
-    kept = saved - res * cb
+    mlp = mlp_in + 4 * hidden * cb
+    kept = saved - res * cb if md.remat == "none" else (kept_scalars[md.remat] - res) * cb
     step_inputs = (3 * res + 4 * btd // t) * cb  # x, q, k, v, o, x1, y: kept per layer
     if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
         work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
@@ -105,7 +116,24 @@ def _layer_sets(cfg: Config, cb: int) -> dict:
         work = max(attention + mlp - attention_work - kept, 0) + attention_work
         if cfg.memory.stream == "matrix":  # no credit under tensor parallelism (measured)
             work += step_inputs
-    return {"all": every, "saved": saved, "work": work, "btd": res * cb}
+    return {"all": every, "saved": saved, "work": work, "btd": res * sb}
+
+
+def _head_kept(cfg: Config, tokens: int) -> int:
+    """Bytes of the loss head's values alive through the layers' backward pass (`tokens`: the
+    head's tokens on this device). XLA:CPU computes the head's weight gradients after the
+    layers' backward, so each weighted op of the head keeps its input and its output's
+    cotangent, in the compute dtype: GPT the final LN's input, its output (the logits' input)
+    and that output's cotangent; BERT also the dense layer's input and its output's cotangent,
+    the head LN's input, its output (with the constant-1 column) and that output's cotangent;
+    both the float32 logits' cotangent. A head in blocks (`sequence_chunks`) computes them
+    inside its block loop and keeps none (measured); `memory.vocab_slices` is taken to be the
+    same (not read)."""
+    md, sb = cfg.model, DTYPE_BYTES[cfg.precision.compute]
+    if math.gcd(md.sequence_chunks, tokens) > 1 or cfg.memory.vocab_slices > 1:
+        return 0
+    rows = 3 if md.name == "gpt" else 5 + 2 * (md.norm == "pre")
+    return tokens * (rows * md.d_model * sb + md.vocab // cfg.mesh.tensor * 4)
 
 
 def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
@@ -113,17 +141,22 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
 
     - `saved`: residuals kept for the backward pass. pipeline == 1: the micro-batches run one
       after another (forward and backward inside the accumulation loop), so one micro-batch's
-      layers are in flight. pipeline > 1 (GPipe as one scan, differentiated as a whole): every
-      one of the M + S - 1 ticks saves its stage's layers, bubble ticks included, where M is
-      the micro-batches of one pass (`train.pipeline_group`; the passes run in turn).
-    - `pipeline_buffers`: the embedded micro-batches [M, mb, T, D], the last stage's outputs
-      and their gradient, the carry, and one tick's layer stack before it joins the scan's.
+      layers are in flight. gpipe and circular (one forward scan, differentiated as a whole):
+      every one of the V·M + S - 1 ticks saves its chunk's layers, bubble ticks included, where
+      M is the micro-batches of one pass (`train.pipeline_group`; the passes run in turn).
+      1f1b: the stage inputs of at most S micro-batches.
+    - `pipeline_buffers`: what the backward tick scan holds besides (gpipe, circular: the
+      cotangent of every tick's collected output, the embedded micro-batches' cotangent, the
+      carry, the tick's slice of the saved residuals; 1f1b: a backward tick's residuals).
+    - `tick_grads`: the gradient of the stage's layer stack that a tick's layer scan carries.
     - `head`: the loss head: float32 logits over this device's tokens (mb·T; M·mb·T/S when the
       pipeline spreads the head over the stages) x V/t (/ `memory.vocab_slices`), x 3 live
       copies, plus the final LN; the tokens in `sequence_chunks` blocks.
+    - `head_kept`: the head's operands for its weight gradients, alive through the layers'
+      backward (`_head_kept`).
     - `layer_work`: one layer's backward working set (recomputation under remat).
-    Peak = saved + pipeline_buffers + max(head, layer_work): the head's temporaries die before
-    the backward pass reaches the layers.
+    Peak = saved + pipeline_buffers + tick_grads + max(head, head_kept + layer_work): the head's
+    other temporaries die before the backward pass reaches the layers.
     """
     md, mesh, tr = cfg.model, cfg.mesh, cfg.train
     profile = profile or get_profile(cfg.memory.device)
@@ -145,35 +178,62 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     kind, virtual = tr.pipeline_schedule, tr.virtual_stages
     ticks = 1 if stages == 1 else virtual * micro + stages - 1
     chunk = per_stage // virtual  # the layers one tick runs
-    saved = ticks * chunk * sets["saved"]
-    # each tick also keeps its input and its output (the scan's residual and collected row);
-    # the embedded micro-batches, the carry, one tick's chunk before it joins the scan's
-    buffers = 0
-    if stages > 1:
-        buffers = (2 * ticks + micro + 1) * sets["btd"] + chunk * sets["saved"]
+    saved = ticks * chunk * sets["saved"]  # the forward tick scan's stacked residuals
     head_tokens = tr.micro_batch * md.seq_len * (1 if stages == 1 else micro) // stages
+    vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_slices  # logits of a row block
+    buffers = tick_grads = head_kept = 0
+    if stages == 1 and md.remat != "none":
+        # the head's operands through the layers' backward, as pipelined below (read on 1x1x1
+        # and 1x1x4, remat full; without remat XLA:CPU computes the head's gradients at once)
+        head_kept = _head_kept(cfg, head_tokens)
+    if stages > 1 and kind != "1f1b":
+        # gpipe and circular: the forward tick scan, the head, then autodiff's backward tick
+        # scan, which holds besides the saved residuals (XLA:CPU's buffer assignment, read
+        # with benchmarks/xla_peak.py: docs/benchmarks.md, "Pipeline schedules"):
+        # - `ticks` rows: the cotangent of the ticks' collected outputs (the transpose of
+        #   taking the last stage's M outputs from them: a pad (gpipe), a scatter (circular));
+        # - `micro` rows: the embedded micro-batches' cotangent, a carry of the scan; BERT
+        #   also its embedding LayerNorm's input and centred input, [M, mb, T, D] each, saved
+        #   for the embedding's backward after the ticks;
+        # - one row: the carry, the activation cotangent sent up the pipe;
+        # - the tick's own slice of the saved residuals (`chunk` layers);
+        # - `tick_grads`: with more than one layer a tick (a layer scan inside the tick), the
+        #   transposed layer scan's gradient of the stage's whole stack (the chunk is a
+        #   dynamic slice of it), before it is added into the stage's accumulator;
+        # - `head_kept`: the head's operands for its weight gradients, computed after the
+        #   backward ticks (`_head_kept`).
+        rows = ticks + micro + 1 + (2 * micro if md.name == "bert" else 0)
+        buffers = rows * sets["btd"] + chunk * sets["saved"]
+        if chunk > 1:
+            sharded, replicated = block_params(md.d_model, md.d_ff)
+            layer = (sharded // mesh.tensor + replicated) * DTYPE_BYTES[cfg.precision.params]
+            tick_grads = per_stage * layer // cfg.memory.rts
+        head_kept = _head_kept(cfg, head_tokens)
     if stages > 1 and kind == "1f1b":
         # the stage inputs of at most S micro-batches and their gradients (two ring buffers),
         # the two values sent each tick; a backward tick's residuals of the stage's layers;
-        # the head runs on one micro-batch at a time on the last stage
+        # the head runs on one micro-batch at a time on the last stage (its gradients inside
+        # the tick). The carried gradients and the backward tick's stack gradients are the
+        # two gradient copies of `device_bytes` ("carried").
         saved = (2 * stages + 2) * sets["btd"]
         buffers = per_stage * sets["saved"]
         head_tokens = tr.micro_batch * md.seq_len
     head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head blocks (as the engine)
-    vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_slices  # logits of a row block
     copies = SLICED_HEAD_LOGIT_COPIES if cfg.memory.vocab_slices > 1 else HEAD_LOGIT_COPIES
     head = head_tokens * vocab_rows * 4 * copies // head_chunks
     head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // head_chunks
     # memory.offload=activations earns nothing: the lowered step places no saved value on the
     # host (tests/planner/test_transfers.py), so every saved activation stays on the device
     on_device_saved = saved
-    total = on_device_saved + buffers + max(head, sets["work"])
+    total = on_device_saved + buffers + tick_grads + max(head, head_kept + sets["work"])
     return {
         "saved": saved,
         "saved_on_device": on_device_saved,
         "saved_per_layer": sets["saved"],
         "pipeline_buffers": buffers,
+        "tick_grads": tick_grads,
         "head": head,
+        "head_kept": head_kept,
         "layer_work": sets["work"],
         "ticks": ticks,
         "layers_per_stage": per_stage,

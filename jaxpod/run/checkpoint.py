@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import sys
 import threading
 import time
@@ -274,6 +275,7 @@ class Checkpointer:
         sys.excepthook = lambda *e: None if _abandoned(e[1]) else self._hooks[0](*e)
         sys.unraisablehook = lambda u: None if _abandoned(u.exc_value) else self._hooks[1](u)
         logging.getLogger("absl").addFilter(_reraised)
+        logging.getLogger("asyncio").addFilter(_reraised)
         return self
 
     def __exit__(self, kind, *exc) -> None:
@@ -285,12 +287,19 @@ class Checkpointer:
         finally:
             sys.excepthook, sys.unraisablehook = self._hooks
             logging.getLogger("absl").removeFilter(_reraised)
+            if kind is None:  # after an error, orbax's unretrieved tasks may be logged later
+                logging.getLogger("asyncio").removeFilter(_reraised)
 
 
 def _reraised(record: logging.LogRecord) -> bool:
-    """False (drop) for orbax's logs of a failed background write (with its traceback): the
-    same error is raised by the next save or the close, and reported there in one line."""
-    return not (record.exc_info and "orbax" in record.pathname)
+    """False (drop) for orbax's logs of a failed background write (with its traceback), and
+    for asyncio's "Task exception was never retrieved" about orbax's other writes: the same
+    error is raised by the next save or the close, and reported there in one line."""
+    if not record.exc_info:
+        return True
+    if "orbax" in record.pathname:
+        return False
+    return "orbax" not in record.getMessage()
 
 
 def _abandoned(exc: BaseException | None) -> bool:
@@ -313,10 +322,18 @@ def _settle(seconds: float) -> None:
         time.sleep(0.1)
 
 
+# the operating system's reason inside a storage error: "...: File too large [os_error_code=27]"
+OS_REASON = re.compile(r"([A-Z][\w ,'-]*?) \[os_error_code='?\d+'?\]")
+
+
 def _why(exc: BaseException) -> str:
+    """One line of a storage error: its type, its start and, when the text is long, the
+    operating system's reason (orbax joins the errors of many writes into one message)."""
     text = " ".join(str(exc).split()).split(" See full")[0]
-    if len(text) > 200:  # the cause is usually at the end ("... File too large")
-        text = f"{text[:100]} ... {text[-95:]}"
+    if len(text) > 200:
+        reason = OS_REASON.search(text)
+        tail = reason.group(1) if reason else text[-95:]
+        text = f"{text[:100]} ... {tail}"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

@@ -17,22 +17,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import DIGITS_STEPS, digits_cfg
+from helpers import DIGITS_STEPS, TINY_EFFICIENTNET, TINY_VISION, digits_cfg
 
-VISION = (
-    "model.name=efficientnet",
-    "data.name=digits",
-    "model.width_mult=0.25",
-    "model.depth_mult=0.2",
-    "model.image_size=32",
-    "model.num_classes=10",
-    "model.remat=none",
-    "train.micro_batch=2",
-    "optim.lr=0.5",
-    "optim.weight_decay=1e-4",
-    "optim.warmup_steps=0",
-    "optim.schedule=constant",
-)
+pytestmark = pytest.mark.xdist_group(TINY_EFFICIENTNET)  # the programs test_pinned compiles
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +31,7 @@ def digits():
 
 def vision_cfg(tiny_cfg, mesh, *extra):
     splits = "model.pipeline_splits=[4a]" if mesh[1] == 2 else "model.pipeline_splits=[]"
-    return tiny_cfg(*VISION, splits, *extra, mesh=mesh)
+    return tiny_cfg(*TINY_VISION, splits, *extra, mesh=mesh)
 
 
 def global_batch(engine, cfg, digits, step=0):
@@ -86,7 +73,7 @@ def host_trees(engine, params):
 def test_stage_rows_live_on_their_stage(tiny_cfg, mesh_for):
     from jaxpod.engine import build_engine
 
-    cfg = vision_cfg(tiny_cfg, (2, 2, 1), *LARS_GA2)
+    cfg = vision_cfg(tiny_cfg, (4, 2, 1))
     mesh = mesh_for(cfg)
     engine, state = build_engine(cfg, mesh)
     for buf in state.params.values():
@@ -98,23 +85,13 @@ def test_stage_rows_live_on_their_stage(tiny_cfg, mesh_for):
     assert engine.stages.packing.num_stages == 2
 
 
-# Each distinct config is one XLA compile (tens of seconds for a CNN on CPU): the tests share
-# configs so that the session's persistent compilation cache serves repeats.
-LARS_GA2 = ("optim.name=lars", "train.grad_accum=2")
-
-
-@pytest.mark.parametrize(
-    ("shape", "extra"),
-    [
-        ((2, 2, 1), LARS_GA2),  # each mesh its own unit of work: a CNN compile is slow
-        pytest.param((2, 1, 1), LARS_GA2, marks=pytest.mark.xdist_group("one-stage")),
-    ],
-    ids=["2x2x1-lars", "2x1x1-lars"],
-)
-def test_step_matches_single_device_reference(tiny_cfg, mesh_for, digits, shape, extra):
+# Each distinct config is one XLA compile (10-30 s for a CNN on 2 cores): the meshes and the
+# config are test_pinned's effnet-421 and effnet-111, whose programs the compilation cache serves.
+@pytest.mark.parametrize("shape", [(4, 2, 1), (1, 1, 1)], ids=["4x2x1", "1x1x1"])
+def test_step_matches_single_device_reference(tiny_cfg, mesh_for, digits, shape):
     from jaxpod.engine import build_engine
 
-    cfg = vision_cfg(tiny_cfg, shape, *extra)
+    cfg = vision_cfg(tiny_cfg, shape)
     engine, state = build_engine(cfg, mesh_for(cfg))
     trees = host_trees(engine, state.params)
     batch = global_batch(engine, cfg, digits)
@@ -134,21 +111,23 @@ def test_step_matches_single_device_reference(tiny_cfg, mesh_for, digits, shape,
 
 def test_two_stage_losses_equal_one_stage(tiny_cfg, mesh_for, digits):
     """Same seed, same network (parameters are drawn in network order): S=2 == S=1. The
-    two-stage run takes its 2 micro-batches in two GPipe passes (`train.pipeline_group=1`,
-    gradients summed); `test_step_matches_single_device_reference` covers one pass."""
+    two-stage run takes each replica's 2 micro-batches in two GPipe passes
+    (`train.pipeline_group=1`, gradients summed); `test_step_matches_single_device_reference`
+    covers one pass."""
     from jaxpod.engine import build_engine
 
     losses = {}
-    for shape in [(2, 1, 1), (2, 2, 1)]:
+    for shape in [(1, 1, 1), (4, 2, 1)]:
         passes = ["train.pipeline_group=1"] if shape[1] == 2 else []
-        cfg = vision_cfg(tiny_cfg, shape, *LARS_GA2, *passes)
+        cfg = vision_cfg(tiny_cfg, shape, *passes)
+        assert cfg.pipeline_passes == (2 if passes else 1)
         engine, state = build_engine(cfg, mesh_for(cfg))
         run = []
         for step in range(3):
             state, metrics = engine.train_step(state, global_batch(engine, cfg, digits, step))
             run.append(float(metrics["loss"]))
         losses[shape] = run
-    np.testing.assert_allclose(losses[(2, 2, 1)], losses[(2, 1, 1)], rtol=1e-5)
+    np.testing.assert_allclose(losses[(4, 2, 1)], losses[(1, 1, 1)], rtol=1e-5)
 
 
 def test_overflow_is_skipped_and_halves_the_scale(mesh_for, digits):

@@ -22,17 +22,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from helpers import TINY_EFFICIENTNET, TINY_VISION
 
 RTOL = 2.2e-6
 
 GPT = ("train.global_batch=16", "train.grad_accum=null", "optim.warmup_steps=0")
 BERT = (*GPT, "model.name=bert", "model.vocab=264")
-VISION = (
-    "model.name=efficientnet", "data.name=digits", "model.width_mult=0.25",
-    "model.depth_mult=0.2", "model.image_size=32", "model.num_classes=10", "model.remat=none",
-    "train.micro_batch=2", "train.global_batch=16", "train.grad_accum=null", "optim.name=lars",
-    "optim.lr=0.5", "optim.weight_decay=1e-4", "optim.warmup_steps=0", "optim.schedule=constant",
-)  # fmt: skip
+VISION = TINY_VISION
 FP16 = (
     "precision.params=float16", "precision.compute=float16", "precision.master=same-as-params",
     "precision.loss_scale=dynamic", "optim.name=lars", "optim.lr=0.1",
@@ -94,9 +90,9 @@ def test_the_tolerance_is_what_the_docstring_derives():
 
 
 def _cases():
-    """The pinned names; EfficientNet's compiles (a minute each) are a unit of work of their
-    own, so that xdist runs them beside the transformers'."""
-    group = lambda name: "pinned-efficientnet" if name.startswith("effnet") else "pinned-gpt-bert"
+    """The pinned names; EfficientNet's compiles run with the other tests of the same programs
+    (`TINY_EFFICIENTNET`), beside the transformers'."""
+    group = lambda name: TINY_EFFICIENTNET if name.startswith("effnet") else "pinned-gpt-bert"
     return [pytest.param(name, marks=pytest.mark.xdist_group(group(name))) for name in PINNED]
 
 

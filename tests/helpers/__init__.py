@@ -35,6 +35,21 @@ def make_tiny_cfg(*overrides: str, mesh: tuple[int, int, int] | None = None, **k
     return load_config(TINY_YAML, args)
 
 
+# The tiny EfficientNet the engine tests train (float32, LARS, 16 images a step; splits and mesh
+# per test): tests/engine/test_pinned.py pins its first steps, test_packed_engine.py checks
+# them against a plain reference on the same meshes (the same programs).
+TINY_VISION = (
+    "model.name=efficientnet", "data.name=digits", "model.width_mult=0.25",
+    "model.depth_mult=0.2", "model.image_size=32", "model.num_classes=10", "model.remat=none",
+    "train.micro_batch=2", "train.global_batch=16", "train.grad_accum=null", "optim.name=lars",
+    "optim.lr=0.5", "optim.weight_decay=1e-4", "optim.warmup_steps=0", "optim.schedule=constant",
+)  # fmt: skip
+
+# One xdist group (tests/conftest.py) for the tests that compile the tiny EfficientNet's and
+# the digits config's train steps: one process compiles each program once and the session's
+# compilation cache serves the repeats (an EfficientNet compile is ~10-30 s on 2 cores).
+TINY_EFFICIENTNET = "shared:tiny-efficientnet"
+
 # The digits run's length (tests/run/test_digits_training.py): the packed engine's overflow
 # test compiles the same train step (the loss scale is state, not program), so the session's
 # compilation cache serves whichever of the two compiles second.

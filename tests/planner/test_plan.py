@@ -151,15 +151,17 @@ def test_rts_and_offload_move_bytes():
     off = plan(cfg_of(*base, "memory.offload=[optimizer]"))["bytes_per_device"]
     # the optimizer state rests on the host, but the update moves it to the device whole
     assert off["optimizer"] == 0 and off["host_total"] == p1["optimizer"]
-    assert off["peak"] == "update"
-    assert off["device_total"] >= p1["device_total"] - p1["optimizer"] + p1["optimizer"] - 1
+    assert off["peak"] == "update" and off["moved_in"] == p1["optimizer"]
+    assert off["device_total"] >= off["weights"] + off["moved_in"] + off["updates"]
     # host-resident layers are on the device for the whole step (moved in at the shard_map
     # boundary; per-phase / per-matrix transfers are not executed as written): no credit,
-    # whatever the phases or the stream
+    # whatever the phases or the stream (matrix streaming's own credit, a smaller working
+    # set, is the same with the weights on the device)
     for extra in (["memory.phases=6"], ["memory.stream=matrix", "memory.mlp_panels=4"]):
         ph = plan(cfg_of(*base, "memory.offload=[params]", *extra))["bytes_per_device"]
-        assert ph["weights"] == p1["weights"] and ph["device_total"] >= p1["device_total"]
-        assert ph["arguments"] < p1["arguments"]  # what rests on the device between steps
+        on = plan(cfg_of(*base, *extra))["bytes_per_device"]
+        assert ph["weights"] == on["weights"] and ph["device_total"] >= on["device_total"]
+        assert ph["arguments"] < on["arguments"]  # what rests on the device between steps
 
 
 def test_not_fitting_plan_suggests_and_budget_refuses():

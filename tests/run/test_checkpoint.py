@@ -31,3 +31,28 @@ def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path
     ):
         assert got.sharding == sharding
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_long_storage_error_keeps_the_operating_systems_reason():
+    """orbax joins the errors of many writes into one message whose end is a list: the one
+    line still names the reason (`tests/cli/test_resume_cli.py` provokes the real one)."""
+    import logging
+
+    from jaxpod.run.checkpoint import _reraised, _why
+
+    write = "Failed to write 568606 bytes to file 12: File too large [os_error_code='27']"
+    many = ValueError(f'OUT_OF_RANGE: Error writing "mu/3.0.0": {write}' + " x" * 150 + "}'])")
+    assert _why(many).startswith("ValueError: OUT_OF_RANGE: Error writing")
+    assert _why(many).endswith("... File too large")
+    assert _why(ValueError("short")) == "ValueError: short"
+    # asyncio's report of an orbax write nobody awaited is dropped; other logs are kept
+    try:
+        raise ValueError(write)
+    except ValueError as e:
+        info = (ValueError, e, e.__traceback__)
+    unretrieved = "Task exception was never retrieved\nfuture: <Task coro=<.../orbax/x.py>>"
+    record = logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1, unretrieved,
+                               None, info)  # fmt: skip
+    assert not _reraised(record)
+    other = logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1, "other", None, info)
+    assert _reraised(other)

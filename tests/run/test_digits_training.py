@@ -1,16 +1,17 @@
 """`configs/efficientnet_digits.yaml` through the training loop (`jaxpod.run.loop`): the digits
 run learns. The train step it compiles is the one tests/engine/test_packed_engine.py's
-overflow test compiles (the loss scale is state, not program): the session's shared
-compilation cache serves whichever of the two runs second.
+overflow test compiles (the loss scale is state, not program): both run in one process
+(`TINY_EFFICIENTNET`), and the compilation cache serves the second.
 """
 
 from __future__ import annotations
 
 import pytest
-from helpers import DIGITS_STEPS, digits_cfg
+from helpers import DIGITS_STEPS, TINY_EFFICIENTNET, digits_cfg
 
 
 @pytest.mark.long_run
+@pytest.mark.xdist_group(TINY_EFFICIENTNET)
 def test_digits_config_trains(mesh_for, tmp_path):
     """`configs/efficientnet_digits.yaml` through the training loop, shortened to 50 of its 300
     steps: validation accuracy at least 3x chance (10 %); deterministic (seeded data, init
