@@ -172,13 +172,14 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     if md.name == "efficientnet":  # packed heterogeneous stages: jaxpod.planner.efficientnet
         from jaxpod.planner.counts import efficientnet_stage_params
 
-        row = max(efficientnet_stage_params(cfg))  # n_max: every stage's row is this long
+        stage_params = efficientnet_stage_params(cfg)
+        row = max(stage_params)  # n_max: every stage's row is this long
         act, pb = DTYPE_BYTES[cfg.precision.compute], DTYPE_BYTES[cfg.precision.params]
         # rows rounded stochastically: the weights row, and the optimizer's (one row of its
         # moments per parameter) when 16-bit
         opt16 = cfg.optim.moments != "float32" and cfg.precision.master != "float32"
         sr_rows = (1 + MOMENTS[cfg.optim.name] * opt16) if pb < 4 else 0
-        return efficientnet.activation_bytes(cfg, cb, act, row, pb, sr_rows)
+        return efficientnet.activation_bytes(cfg, cb, act, row, pb, sr_rows, pb, stage_params)
     sb = stored_bytes(cfg, profile)
     sets = _layer_sets(cfg, cb, sb)
     # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)

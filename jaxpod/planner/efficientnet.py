@@ -2,22 +2,41 @@
 
 The step (`jaxpod.engine.packed`) runs each pipeline stage as one remat unit on a float32
 carry `[mb, A]` (A: the largest per-image tensor crossing a stage boundary, the input image
-included), switched by `lax.switch` per tick. Per device it holds:
+included), switched by `lax.switch` per tick. What a device holds is read off the buffer
+assignment of the program jaxpod compiles (`benchmarks/xla_peak.py`; XLA:CPU's memory-
+minimising DFS scheduler, `jaxpod.platform.virtual_cpu_flags`). Per device:
 
-- `stage_work`: one stage's backward for one micro-batch: every tensor XLA keeps for it in
-  its pieces (`pieces`: per MBConv block the input, the expand and spatial ConvNorms, the
-  SE-gated tensor, the projection's norm; stem and head likewise) at each piece's spatial
-  size and width; conv operands and outputs widened on XLA:CPU, the norm's values float32,
-  the swish's in the compute dtype. The stage is one remat unit, so remat `full` and `none`
-  hold the same set while the stage's backward runs.
+- `stage_work`: one stage's backward for one micro-batch. With remat the stage's forward is
+  recomputed, then differentiated, so remat `full` and (without a pipeline) `none` hold the
+  same set. Which values are live at its peak depends on the order the scheduler gives the
+  backward, and that order follows the stage's packed gradient row: XLA:CPU's DFS scheduler
+  visits the weight gradients (the operands of the one fusion that pads and sums them into
+  the row) last leaf first, because their transitive sizes all saturate its cap and the cap
+  grows with post-order position. The row's leaves are in the stage tree's key order:
+  blocks, head, stem. So
+  - the stage holding the stem (`weight_grad_inputs`): the stem's norm gradient goes first,
+    and it needs the whole data-gradient chain from the stage's end down to the stem. Every
+    piece's data gradient runs before any weight gradient, and at the stem's norm backward
+    every input of every weight gradient is live: per conv its operand and its output's
+    cotangent, per norm its conv output (the norm is recomputed from it);
+  - any other stage (`forward_values`): its last leaf's piece (the head, or the stage's last
+    block) is differentiated first, so the peak is where the backward starts: every value
+    the recomputed forward keeps for it is live, and the 1x1 kernels widened to float32.
+  Pipelined without remat, the switch is linearized as a whole and every branch returns the
+  union of all stages' residuals (`saved`: what autodiff keeps of each ConvNorm, and every
+  stage's weights), live through the backward; the stage adds its own backward to it.
 - `grad_rows`: the stage's parameter gradient is one padded row `[n_max]` per leaf (the
-  transpose of `StagePacking.unpack`'s slices). With float32 rows XLA:CPU sums them in one
-  fused add, and the pads it cannot fuse into it (one per conv kernel, one per norm) are all
-  live at its end; with 16-bit rows, or pipelined without remat, it adds them one by one.
+  transpose of `StagePacking.unpack`'s slices). With float32 rows XLA:CPU materialises the
+  padded rows (one per conv kernel, one per norm) and sums them in one fused add at the
+  stage's end, when its activations are dead. A 16-bit row is one fusion reading the weight
+  gradients: no padded row is live. Pipelined without remat the row is built a leaf at a
+  time beside the backward (one row in flight).
 - `carries`: float32 `[mb, A]` buffers of the schedule: at the backward's peak GPipe keeps
   every tick's input (the checkpoint's residual) and every tick output's cotangent (the
-  transpose of the scan's collected rows); the embedded micro-batches are dead by then
-  (the forward ticks consumed them). 1F1B keeps its two ring buffers.
+  transpose of the scan's collected rows), and the tick being differentiated has its input
+  and its output's cotangent sliced out of them; the embedded micro-batches are dead by then
+  (the forward ticks consumed them). With data-parallel replicas the collected tick outputs
+  are live too (the loss reads them after the update). 1F1B keeps its two ring buffers.
 - `update_work`: the update on whole rows (`PackedStages._stage_update`): float32 copies
   of the row, and with 16-bit rows the stochastic rounding's random bits.
 """
@@ -32,86 +51,141 @@ from jaxpod.models.efficientnet_specs import (
     stem_head_channels,
 )
 
-F32 = 4
-# Per output element, what XLA keeps of a ConvNorm for its backward (buffer assignments of the
-# calibration rows): the conv output (`wide` bytes; the norm's and swish's inputs are
-# recomputed from it in the backward's fusions), the centred and the normalised values
-# (float32: `GroupNorm` computes in float32) and, with swish, the sigmoid (an elementwise
-# value of the compute dtype, `act` bytes, never widened). The affine output and the square's
-# derivative are not kept: fusions recompute them.
-NORM_F32_SAVES = 2  # centred, normalised
-# A conv's operand is kept once, where the conv reads it (`wide` bytes: XLA:CPU convolves in
-# float32): the image, a block's input, the expand's swish output, the SE-gated tensor.
-# The spatial swish output is kept in the compute dtype (the SE's mean and gate read it).
-
-
-def _convnorm(wide: int, act: int, swish: bool) -> int:
-    return wide + NORM_F32_SAVES * F32 + (act if swish else 0)
-
-
-# One padded gradient row is live per conv kernel and per norm (its scale and bias grads
-# come out of one reduction), plus the fused sum's own output.
+F32 = 4  # GroupNorm computes in float32: its centred values are float32 on every device
+# The stem's norm backward, running at the weight-gradient peak: beside its conv output,
+# centred values and swish, its output's cotangent and two float32 temporaries of the norm's
+# backward (the cotangent scaled by the normalised values, and their group sums broadcast).
+STEM_BACKWARD_TEMPS = 2
+# The head's backward as it starts (the forward-values peak): two float32 temporaries of its
+# norm's backward, beside the classifier's kernel gradient (float32 [head_ch, classes]).
+HEAD_BACKWARD_TEMPS = 2
+# Without remat a ConvNorm's backward reads what autodiff saved: the centred and normalised
+# values (float32, group-shaped), the normalised values times the scale (float32) and, in the
+# compute dtype, the affine output and with swish its sigmoid, the sigmoid's derivative factor
+# and the swish output (the next conv's operand).
+SAVED_NORM_F32 = 3
+SAVED_SWISH_ACT = 4
+SAVED_PLAIN_ACT = 1
+# Pipelined without remat the gradient row is built beside the backward, a leaf at a time
+# into the accumulated row (the planner's `grads`): one more row is live, the float32 padded
+# row being added or, 16-bit, the row updated in place (`dynamic-update-slice`).
+RUNNING_SUM_ROWS = 1
+# Beside every padded row, the fused sum's own output.
 SUM_OUTPUT_ROWS = 1
-# Summed one by one: the running sum and the next padded row.
-RUNNING_SUM_ROWS = 2
-# Stochastic rounding draws one uint32 per element with threefry2x32: its two lanes, the two
-# lanes of the previous round group and their loop copies are live together (6 rows), beside
-# the float32 update row and the unscaled gradient row.
-SR_BIT_ROWS = 6
+# The update's float32 rows: the unscaled gradient row (live from the backward's end through
+# the update) and the update row (`pack_row(updates)`, then the new float32 weights).
 UPDATE_F32_ROWS = 2
-# Without a pipeline, XLA:CPU schedules the stochastic rounding's random bits (they depend on
-# the key, not on the gradient) before the backward: both threefry lanes of every 16-bit row
-# it rounds (the weights row, the 16-bit optimizer rows) are live at the backward's peak.
-SR_LANES = 2
+# Stochastic rounding draws one uint32 per element with threefry2x32: its two lanes for the
+# row being rounded and their two copies in the rounding loop are live together (4 rows).
+SR_BIT_ROWS = 4
 
 
 def _size(hw: int, stride: int) -> int:
     return -(-hw // stride)  # SAME padding
 
 
+def _saved_convnorm(act: int, swish: bool) -> int:
+    """Bytes per output element autodiff saves for a ConvNorm's backward without remat."""
+    return SAVED_NORM_F32 * F32 + (SAVED_SWISH_ACT if swish else SAVED_PLAIN_ACT) * act
+
+
 def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
-    """Per pipeline stage, its pieces: `{"residuals": saved bytes per image, "convs", "norms",
-    "in", "out": elements per image of its input and output}`. `wide`: bytes of a conv's
-    operand or output; `act`: bytes of an elementwise value of the compute dtype."""
+    """Per pipeline stage, its pieces (stem, MBConv blocks, head), each
+    `{"kept": bytes per image live at the weight-gradient peak, "forward": bytes per image
+    live at the forward-values peak, "kernels": elements of its 1x1 and dense kernels,
+    "convs", "norms", "in", "out": elements per image of its input and output}`; a block
+    also has `"out_cot"` (elements of its output's cotangent) and `"residual"`, the head
+    `"classifier_grad"` (bytes).
+    `wide`: bytes of a conv's operand or output (XLA:CPU convolves 16-bit in float32);
+    `act`: bytes of an elementwise value of the compute dtype (the swish, the SE's gate)."""
     md = cfg.model
     specs = block_specs(md.variant, g16=md.g16, width_mult=md.width_mult, depth_mult=md.depth_mult)
     stem_ch, head_ch = stem_head_channels(md.variant, width_mult=md.width_mult)
     hw = md.image_size
     stem_hw = _size(hw, 2)
-    image = hw * hw * IMAGE_CH
-    stem = {  # its swish output is the first block's input, kept there
-        "residuals": image * wide + _convnorm(wide, act, True) * stem_hw**2 * stem_ch,
-        "convs": 1,
-        "norms": 1,
-        "in": image,
-        "out": stem_hw**2 * stem_ch,
-    }
+    image, stem_out = hw * hw * IMAGE_CH, stem_hw**2 * stem_ch
+    # its conv output, centred values and swish, and (its backward running) its output's
+    # cotangent and the norm backward's temporaries; the image, when a stage's input, in
+    # `carries` or sliced out of the carry (below)
+    stem_values = wide + F32 + act
+    stem_cot = (1 + STEM_BACKWARD_TEMPS) * wide * stem_out
+    stem = {
+        "kept": stem_values * stem_out + stem_cot,
+        "cot": stem_cot,
+        "forward": stem_values * stem_out,
+        # without remat: the image (the stem's operand, compute dtype) and its ConvNorm's
+        "saved": act * image + _saved_convnorm(act, True) * stem_out,
+        "kernels": 0,  # (the stem's stage is never a forward-values stage)
+        "convs": 1, "norms": 1, "in": image, "out": stem_out, "name": "stem",
+    }  # fmt: skip
     hw, blocks = stem_hw, []
     for s in specs:
         h_in, h_out = hw, _size(hw, s.stride)
-        saved = h_in**2 * s.in_ch * wide  # the block input (the first conv's operand)
-        if s.expand != 1:  # expand ConvNorm, and its swish output (the spatial conv's operand)
-            saved += (_convnorm(wide, act, True) + wide) * h_in**2 * s.mid_ch
-        saved += _convnorm(wide, act, True) * h_out**2 * s.mid_ch  # spatial ConvNorm
-        saved += act * h_out**2 * s.mid_ch  # its swish output, read by the SE
-        saved += wide * h_out**2 * s.mid_ch  # the SE-gated tensor (the projection's operand)
-        saved += _convnorm(wide, act, False) * h_out**2 * s.out_ch  # projection ConvNorm
-        convs = 3 if s.expand != 1 else 2
+        n_in, mid_in, mid_out, n_out = (
+            h_in**2 * s.in_ch, h_in**2 * s.mid_ch, h_out**2 * s.mid_ch, h_out**2 * s.out_ch,
+        )  # fmt: skip
+        plain = s.feature_groups == 1  # the spatial conv is a plain conv (not grouped)
+        # Weight-gradient inputs. A plain conv (the 1x1 expand and projection, a spatial conv
+        # of one group) keeps its operand widened and its conv output's cotangent (read by
+        # both its data and its weight gradient); a grouped spatial conv reads its operand in
+        # the compute dtype (the expand's swish) and recomputes its output's cotangent.
+        kept = cot = 0
+        if s.expand != 1:
+            kept += wide * n_in  # the block input, widened: the expand's operand
+            # expand conv output and its swish; its output's cotangent (the spatial's data
+            # gradient) and its conv output's cotangent
+            kept += (wide + act) * mid_in
+            cot += 2 * wide * mid_in
+        elif plain:
+            kept += wide * n_in  # the block input, widened: the spatial conv's operand
+        # spatial conv output, its swish, the SE-gated tensor (the projection's operand,
+        # widened); the SE-gated tensor's cotangent (the projection's data gradient)
+        kept += (2 * wide + act) * mid_out
+        cot += wide * mid_out + (wide * mid_out if plain else 0)
+        # projection conv output; its conv output's cotangent. The block output's cotangent
+        # (the next piece's data gradient) is counted by `weight_grad_inputs`.
+        kept += wide * n_out
+        cot += wide * n_out
+        kept += cot
+        # the SE's [mb, mid] vectors: pooled, reduced and gated, float32 and compute dtype
+        kept += (3 * wide + 2 * act) * s.mid_ch
+        # Forward values: per ConvNorm its conv output and centred values (float32), per
+        # swish its output in the compute dtype; each conv's operand once (the block input
+        # widened for the expand; the SE-gated tensor in the compute dtype and widened)
+        fwd = wide * n_in if (s.expand != 1 or plain) else 0
+        if s.expand != 1:
+            fwd += (wide + F32 + act) * mid_in
+        fwd += (wide + F32 + act) * mid_out + (act + wide) * mid_out
+        fwd += (wide + F32) * n_out
+        fwd += (wide + act) * s.mid_ch  # the SE's pooled vector and its gate
+        # Without remat: each ConvNorm's saved values, and the SE-gated tensor
+        saved = _saved_convnorm(act, True) * (mid_in * (s.expand != 1) + mid_out)
+        saved += _saved_convnorm(act, False) * n_out + act * mid_out
+        kernels = s.in_ch * s.mid_ch * (s.expand != 1) + s.mid_ch * s.out_ch
+        kernels += 2 * s.mid_ch * s.se_ch  # SE reduce and expand
         blocks.append({
-            "residuals": saved, "convs": convs, "norms": convs,
-            "in": h_in**2 * s.in_ch, "out": h_out**2 * s.out_ch, "name": s.name,
+            "kept": kept, "cot": cot, "forward": fwd, "saved": saved, "kernels": kernels,
+            "out_cot": n_out,
+            "residual": s.residual, "convs": 3 if s.expand != 1 else 2,
+            "norms": 3 if s.expand != 1 else 2, "in": n_in, "out": n_out, "name": s.name,
         })  # fmt: skip
         hw = h_out
     last = specs[-1].out_ch
-    head = {  # its swish output only feeds the mean: not kept
-        "residuals": hw**2 * last * wide
-        + _convnorm(wide, act, True) * hw**2 * head_ch
-        + head_ch * F32,
-        "convs": 1,
-        "norms": 1,
-        "in": hw**2 * last,
-        "out": md.num_classes,
-    }
+    head_in, head_out = hw**2 * last, hw**2 * head_ch
+    head = {
+        # its operand widened, its conv output, swish and conv output's cotangent (its
+        # output's cotangent is the mean's, a [mb, head_ch] vector)
+        "kept": wide * head_in + (2 * wide + act) * head_out,
+        "cot": wide * head_out,
+        "saved": _saved_convnorm(act, True) * head_out,
+        # its operand widened, conv output, centred values, swish; its backward starting:
+        # the norm backward's temporaries and the classifier's kernel gradient (per step)
+        "forward": wide * head_in + (wide + F32 + act + HEAD_BACKWARD_TEMPS * wide) * head_out,
+        "kernels": last * head_ch,
+        "classifier_grad": head_ch * md.num_classes * F32,
+        "in_out": head_out,
+        "convs": 1, "norms": 1, "in": head_in, "out": md.num_classes, "name": "head",
+    }  # fmt: skip
     runs = split_specs(specs, md.pipeline_splits)
     out, i = [], 0
     for k, run in enumerate(runs):
@@ -127,36 +201,63 @@ def carry_size(stages: list[list[dict]]) -> int:
     return max(max(s[0]["in"], s[-1]["out"]) for s in stages)
 
 
+def _output_cotangents(stage: list[dict], wide: int, act: int) -> int:
+    """Bytes per image of the blocks' output cotangents held at the stem stage's peak: the
+    next piece's data gradient (float32 on XLA:CPU), or where a block and the next are both
+    residual the skip connection's sum in the compute dtype; none for the stage's last piece
+    (its output cotangent is the carry's) nor the stem (counted with its backward)."""
+    total = 0
+    for p, nxt in zip(stage, stage[1:], strict=False):
+        if "out_cot" in p:
+            total += (act if p["residual"] and nxt.get("residual") else wide) * p["out_cot"]
+    return total
+
+
+def weight_grad_inputs(stage: list[dict], wide: int, act: int, pipelined: bool) -> int:
+    """Bytes per image live at the stem stage's peak: every piece's weight-gradient inputs,
+    the blocks' output cotangents and, pipelined, the image sliced out of the float32 carry
+    (without a pipeline the uint8 batch's conversion is fused into the stem's convolutions)."""
+    total = sum(p["kept"] for p in stage) + _output_cotangents(stage, wide, act)
+    if pipelined and stage[0]["name"] == "stem":
+        total += wide * stage[0]["in"]
+    return total
+
+
+def data_gradients(stage: list[dict], wide: int, act: int) -> int:
+    """Bytes per image of the cotangents among `weight_grad_inputs`: what the stem stage's
+    backward adds, data gradients first, to values already saved (remat `none`)."""
+    return sum(p["cot"] for p in stage) + _output_cotangents(stage, wide, act)
+
+
+def forward_values(stage: list[dict]) -> int:
+    """Bytes per image live at another stage's peak (its backward starting): every piece's
+    forward values."""
+    return sum(p["forward"] for p in stage)
+
+
 def activation_bytes(
-    cfg: Config, cb: int, act: int, row_elements: int, grad_bytes: int, sr_rows: int = 0
+    cfg: Config,
+    cb: int,
+    act: int,
+    row_elements: int,
+    grad_bytes: int,
+    sr_rows: int = 0,
+    param_bytes: int = F32,
+    stage_params: list[int] | None = None,
 ) -> dict:
     """Activation bytes per device (the breakdown `bytes.activation_bytes` reports), plus the
     packed update's working set (`update_work`). `cb`: bytes of a conv's operand or output
     (the compute dtype's, or 4 on a device that widens 16-bit); `act`: the compute dtype's
     bytes; `row_elements`: the packed row's length n_max; `grad_bytes`: a gradient's bytes;
-    `sr_rows`: how many rows of that length the update rounds stochastically."""
-    mesh, tr = cfg.mesh, cfg.train
+    `sr_rows`: how many rows of that length the update rounds stochastically;
+    `param_bytes`: a weight's bytes (kernels narrower than `cb` are held widened);
+    `stage_params`: each stage's parameter count (autodiff saves the weights without remat;
+    default: every stage's row full)."""
+    mesh, tr, md = cfg.mesh, cfg.train, cfg.model
     stages = pieces(cfg, cb, act)
     mb, S = tr.micro_batch, mesh.pipeline
     micro = cfg.pipeline_group
     row_bytes = row_elements * grad_bytes
-    fused_sum = grad_bytes == F32 and (S == 1 or cfg.model.remat != "none")
-    saved = [sum(p["residuals"] for p in st) * mb for st in stages]
-    # Pipelined without remat, the stage's `lax.switch` is linearized as a whole: every branch
-    # returns the union of all branches' residuals (zeros for the stages not taken), so a
-    # device holds every other stage's residual set beside its own.
-    union = S > 1 and cfg.model.remat == "none"
-    stage_work = grad_rows = 0
-    for k, st in enumerate(stages):
-        others = sum(saved) - saved[k] if union else 0
-        # the stage's backward walks its pieces in reverse: at piece i the residuals of
-        # pieces 0..i are live, and (fused sum) the padded gradient rows of pieces i..end
-        for i in range(len(st)):
-            work = others + sum(p["residuals"] for p in st[: i + 1]) * mb
-            rows = sum(p["convs"] + p["norms"] for p in st[i:]) + SUM_OUTPUT_ROWS
-            rows = rows if fused_sum else RUNNING_SUM_ROWS
-            if work + rows * row_bytes > stage_work + grad_rows:
-                stage_work, grad_rows = work, rows * row_bytes
     carry = mb * carry_size(stages) * F32
     if S == 1:
         ticks, carries = 1, 0
@@ -165,19 +266,63 @@ def activation_bytes(
         carries = (2 * S + 2) * carry  # two ring buffers of S, the two values sent
     else:
         ticks = micro + S - 1
-        carries = 2 * ticks * carry  # tick inputs, tick outputs' cotangents
-    early_bits = SR_LANES * sr_rows * row_elements * F32 if S == 1 else 0
-    total = carries + stage_work + grad_rows + early_bits
+        # tick inputs, tick outputs' cotangents; the differentiated tick's input and cotangent
+        carries = (2 * ticks + 2) * carry
+        if mesh.replica > 1:
+            # the scan's collected tick outputs (the last stage's logits, padded to A): the
+            # loss reads them, and with replicas XLA:CPU schedules the loss's all-reduce after
+            # the update, so they stay live through the backward
+            carries += ticks * carry
+    widened = cb > param_bytes  # 16-bit kernels convolved in float32 on this device
+    works = []
+    for st in stages:
+        if st[0]["name"] == "stem":
+            work = weight_grad_inputs(st, cb, act, S > 1) * mb
+        else:
+            work = forward_values(st) * mb
+            work += sum(p["kernels"] for p in st) * F32 if widened else 0
+            work += st[-1].get("classifier_grad", 0)
+        works.append(work)
+    if S > 1 and md.remat == "none":
+        # Pipelined without remat, the stage's `lax.switch` is linearized as a whole: every
+        # branch returns the union of all branches' residuals (zeros for the stages not
+        # taken), live through the backward ticks: every stage's saved values and weights
+        # (the unpacked leaves, in the params dtype). Beside them the stage's own backward:
+        # the stem's stage its data gradients, another its last piece's starting backward.
+        params = stage_params or [row_elements] * S
+        union = sum(sum(p["saved"] for p in st) for st in stages) * mb
+        union += sum(params) * param_bytes
+        rows = RUNNING_SUM_ROWS * row_bytes
+        stage_work = grad_rows = 0
+        for st in stages:
+            if st[0]["name"] == "stem":
+                own = data_gradients(st, cb, act) * mb
+            else:
+                own = st[-1].get("classifier_grad", 0)
+                if st[-1]["name"] == "head":
+                    own += HEAD_BACKWARD_TEMPS * cb * st[-1]["in_out"] * mb
+            stage_work, grad_rows = max((stage_work, grad_rows), (union + own, rows))
+    else:
+        stage_work = grad_rows = 0
+        for k, st in enumerate(stages):
+            work, rows = works[k], 0
+            if grad_bytes == F32:  # materialised padded rows, summed at the stage's end:
+                # the activations are dead by then
+                rows = (sum(p["convs"] + p["norms"] for p in st) + SUM_OUTPUT_ROWS) * row_bytes
+                work, rows = (work, 0) if work >= rows else (0, rows)
+            if work + rows > stage_work + grad_rows:
+                stage_work, grad_rows = work, rows
+    total = carries + stage_work + grad_rows
     update_work = UPDATE_F32_ROWS * row_elements * F32
-    if cfg.precision.params != "float32":
+    if sr_rows:  # the rows are rounded one after another: one row's bits are live
         update_work += SR_BIT_ROWS * row_elements * F32
     return {
         "saved": carries,
         "pipeline_buffers": carries,
         "head": 0,
-        "layer_work": stage_work,
-        "grad_rows": grad_rows,
-        "sr_bits": int(early_bits),
+        "layer_work": int(stage_work),
+        "grad_rows": int(grad_rows),
+        "sr_bits": 0,
         "update_work": int(update_work),
         "ticks": ticks,
         "total": int(total),

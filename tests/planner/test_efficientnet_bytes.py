@@ -9,7 +9,15 @@ from helpers import digits_cfg, mesh_for
 
 from jaxpod.planner.backend import backend_plan
 from jaxpod.planner.bytes import activation_bytes
-from jaxpod.planner.efficientnet import carry_size, pieces
+from jaxpod.planner.efficientnet import (
+    SR_BIT_ROWS,
+    UPDATE_F32_ROWS,
+    carry_size,
+    data_gradients,
+    forward_values,
+    pieces,
+    weight_grad_inputs,
+)
 from jaxpod.planner.profiles import get_profile
 
 pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
@@ -29,7 +37,9 @@ def test_pieces_follow_the_stages():
     cfg = _cfg(1, 2, "model.image_size=64")
     stages = pieces(cfg)
     assert len(stages) == 2
-    assert [p.get("name") for p in stages[1][:-1]][0] == "4a"
+    assert [p["name"] for p in stages[0]][0] == "stem"
+    assert [p["name"] for p in stages[1]][0] == "4a"
+    assert stages[1][-1]["name"] == "head"
     assert carry_size(stages) == 64 * 64 * 3
 
 
@@ -45,17 +55,102 @@ def test_gpipe_carries_grow_with_micro_batches_and_1f1b_does_not():
     )
 
 
+def test_gpipe_carries_are_every_tick_and_the_differentiated_one():
+    """GPipe: every tick's input and its output's cotangent (2 (M + S - 1) carries), and the
+    differentiated tick's input and cotangent sliced out of them (2 more)."""
+    cfg = _cfg(1, 2, "train.grad_accum=4")
+    acts = activation_bytes(cfg, CPU)
+    carry = cfg.train.micro_batch * carry_size(pieces(cfg)) * 4
+    assert acts["ticks"] == 4 + 2 - 1
+    assert acts["pipeline_buffers"] == (2 * acts["ticks"] + 2) * carry
+
+
+def test_replicas_keep_the_collected_tick_outputs():
+    """With data-parallel replicas XLA:CPU reduces the loss over them after the update, so
+    the scan's collected tick outputs ([M + S - 1, mb, A]) are live through the backward
+    (calibration rows f16-64 2x2x1 and 1x2x1, ga8: 26.7 MiB and 23.3 MiB of temporaries)."""
+    one = activation_bytes(_cfg(1, 2, "model.image_size=64", "train.grad_accum=8"), CPU)
+    two = activation_bytes(_cfg(2, 2, "model.image_size=64", "train.grad_accum=8"), CPU)
+    carry = 8 * 64 * 64 * 3 * 4
+    assert two["pipeline_buffers"] - one["pipeline_buffers"] == one["ticks"] * carry
+
+
 def test_more_images_more_bytes():
-    """Twice the images per micro-batch: twice the carries and the stage's residuals."""
-    a = activation_bytes(_cfg(1, 2, *F32, "train.micro_batch=4"), CPU)
-    b = activation_bytes(_cfg(1, 2, *F32, "train.micro_batch=8"), CPU)
+    """Twice the images per micro-batch: twice the carries and twice the stem stage's
+    weight-gradient inputs (float16 rows: no padded gradient rows beside them; at 128 x 128
+    the stem's stage is the larger)."""
+    a = activation_bytes(_cfg(1, 2, "model.image_size=128", "train.micro_batch=4"), CPU)
+    b = activation_bytes(_cfg(1, 2, "model.image_size=128", "train.micro_batch=8"), CPU)
     assert b["pipeline_buffers"] == 2 * a["pipeline_buffers"]
     assert b["layer_work"] == 2 * a["layer_work"]
 
 
+def test_stem_stage_holds_weight_gradient_inputs_others_their_forward():
+    """XLA:CPU's DFS scheduler differentiates the stem's stage data gradients first (its
+    peak: every weight gradient's inputs) and any other stage piece by piece from its end
+    (its peak: the recomputed forward's values, the 1x1 kernels widened): the stage work is
+    the larger of the two stages' peaks, each counted its own way."""
+    cfg = _cfg(1, 2, "model.image_size=128", "train.grad_accum=2")
+    mb, (s0, s1) = cfg.train.micro_batch, pieces(cfg, 4, 2)
+    stem_stage = weight_grad_inputs(s0, 4, 2, pipelined=True) * mb
+    last = forward_values(s1) * mb + 4 * sum(p["kernels"] for p in s1)
+    last += s1[-1]["classifier_grad"]
+    assert activation_bytes(cfg, CPU)["layer_work"] == max(stem_stage, last)
+    # without a pipeline the one stage holds the stem: no image slice (the uint8 batch's
+    # conversion is fused into the stem's convolutions)
+    one = _cfg(1, 1, "model.pipeline_splits=[]", "model.image_size=128", "train.grad_accum=1")
+    (s,) = pieces(one, 4, 2)
+    assert activation_bytes(one, CPU)["layer_work"] == weight_grad_inputs(s, 4, 2, False) * mb
+
+
+def test_block_output_cotangents():
+    """A block's output cotangent is the next piece's data gradient (float32 on XLA:CPU), or,
+    where it and the next block are both residual, the skip connection's sum in the compute
+    dtype; the stage's last piece has none (its cotangent is the carry's)."""
+
+    def block(residual):
+        return {"kept": 0, "out_cot": 10, "residual": residual, "name": "b"}
+
+    assert weight_grad_inputs([block(True), block(True)], 4, 2, False) == 2 * 10
+    assert weight_grad_inputs([block(False), block(True)], 4, 2, False) == 4 * 10
+    assert weight_grad_inputs([block(True), block(False)], 4, 2, False) == 4 * 10
+    assert weight_grad_inputs([block(True)], 4, 2, False) == 0
+
+
+def test_update_rounds_with_four_uint32_rows():
+    """16-bit rows: the update holds two float32 rows and four uint32 rows of threefry bits
+    (two lanes and their loop copies); float32 rows draw no bits. No bits before the backward:
+    the memory scheduler draws them at the update."""
+    from jaxpod.planner.counts import efficientnet_stage_params
+
+    for over, rows in (([], UPDATE_F32_ROWS + SR_BIT_ROWS), (F32, UPDATE_F32_ROWS)):
+        cfg = _cfg(1, 2, *over)
+        n_max = max(efficientnet_stage_params(cfg))
+        assert activation_bytes(cfg, CPU)["update_work"] == rows * n_max * 4
+    assert (UPDATE_F32_ROWS, SR_BIT_ROWS) == (2, 4)
+    assert activation_bytes(_cfg(1, 1, "model.pipeline_splits=[]"), CPU)["sr_bits"] == 0
+
+
+def test_pipelined_without_remat_holds_every_stage_residuals():
+    """Pipelined without remat, the linearized switch returns every stage's saved values and
+    weights (params dtype); the stem's stage adds its data gradients, and one gradient row is
+    in flight beside the accumulated one (calibration rows ga4-none: f16 XLA 43.1 MiB,
+    planned 43.5; f32 60.9 and 61.7)."""
+    from jaxpod.planner.counts import efficientnet_stage_params
+
+    for over, act in (([], 2), (F32, 4)):
+        cfg = _cfg(1, 2, "model.image_size=64", "train.grad_accum=4", "model.remat=none", *over)
+        mb, params = cfg.train.micro_batch, efficientnet_stage_params(cfg)
+        stages = pieces(cfg, 4, act)
+        union = sum(p["saved"] for st in stages for p in st) * mb + sum(params) * act
+        acts = activation_bytes(cfg, CPU)
+        assert acts["layer_work"] == union + data_gradients(stages[0], 4, act) * mb
+        assert acts["grad_rows"] == max(params) * act
+
+
 def test_stage_is_one_remat_unit():
     """Without a pipeline the whole net is one remat unit: remat full holds what none holds
-    while its backward runs (XLA: 276.64 MB and 276.65 MB, calibration rows)."""
+    while its backward runs (XLA: 270.9 MB and 270.7 MB, calibration rows)."""
     base = ["model.pipeline_splits=[]", "model.image_size=64", *F32]
     full = backend_plan(_cfg(1, 1, *base, "model.remat=full"), "cpu")["device_total"]
     none = backend_plan(_cfg(1, 1, *base, "model.remat=none"), "cpu")["device_total"]
@@ -65,13 +160,12 @@ def test_stage_is_one_remat_unit():
 CASES = {  # calibration rows (benchmarks/calibration_efficientnet.yaml)
     # one device, float32: the stage's padded gradient rows dominate
     "f32-64-1x1x1-full": (1, 1, ["model.pipeline_splits=[]", "model.image_size=64", *F32]),
-    # float16 on two stages: stage 0's backward is the peak; its sigmoids and SE inputs are
-    # 16-bit, its conv operands widened (this session's memory scheduler: XLA 77.9 MB, planned
-    # 84.1 MB; 97.2 MB when every saved tensor was counted widened)
+    # float16 on two stages: stage 0's weight-gradient inputs are the peak; its swishes are
+    # 16-bit, its conv operands and outputs widened (XLA 77.8 MB, planned 77.8 MB)
     "f16-128-1x2x1": (1, 2, ["model.image_size=128", "train.grad_accum=2"]),
-    # (the digits preset on 1x2x1, whose peak is the 16-bit update, is left out: 28.0 MB in
-    # XLA, 35.4 MB planned: the plan counts 6 rows of stochastic-rounding bits where the
-    # memory scheduler's program holds 4, docs/memory.md)
+    # the digits preset on 1x2x1: the 16-bit update is the peak, two float32 rows and four
+    # uint32 rows of stochastic-rounding bits (XLA 28.0 MB, planned 28.0 MB)
+    "digits-1x2x1": (1, 2, []),
 }
 
 
