@@ -1,44 +1,22 @@
 """EfficientNet's activation bytes, from the packed-stage program's structure. Jax-free.
 
 The step (`jaxpod.engine.packed`) runs each pipeline stage as one remat unit on a float32
-carry `[mb, A]` (A: the largest per-image tensor crossing a stage boundary, the input image
-included), switched by `lax.switch` per tick. What a device holds is read off the buffer
-assignment of the program jaxpod compiles (`benchmarks/xla_peak.py`; XLA:CPU's memory-
-minimising DFS scheduler, `jaxpod.platform.virtual_cpu_flags`). Per device:
+carry `[mb, A]` (A: the largest per-image tensor crossing a stage boundary), switched by
+`lax.switch` per tick. What a device holds is read off the buffer assignment of the program
+jaxpod compiles (`benchmarks/xla_peak.py`, the memory-minimising scheduler); why each term
+is what it is: docs/memory.md, "The planner's byte model". Per device:
 
-- `stage_work`: one stage's backward for one micro-batch. With remat the stage's forward is
-  recomputed, then differentiated, so remat `full` and (without a pipeline) `none` hold the
-  same set. Which values are live at its peak depends on the order the scheduler gives the
-  backward, and that order follows the stage's packed gradient row: XLA:CPU's DFS scheduler
-  visits the weight gradients (the operands of the one fusion that pads and sums them into
-  the row) last leaf first, because their transitive sizes all saturate its cap and the cap
-  grows with post-order position. The row's leaves are in the stage tree's key order:
-  blocks, head, stem. So
-  - the stage holding the stem (`weight_grad_inputs`): the stem's norm gradient goes first,
-    and it needs the whole data-gradient chain from the stage's end down to the stem. Every
-    piece's data gradient runs before any weight gradient, and at the stem's norm backward
-    every input of every weight gradient is live: per conv its operand and its output's
-    cotangent, per norm its conv output (the norm is recomputed from it);
-  - any other stage (`forward_values`): its last leaf's piece (the head, or the stage's last
-    block) is differentiated first, so the peak is where the backward starts: every value
-    the recomputed forward keeps for it is live, and the 1x1 kernels widened to float32.
-  Pipelined without remat, the switch is linearized as a whole and every branch returns the
-  union of all stages' residuals (`saved`: what autodiff keeps of each ConvNorm, and every
-  stage's weights), live through the backward; the stage adds its own backward to it.
-- `grad_rows`: the stage's parameter gradient is one padded row `[n_max]` per leaf (the
-  transpose of `StagePacking.unpack`'s slices). With float32 rows XLA:CPU materialises the
-  padded rows (one per conv kernel, one per norm) and sums them in one fused add at the
-  stage's end, when its activations are dead. A 16-bit row is one fusion reading the weight
-  gradients: no padded row is live. Pipelined without remat the row is built a leaf at a
-  time beside the backward (one row in flight).
-- `carries`: float32 `[mb, A]` buffers of the schedule: at the backward's peak GPipe keeps
-  every tick's input (the checkpoint's residual) and every tick output's cotangent (the
-  transpose of the scan's collected rows), and the tick being differentiated has its input
-  and its output's cotangent sliced out of them; the embedded micro-batches are dead by then
-  (the forward ticks consumed them). With data-parallel replicas the collected tick outputs
-  are live too (the loss reads them after the update). 1F1B keeps its two ring buffers.
-- `update_work`: the update on whole rows (`PackedStages._stage_update`): float32 copies
-  of the row, and with 16-bit rows the stochastic rounding's random bits.
+- `stage_work`: one stage's backward for one micro-batch. Its peak follows the order of the
+  stage's packed gradient row (last leaf first): the stem's stage peaks at the stem's norm
+  backward with every weight gradient's inputs live (`weight_grad_inputs`); any other stage
+  as its backward starts, with the recomputed forward's values (`forward_values`). Pipelined
+  without remat every branch of the switch saves the union of all stages' residuals.
+- `grad_rows`: the stage's gradient row; float32 rows are built from one padded row per
+  conv and norm, summed at the stage's end; a 16-bit row has no padded rows live.
+- `carries`: the schedule's float32 `[mb, A]` buffers (GPipe: every tick's input and its
+  output's cotangent, with replicas also the collected outputs; 1F1B: two ring buffers).
+- `update_work`: the update on whole rows: float32 copies of the row and, with 16-bit rows,
+  the stochastic rounding's random bits.
 """
 
 from __future__ import annotations
