@@ -28,6 +28,10 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MOMENTS = {"adamw": 2, "lamb": 2, "sgd": 1, "lars": 1}
 TOKEN_BYTES = 4  # int32 token ids
 HEAD_LOGIT_COPIES = 3  # float32 logits, shifted logits, exp: live together in the loss head
+# with 16-bit compute the logits are rounded to it: the exp of the rounded logits and the
+# cotangent are the two alive at the head's peak (read on BERT-Large POD16 and a float16
+# GPT, benchmarks/xla_peak.py: docs/memory.md)
+ROUNDED_HEAD_LOGIT_COPIES = 2
 # with memory.vocab_slices > 1 the head's online softmax keeps a block's logits and its exp
 # (calibrated on bench_planner's vocab-slices row, docs/memory.md)
 SLICED_HEAD_LOGIT_COPIES = 2
@@ -144,6 +148,19 @@ def _head_kept(cfg: Config, tokens: int, sb: int) -> int:
     return tokens * (rows * md.d_model * sb + md.vocab // cfg.mesh.tensor * 4)
 
 
+def _head_table(cfg: Config, cb: int) -> int:
+    """Bytes of the output table's copy the loss head makes (`cb` bytes a compute scalar):
+    BERT appends its output bias as a column (a new [V/t, D+1] table); with RTS the table is
+    all-gathered; computed in a wider dtype than stored (a widening backend) it is converted.
+    The copy holds the wider of the two dtypes. None when the head reads the stored table."""
+    md = cfg.model
+    pb = DTYPE_BYTES[cfg.precision.params]
+    if md.name != "bert" and cfg.memory.rts == 1 and cb <= pb:
+        return 0
+    rows = md.vocab // cfg.mesh.tensor // cfg.memory.vocab_slices
+    return rows * (md.d_model + (md.name == "bert")) * max(cb, pb)
+
+
 def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     """Activation bytes per device, with the breakdown.
 
@@ -229,12 +246,39 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         head_tokens = tr.micro_batch * md.seq_len
     head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head blocks (as the engine)
     copies = SLICED_HEAD_LOGIT_COPIES if cfg.memory.vocab_slices > 1 else HEAD_LOGIT_COPIES
+    if cfg.precision.compute != "float32":
+        copies = min(copies, ROUNDED_HEAD_LOGIT_COPIES)
     head = head_tokens * vocab_rows * 4 * copies // head_chunks
     head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // head_chunks
     # memory.offload=activations earns nothing: the lowered step places no saved value on the
     # host (tests/planner/test_transfers.py), so every saved activation stays on the device
     on_device_saved = saved
-    total = on_device_saved + buffers + tick_grads + max(head, head_kept + sets["work"])
+    # Two moments: the loss head (end of the forward pass: the saved residuals, the forward's
+    # rows, the head's logits) and the layers' backward pass (the backward's buffers, the
+    # stack's gradients, the head's kept operands, a layer's working set); `device_bytes`
+    # adds to each what else is alive then. 1f1b runs its head inside the backward ticks.
+    backward = on_device_saved + buffers + tick_grads + head_kept + sets["work"]
+    if stages > 1 and kind != "1f1b":  # the embedded micro-batches (BERT: and its LN's rows)
+        head_moment = on_device_saved + (micro + 2 * micro * (md.name == "bert")) * sets["btd"]
+    else:
+        head_moment = on_device_saved + buffers + tick_grads
+    pb = DTYPE_BYTES[cfg.precision.params]
+    if cfg.memory.vocab_slices > 1:
+        # the head's loop over blocks of table rows carries the table's gradient, reduce-
+        # scattered block by block (RTS): the carry and its update (read on
+        # test_plan_vs_xla's vocab-slices config, 4x2x1, benchmarks/xla_peak.py)
+        table = md.vocab // mesh.tensor * md.d_model * pb // cfg.memory.rts
+        head_moment += head + 2 * table
+    elif head_chunks > 1:
+        # in blocks, the head's table gradient is summed inside its block loop: the loop's
+        # accumulator, and at a block's backward its term beside the block's logits'
+        # cotangent (read on bench_planner's vocab row)
+        logits = head_tokens * vocab_rows * 4 // head_chunks
+        table = vocab_rows * md.d_model * pb
+        head_moment += max(head, logits + table) + table
+    else:
+        head_moment += head
+    total = max(backward, head_moment)
     return {
         "saved": saved,
         "saved_on_device": on_device_saved,
@@ -244,6 +288,9 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         "head": head,
         "head_kept": head_kept,
         "layer_work": sets["work"],
+        "backward_moment": backward,
+        "head_moment": head_moment,
+        "head_table": _head_table(cfg, cb),
         "ticks": ticks,
         "layers_per_stage": per_stage,
         "total": total,
@@ -281,7 +328,7 @@ def device_bytes(
     grads_stage = local / rts * pb * (2 if accumulated else 1)
     grads_update = local / rts * pb
     updates = local / rts * mb
-    gathered = 0
+    gathered = gathered_layer = 0
     if rts > 1 and cfg.model.remat == "none":
         gathered = local * pb  # every layer's gathered copy is saved
     elif rts > 1:  # the non-layer weights, and one layer at a time (recomputed in backward)
@@ -296,6 +343,7 @@ def device_bytes(
             tables = table * (1 if cfg.model.tie_embeddings else 2)
             other += 2 * table / mem.vocab_slices - tables
         gathered = (other + layer) * pb
+        gathered_layer = layer * pb
 
     # Host-resident weights are on the device for the whole step: jax 0.10.2 moves them in at
     # the shard_map boundary (the per-phase / per-matrix device_puts inside it are not
@@ -307,7 +355,17 @@ def device_bytes(
     inputs = cfg.train.grad_accum * cfg.train.micro_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
     if cfg.kind.data == "images":
         inputs = cfg.train.grad_accum * cfg.train.micro_batch * 3 * cfg.model.image_size**2
-    backward_peak = grads + activations
+    # the loss head's moment: the gradient accumulator only if it carries from an earlier
+    # micro-batch or pass; of the gathered weights, the head's table copy (`_head_table`)
+    head_grads = local / rts * pb if accumulated else 0
+    head_peak = head_grads + acts.get("head_moment", 0) + acts.get("head_table", 0)
+    backward_peak = grads + acts.get("backward_moment", activations) + gathered
+    if cfg.mesh.pipeline > 1 and not accumulated and "backward_moment" in acts:
+        # one GPipe pass: the layers' backward (the tick scans) holds the stages' layer
+        # gradients and one layer's gathered weights; the other weights' gradients (and
+        # their gathered copies) belong to the embedding and the head, after the ticks
+        grads_layers = layout["local_layers"] / rts * pb
+        backward_peak = grads_layers + acts["backward_moment"] + gathered_layer
     # The update runs on whole trees: host-resident weights and optimizer state are moved to
     # the device first (`StackedStages.update`), the reduced grads too. It holds the grads, a
     # same-size copy (unscaled/clipped) and the updates.
@@ -333,7 +391,8 @@ def device_bytes(
         # random-bit temporaries, ~8 float32 copies (measured)
         updates = layout["local_layers"] / rts * mb + block * 4 * 8
         update_peak = moved_in + grads_update + updates
-    device_total = weights + optimizer + inputs + gathered + max(backward_peak, update_peak)
+    peak = max(backward_peak, head_peak, update_peak + gathered)
+    device_total = weights + optimizer + inputs + peak
     # what rests on the host: every weight with params offloaded, the layer stack with phases
     host_weights = weights_all if "params" in offload else 0
     if "params" not in offload and mem.phases > 1:
@@ -354,5 +413,10 @@ def device_bytes(
         "device_total": int(device_total),
         "arguments": int(stored + optimizer + inputs),
         "host_total": int(host_total),
-        "peak": "backward" if backward_peak >= update_peak else "update",
+        "peak": max(
+            ("backward", backward_peak),
+            ("head", head_peak),
+            ("update", update_peak + gathered),
+            key=lambda kv: kv[1],
+        )[0],
     }
