@@ -1,10 +1,11 @@
 """The planner's byte model: what one device holds of a mapping, per kind of state.
 
-`activation_bytes(cfg, profile)` models what the train step keeps alive (saved residuals per
-layer and pipeline tick, the pipeline's buffers, the larger of the loss head and one layer's
-backward working set); `device_bytes(cfg, layout, acts, profile)` adds the weights, gradients,
-optimizer state, the update's working set and the RTS-gathered copies, on the device and on
-the host. Analytic, no jax: nothing is built, so any mapping can be planned.
+`activation_bytes(cfg, profile)` models what the train step keeps alive at two moments, the
+loss head and the layers' backward pass (saved residuals per layer and pipeline tick, the
+pipeline's buffers, the head's logits, one layer's backward working set); `device_bytes(cfg,
+layout, acts, profile)` adds what else is alive at each and at the update (weights, gradients,
+optimizer state, the update's working set, RTS-gathered copies), on the device and the host.
+Analytic, no jax: nothing is built, so any mapping can be planned.
 
 Every credit is a transfer the compiled step makes (tests/planner/test_transfers.py finds
 them in the lowered program): host-resident layers reach the device a phase (pipeline 1) or a
@@ -180,8 +181,9 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     - `head_kept`: the head's operands for its weight gradients, alive through the layers'
       backward (`_head_kept`).
     - `layer_work`: one layer's backward working set (recomputation under remat).
-    Peak = saved + pipeline_buffers + tick_grads + max(head, head_kept + layer_work): the head's
-    other temporaries die before the backward pass reaches the layers.
+    Two moments: `head_moment` (saved, the forward's embedded rows, the head; a head in blocks
+    also its table gradient) and `backward_moment` (saved + pipeline_buffers + tick_grads +
+    head_kept + layer_work); `total` is the larger. `head_table` is the head's table copy.
     """
     md, mesh, tr = cfg.model, cfg.mesh, cfg.train
     profile = profile or get_profile(cfg.memory.device)
