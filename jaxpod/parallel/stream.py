@@ -20,11 +20,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpod.models.layers import PANEL_AXES, Panel, scan_layers
-from jaxpod.parallel.remat import remat
+from jaxpod.parallel.remat import REMAT_POLICIES, remat
 from jaxpod.parallel.replica import take_panels
 
 # Weights a phase fetched (see `scan_phases`): never saved for the backward pass, fetched again.
 PHASE_WEIGHTS = "phase_weights"
+# A layer's input inside a fetching phase: what the phase saves per layer under remat.
+LAYER_INPUT = "phase_layer_input"
 STREAMS = ("layer", "matrix")
 
 
@@ -36,15 +38,18 @@ def scan_phases(
     unroll: bool = False,
     phases: int = 1,
     fetch: Callable | None = None,
+    remat_policy: str = "none",
 ) -> jax.Array:
     """Apply `layer_fn(x, one_layer_params) -> x` to every layer of `stacked` (`[L, ...]`).
 
     With `phases=K` the stack is cut into K contiguous phases of L/K layers, each its own
     scan, and `fetch` (if given) is applied to a phase's `[L/K, ...]` weights right before
     that phase runs (e.g. host to device memory). A fetching phase is a `jax.checkpoint`
-    that saves everything but the fetched weights (`PHASE_WEIGHTS`): the backward pass
-    fetches each phase's weights again instead of keeping every phase's copy alive. The
-    result does not depend on K.
+    that keeps what the layers' `remat_policy` keeps (each layer's input and the policy's
+    values; with `none`, everything) but never the fetched weights (`PHASE_WEIGHTS`): the
+    backward pass fetches each phase's weights again instead of keeping every phase's copy
+    alive. (An outer policy overrides the inner one: "save anything" here would save every
+    layer's intermediates whatever the layer's policy.) The result does not depend on K.
     """
     if phases == 1 and fetch is None:
         return scan_layers(layer_fn, x, stacked, unroll)
@@ -52,18 +57,31 @@ def scan_phases(
     if size % phases:
         raise ValueError(f"{size} layers do not split into phases={phases}")
     n = size // phases
+    step = layer_fn
+    if fetch is not None and remat_policy != "none":
+        step = lambda x, p: layer_fn(checkpoint_name(x, LAYER_INPUT), p)  # noqa: E731
 
     def phase(x, chunk):
         if fetch is not None:
             chunk = jax.tree.map(lambda a: checkpoint_name(a, PHASE_WEIGHTS), fetch(chunk))
-        return scan_layers(layer_fn, x, chunk, unroll)
+        return scan_layers(step, x, chunk, unroll)
 
     if fetch is not None:
-        keep = jax.checkpoint_policies.save_anything_except_these_names(PHASE_WEIGHTS)
-        phase = jax.checkpoint(phase, policy=keep, prevent_cse=False)
+        phase = jax.checkpoint(phase, policy=phase_policy(remat_policy), prevent_cse=False)
     for i in range(phases):
         x = phase(x, jax.tree.map(lambda a, i=i: a[i * n : (i + 1) * n], stacked))
     return x
+
+
+def phase_policy(remat_policy: str) -> Callable:
+    """What a fetching phase saves for the backward pass: with `none` everything but the
+    fetched weights; otherwise each layer's input (`LAYER_INPUT`) and what the layer's
+    policy saves, as the same layers scanned without phases would."""
+    cp = jax.checkpoint_policies
+    if remat_policy == "none":
+        return cp.save_anything_except_these_names(PHASE_WEIGHTS)
+    inputs = cp.save_only_these_names(LAYER_INPUT)
+    return cp.save_from_both_policies(inputs, REMAT_POLICIES[remat_policy])
 
 
 def depend_on(weights, x: jax.Array):
@@ -231,7 +249,15 @@ def run_stack(
             return jax.lax.scan(body, x, jnp.arange(size), unroll=unroll)[0]
         take = lambda a: jax.lax.dynamic_slice_in_dim(a, index * size, size, 0)  # noqa: E731
         stacked = jax.tree.map(take, stacked)
-    return scan_phases(layer_fn, x, stacked, unroll=unroll, phases=phases, fetch=phase_fetch)
+    return scan_phases(
+        layer_fn,
+        x,
+        stacked,
+        unroll=unroll,
+        phases=phases,
+        fetch=phase_fetch,
+        remat_policy=remat_policy,
+    )
 
 
 def panel_axes(params: dict, stacked: dict) -> dict:

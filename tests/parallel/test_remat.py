@@ -83,3 +83,59 @@ def test_full_remat_uses_less_temp_memory(lab):
         temp[policy] = memory.temp_size_in_bytes
     print(f"temp_size_in_bytes: none={temp['none']:,} full={temp['full']:,}")
     assert temp["full"] < temp["none"]
+
+
+@pytest.mark.parametrize("policy", ["full", "none"])
+def test_a_fetching_phase_keeps_what_the_layer_policy_keeps(policy):
+    """A phase that fetches its weights (`scan_phases(fetch=...)`, host-resident layers) is a
+    checkpoint around the layers' scan; it must keep what the layers' remat policy keeps,
+    not override it. Under `full`: each layer's input and no hidden-sized value (an outer
+    "save anything" policy kept every layer's [B, F] intermediates, 2.4x XLA's bytes on a
+    1x1x2 GPT with its layers offloaded). The loss and gradients equal the plain scan's."""
+    import contextlib
+    import io
+    import re
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from jaxpod.models.layers import scan_layers
+    from jaxpod.parallel.remat import remat
+    from jaxpod.parallel.stream import scan_phases
+
+    layers, batch, d, f, phases = 4, 8, 16, 48, 2
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    stacked = {
+        "w_in": jax.random.normal(k1, (layers, d, f)) / d**0.5,
+        "w_out": jax.random.normal(k2, (layers, f, d)) / f**0.5,
+    }
+    x = jax.random.normal(k3, (batch, d))
+
+    def layer(h, p):
+        return h + jnp.tanh(h @ p["w_in"]) @ p["w_out"]
+
+    layer_fn = remat(layer, policy)
+    fetch = lambda chunk: jax.tree.map(lambda a: a * 1.0, chunk)  # noqa: E731  (a transfer)
+
+    def phased(x, stacked):
+        out = scan_phases(layer_fn, x, stacked, phases=phases, fetch=fetch, remat_policy=policy)
+        return jnp.sum(out**2)
+
+    def plain(x, stacked):
+        return jnp.sum(scan_layers(layer_fn, x, stacked) ** 2)
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # one line per residual: "f32[4,8,16] from ..."
+        print_saved_residuals(phased, x, stacked)
+    dims = re.findall(r"^\w+\[([\d,]*)\]", printed.getvalue(), re.M)
+    shapes = [tuple(int(n) for n in ds.split(",") if n) for ds in dims]
+    assert shapes, printed.getvalue()
+    hidden = [s for s in shapes if s and s[-1] == f and len(s) >= 2 and s[-2] == batch]
+    inputs = [s for s in shapes if s == (layers // phases, batch, d)]
+    if policy == "full":
+        assert hidden == [], shapes
+        assert len(inputs) == phases, shapes  # each phase's layer inputs, stacked
+    else:  # no remat: the layers' intermediates are kept, as without phases
+        assert hidden, shapes
+    got = jax.value_and_grad(phased, argnums=(0, 1))(x, stacked)
+    want = jax.value_and_grad(plain, argnums=(0, 1))(x, stacked)
+    assert_trees_close(got, want, REMAT_TOL, f"phases vs plain scan, {policy}")
