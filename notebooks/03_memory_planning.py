@@ -164,7 +164,7 @@ table({**rts_plans, **phase_plans}, "weights", "optimizer", "gathered", "device_
       "host_total")
 
 # %% [markdown]
-# With nothing offloaded, BERT-Large on 4 stages needs 1.14 GB; `rts 4` brings it to 548 MB: the
+# With nothing offloaded, BERT-Large on 4 stages needs 1.57 GB; `rts 4` brings it to 510 MB: the
 # weights, the optimizer state and the gradients (reduce-scattered layer by layer as the backward
 # pass leaves them) all shrink by 4, and only the all-gathered working copy of one layer and the
 # embeddings is paid back. `rts_optimizer` alone shrinks only the LAMB state.
