@@ -2,10 +2,11 @@
 XLA's compiled device total beside each bar when it is known, and the device limit drawn.
 
 The planner's device total is the resident state (weights, optimizer state, the RTS-gathered
-working copy, the step's inputs) plus the larger of two peaks: the backward pass (gradients
-and activations) or the optimizer update (the gradients it reads and its working set). The
-stack shows the resident parts and the parts of whichever peak is larger, so it sums to the
-device total. Used by `jaxpod plan --chart` and by `make figures`.
+working copy, the step's inputs) plus the largest of three moments: the loss head
+(activations), the backward pass (gradients and activations) or the optimizer update (the
+gradients it reads and its working set). The stack shows the resident parts and the parts of
+the largest moment, so it sums to the device total. Used by `jaxpod plan --chart` and by
+`make figures`.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def stack(plan: dict) -> dict[str, int]:
     b = plan["bytes_per_device"]
     parts = {k: b[k] for k in ("weights", "optimizer", "gathered", "inputs")}
     peak = b["device_total"] - sum(parts.values())
-    grads = min(b["grads"], peak)
+    grads = 0 if b["peak"] == "head" else min(b["grads"], peak)  # at the head: activations
     parts["grads"] = grads
-    rest = "activations" if b["peak"] == "backward" else "update"
+    rest = "update" if b["peak"] == "update" else "activations"
     parts[rest] = peak - grads
     return parts
 
