@@ -393,8 +393,9 @@ def device_bytes(
         # random-bit temporaries, ~8 float32 copies (measured)
         updates = layout["local_layers"] / rts * mb + block * 4 * 8
         update_peak = moved_in + grads_update + updates
-    peak = max(backward_peak, head_peak, update_peak + gathered)
-    device_total = weights + optimizer + inputs + peak
+    moments = {"backward": backward_peak, "head": head_peak, "update": update_peak + gathered}
+    peak = max(moments, key=moments.get)  # a tie goes to the first: backward, head, update
+    device_total = weights + optimizer + inputs + moments[peak]
     # what rests on the host: every weight with params offloaded, the layer stack with phases
     host_weights = weights_all if "params" in offload else 0
     if "params" not in offload and mem.phases > 1:
@@ -415,10 +416,5 @@ def device_bytes(
         "device_total": int(device_total),
         "arguments": int(stored + optimizer + inputs),
         "host_total": int(host_total),
-        "peak": max(
-            ("backward", backward_peak),
-            ("head", head_peak),
-            ("update", update_peak + gathered),
-            key=lambda kv: kv[1],
-        )[0],
+        "peak": peak,
     }
