@@ -4,7 +4,8 @@
 loss head and the layers' backward pass (saved residuals per layer and pipeline tick, the
 pipeline's buffers, the head's logits, one layer's backward working set); `device_bytes(cfg,
 layout, acts, profile)` adds what else is alive at each and at the update (weights, gradients,
-optimizer state, the update's working set, RTS-gathered copies), on the device and the host.
+optimizer state, the update's working set, RTS-gathered copies, float32 copies of streamed
+matrices), on the device and the host.
 Analytic, no jax: nothing is built, so any mapping can be planned.
 
 Every credit is a transfer the compiled step makes (tests/planner/test_transfers.py finds
@@ -330,11 +331,17 @@ def device_bytes(
     grads_stage = local / rts * pb * (2 if accumulated else 1)
     grads_update = local / rts * pb
     updates = local / rts * mb
-    gathered = gathered_layer = 0
+    gathered = gathered_layer = widened_step = 0
+    per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
+    if mem.stream == "matrix" and compute_bytes(cfg, profile) > pb:
+        # 16-bit weights multiplied in float32 (a widening backend, or float32 compute): the
+        # step's matrices (a third of W_qkv, W_o, or one MLP panel of W_in and W_out) are
+        # converted to float32 buffers for their dots, alive at the recomputed layer's
+        # backward (XLA:CPU's dot fusions read float32; benchmarks/xla_peak.py, docs/memory.md)
+        widened_step = layout["local_layers"] / per_stage * _step_share(cfg) * 4
     if rts > 1 and cfg.model.remat == "none":
         gathered = local * pb  # every layer's gathered copy is saved
     elif rts > 1:  # the non-layer weights, and one layer at a time (recomputed in backward)
-        per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
         layer = layout["local_layers"] / per_stage
         if mem.stream == "matrix":  # the largest step's panels, gathered (and their
             # gradients reduce-scattered) one panel at a time: the panel is cut before the gather
@@ -361,13 +368,13 @@ def device_bytes(
     # micro-batch or pass; of the gathered weights, the head's table copy (`_head_table`)
     head_grads = local / rts * pb if accumulated else 0
     head_peak = head_grads + acts.get("head_moment", 0) + acts.get("head_table", 0)
-    backward_peak = grads + acts.get("backward_moment", activations) + gathered
+    backward_peak = grads + acts.get("backward_moment", activations) + gathered + widened_step
     if cfg.mesh.pipeline > 1 and not accumulated and "backward_moment" in acts:
         # one GPipe pass: the layers' backward (the tick scans) holds the stages' layer
         # gradients and one layer's gathered weights; the other weights' gradients (and
         # their gathered copies) belong to the embedding and the head, after the ticks
         grads_layers = layout["local_layers"] / rts * pb
-        backward_peak = grads_layers + acts["backward_moment"] + gathered_layer
+        backward_peak = grads_layers + acts["backward_moment"] + gathered_layer + widened_step
     # The update runs on whole trees: host-resident weights and optimizer state are moved to
     # the device first (`StackedStages.update`), the reduced grads too. It holds the grads, a
     # same-size copy (unscaled/clipped) and the updates.
@@ -411,6 +418,7 @@ def device_bytes(
         "activations": int(activations),
         "updates": int(updates),
         "gathered": int(gathered),
+        "widened": int(widened_step),
         "moved_in": int(moved_in),
         "inputs": int(inputs),
         "device_total": int(device_total),

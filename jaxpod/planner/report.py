@@ -74,6 +74,7 @@ def format_plan(p: dict) -> str:
         ("activations", b["activations"], f"remat {p['remat']}"),
         ("updates", b["updates"], "optimizer update working set"),
         ("gathered", b["gathered"], "RTS all-gathered weights"),
+        ("widened", b["widened"], "the step's matrices in float32 for their dots"),
         ("inputs", b["inputs"], "batch"),
     ]
     width = max(len(k) for k, _ in head)
