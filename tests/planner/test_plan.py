@@ -212,16 +212,18 @@ def test_efficientnet_b4_g16_pod_presets(pod, replica, grad_accum):
 
 
 def test_a_smaller_gpipe_pass_shrinks_the_carries():
-    """EfficientNet-B4 G16 on a POD16 runs 256 micro-batches through one GPipe pass: 257
-    ticks of saved stage inputs do not fit a GC200 (the planner suggests 1F1B). A smaller
+    """EfficientNet-B4 G16 on a POD16 in one GPipe pass (the preset runs 1F1B): 256
+    micro-batches, 257 ticks of saved stage inputs, do not fit a GC200 (the planner suggests
+    1F1B). A smaller
     `train.pipeline_group` shrinks the GPipe carries (every tick's input and its output's
     cotangent, and with replicas the collected tick outputs: 3 (M + 1) of them, plus the two
     slices of the tick being differentiated) by (3·17 + 2) / (3·257 + 2)."""
 
     path = ROOT / "configs" / "efficientnet_b4_g16_pod16.yaml"
-    p = plan(load_config(path))
+    gpipe = ["train.pipeline_schedule=gpipe"]
+    p = plan(load_config(path, gpipe))
     assert not p["fits"] and "train.pipeline_schedule=1f1b" in p["suggestion"]
-    q = plan(load_config(path, ["train.pipeline_group=16"]))
+    q = plan(load_config(path, [*gpipe, "train.pipeline_group=16"]))
     assert q["pipeline_group"] == 16
     ratio = q["activations_breakdown"]["saved"] / p["activations_breakdown"]["saved"]
     assert ratio == pytest.approx(53 / 773, rel=1e-3)
