@@ -332,27 +332,28 @@ def device_bytes(
     grads_update = local / rts * pb
     updates = local / rts * mb
     gathered = gathered_layer = widened_step = 0
-    per_stage = max(cfg.model.layers // cfg.mesh.pipeline, 1)
-    if mem.stream == "matrix" and compute_bytes(cfg, profile) > pb:
-        # 16-bit weights multiplied in float32 (a widening backend, or float32 compute): the
-        # step's matrices (a third of W_qkv, W_o, or one MLP panel of W_in and W_out) are
-        # converted to float32 buffers for their dots, alive at the recomputed layer's
-        # backward (XLA:CPU's dot fusions read float32; benchmarks/xla_peak.py, docs/memory.md)
-        widened_step = layout["local_layers"] / per_stage * _step_share(cfg) * 4
+    # the parameters one step of a layer uses: the whole layer, or with memory.stream=matrix
+    # the largest step's panels (gathered, and their gradients reduce-scattered, one panel at a
+    # time: the panel is cut before the gather)
+    step = layout["local_layers"] / max(cfg.model.layers // cfg.mesh.pipeline, 1)
+    if mem.stream == "matrix":
+        step *= _step_share(cfg)
+        if compute_bytes(cfg, profile) > pb:
+            # 16-bit weights multiplied in float32 (a widening backend, or float32 compute):
+            # the step's matrices (a third of W_qkv, W_o, or one MLP panel of W_in and W_out)
+            # are converted to float32 buffers for their dots, alive at the recomputed layer's
+            # backward (XLA:CPU's dot fusions read float32; benchmarks/xla_peak.py)
+            widened_step = step * 4
     if rts > 1 and cfg.model.remat == "none":
         gathered = local * pb  # every layer's gathered copy is saved
-    elif rts > 1:  # the non-layer weights, and one layer at a time (recomputed in backward)
-        layer = layout["local_layers"] / per_stage
-        if mem.stream == "matrix":  # the largest step's panels, gathered (and their
-            # gradients reduce-scattered) one panel at a time: the panel is cut before the gather
-            layer *= _step_share(cfg)
+    elif rts > 1:  # the non-layer weights, and one layer's step at a time (recomputed)
         other = layout["local_other"]
         if mem.vocab_slices > 1:  # GPT's tables: one block of rows and its gradient at a time
             table = cfg.model.vocab // cfg.mesh.tensor * cfg.model.d_model
             tables = table * (1 if cfg.model.tie_embeddings else 2)
             other += 2 * table / mem.vocab_slices - tables
-        gathered = (other + layer) * pb
-        gathered_layer = layer * pb
+        gathered = (other + step) * pb
+        gathered_layer = step * pb
 
     # Host-resident weights are on the device for the whole step: jax 0.10.2 moves them in at
     # the shard_map boundary (the per-phase / per-matrix device_puts inside it are not
