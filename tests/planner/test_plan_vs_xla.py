@@ -54,12 +54,22 @@ XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, more overrides
 }
 
 
-def compiled_bytes(cfg, mesh) -> int:
+def compiled_step(cfg, mesh):
+    """The train step of `cfg` compiled on `mesh` from abstract shapes (no weights)."""
     from jaxpod.run.aot import abstract_inputs
 
     engine, state, batch = abstract_inputs(cfg, mesh)
-    mem = engine.train_step.lower(state, batch).compile().memory_analysis()
+    return engine.train_step.lower(state, batch).compile()
+
+
+def total_bytes(compiled) -> int:
+    """XLA's per-device arguments + temporaries of a compiled step."""
+    mem = compiled.memory_analysis()
     return mem.argument_size_in_bytes + mem.temp_size_in_bytes
+
+
+def compiled_bytes(cfg, mesh) -> int:
+    return total_bytes(compiled_step(cfg, mesh))
 
 
 @pytest.mark.parametrize("name", list(XLA_CASES))
@@ -144,12 +154,10 @@ def test_saved_layer_inputs_are_held_as_the_cpu_profile_says(tiny_cfg, mesh_for,
     import re
 
     from jaxpod.planner.bytes import stored_bytes
-    from jaxpod.run.aot import abstract_inputs
 
     cfg = tiny_cfg(*SMALL, "model.remat=full", "train.grad_accum=4",
                    f"precision.compute={compute}", mesh=(1, 2, 1))  # fmt: skip
-    engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
-    hlo = engine.train_step.lower(state, batch).compile().as_text()
+    hlo = compiled_step(cfg, mesh_for(cfg)).as_text()
     dtypes = set(re.findall(r"= (\w+)\[5,2,2,128,128\]", hlo))
     assert dtypes == held, dtypes
     assert stored_bytes(cfg) == (4 if "f32" in held else 2)
@@ -182,21 +190,17 @@ def test_a_widening_backend_converts_the_streamed_matrices_to_float32(tiny_cfg, 
     weights are read as they are: no term."""
     import re
 
-    from jaxpod.run.aot import abstract_inputs
-
     shape = ["model.d_model=256", "model.d_ff=1024", "model.seq_len=32", "model.remat=full"]
     shape += ["train.micro_batch=1", "train.grad_accum=2", "optim.name=sgd", "memory.rts=2"]
     shape += ["memory.stream=matrix", "memory.mlp_panels=2", *FP16_SR]
     cfg = tiny_cfg(*shape, mesh=(2, 1, 1))
-    engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
-    compiled = engine.train_step.lower(state, batch).compile()
+    compiled = compiled_step(cfg, mesh_for(cfg))
     hlo = compiled.as_text()
     for panel in ("256,512", "512,256"):
         assert re.search(rf"= f32\[{panel}\]\S* fusion\(%all_gather", hlo), panel
     planned = plan(cfg)["bytes_per_device"]
     assert planned["widened"] == pytest.approx((256 * 512 + 512 * 256) * 4, abs=1)
-    mem = compiled.memory_analysis()
-    measured = mem.argument_size_in_bytes + mem.temp_size_in_bytes
+    measured = total_bytes(compiled)
     print(
         f"widened panels: planned {planned['device_total'] / 1e6:.2f} MB, XLA {measured / 1e6:.2f}"
     )
