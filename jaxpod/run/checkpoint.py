@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import re
 import sys
 import threading
@@ -322,8 +323,10 @@ def _settle(seconds: float) -> None:
         time.sleep(0.1)
 
 
-# the operating system's reason inside a storage error: "...: File too large [os_error_code=27]"
-OS_REASON = re.compile(r"([A-Z][\w ,'-]*?) \[os_error_code='?\d+'?\]")
+# the operating system's error number inside a storage error: "...: File too large
+# [os_error_code='27']"; its reason is read from the number, however the text around it is
+# worded or quoted
+OS_ERROR_CODE = re.compile(r"os_error_code=\W*(\d+)")
 
 
 def _why(exc: BaseException) -> str:
@@ -331,8 +334,8 @@ def _why(exc: BaseException) -> str:
     operating system's reason (orbax joins the errors of many writes into one message)."""
     text = " ".join(str(exc).split()).split(" See full")[0]
     if len(text) > 200:
-        reason = OS_REASON.search(text)
-        tail = reason.group(1) if reason else text[-95:]
+        code = OS_ERROR_CODE.search(text)
+        tail = os.strerror(int(code.group(1))) if code else text[-95:]
         text = f"{text[:100]} ... {tail}"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

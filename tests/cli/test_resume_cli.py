@@ -143,6 +143,6 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(tmp_path):
     t0 = time.monotonic()
     proc = train(run, "train.eval_every=0", limit_file_bytes=256 * 1024)
     line = user_error(proc, f"checkpoint could not be saved under {run}/checkpoints (")
-    assert "File too large" in line and "has free space" in line
+    assert "File too large" in line and "has free space" in line, line
     assert time.monotonic() - t0 < 300
     assert not list((run / "checkpoints").glob("[0-9]")), "no checkpoint is listed as complete"

@@ -45,6 +45,10 @@ def test_a_long_storage_error_keeps_the_operating_systems_reason():
     assert _why(many).startswith("ValueError: OUT_OF_RANGE: Error writing")
     assert _why(many).endswith("... File too large")
     assert _why(ValueError("short")) == "ValueError: short"
+    # the reason comes from the error number, not from the words around it
+    for code in ("[os_error_code='27']", "[os_error_code=\\'27\\']", "[os_error_code=27]"):
+        bare = ValueError(f"OUT_OF_RANGE: Failed to write: {code}" + " x" * 150)
+        assert _why(bare).endswith("... File too large"), code
     # asyncio's report of an orbax write nobody awaited is dropped; other logs are kept
     try:
         raise ValueError(write)
