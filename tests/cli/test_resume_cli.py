@@ -45,12 +45,15 @@ def train(logdir: Path, *overrides: str, limit_file_bytes: int | None = None):
     def limit() -> None:  # a full disk: writes past this size fail with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_bytes, limit_file_bytes))
 
+    # under the limit, a write to the session's compilation cache would leave a truncated entry
+    # that other processes then fail to read: that run keeps out of the cache
+    env = cli_env(JAX_ENABLE_COMPILATION_CACHE="false") if limit_file_bytes else cli_env()
     return subprocess.run(
         cli_cmd("train", TINY, *COMMON, f"train.logdir={logdir}", *overrides),
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=cli_env(),
+        env=env,
         timeout=600,
         preexec_fn=limit if limit_file_bytes else None,
     )
