@@ -19,6 +19,7 @@ when the run is already failing.
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -323,10 +324,20 @@ def _settle(seconds: float) -> None:
         time.sleep(0.1)
 
 
-# the operating system's error number inside a storage error: "...: File too large
-# [os_error_code='27']"; its reason is read from the number, however the text around it is
-# worded or quoted
+# the operating system's reason inside a storage error ("...: File too large
+# [os_error_code='27']"): read from its error number, however the text around it is worded or
+# quoted, or else found by the wording of any error number (a message without the number)
 OS_ERROR_CODE = re.compile(r"os_error_code=\W*(\d+)")
+OS_REASONS = tuple(os.strerror(n) for n in sorted(errno.errorcode))
+
+
+def _os_reason(text: str) -> str | None:
+    """The operating system's reason named in `text` (its first, by position), or None."""
+    code = OS_ERROR_CODE.search(text)
+    if code:
+        return os.strerror(int(code.group(1)))
+    found = [(text.find(reason), reason) for reason in OS_REASONS if reason in text]
+    return min(found)[1] if found else None
 
 
 def _why(exc: BaseException) -> str:
@@ -334,8 +345,7 @@ def _why(exc: BaseException) -> str:
     operating system's reason (orbax joins the errors of many writes into one message)."""
     text = " ".join(str(exc).split()).split(" See full")[0]
     if len(text) > 200:
-        code = OS_ERROR_CODE.search(text)
-        tail = os.strerror(int(code.group(1))) if code else text[-95:]
+        tail = _os_reason(text) or text[-95:]
         text = f"{text[:100]} ... {tail}"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

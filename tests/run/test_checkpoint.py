@@ -49,6 +49,9 @@ def test_a_long_storage_error_keeps_the_operating_systems_reason():
     for code in ("[os_error_code='27']", "[os_error_code=\\'27\\']", "[os_error_code=27]"):
         bare = ValueError(f"OUT_OF_RANGE: Failed to write: {code}" + " x" * 150)
         assert _why(bare).endswith("... File too large"), code
+    # or, without the number, from its wording, wherever it is in the message
+    wording = f"UNKNOWN: commit failed: {write.split(' [')[0]}" + " x" * 100 + " [at f.cc:327']"
+    assert _why(ValueError(wording)).endswith("... File too large")
     # asyncio's report of an orbax write nobody awaited is dropped; other logs are kept
     try:
         raise ValueError(write)
