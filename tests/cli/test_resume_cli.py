@@ -9,7 +9,6 @@ that commit leaves behind (the records of steps 3 and 4 included).
 
 from __future__ import annotations
 
-import resource
 import shutil
 import subprocess
 import time
@@ -42,21 +41,17 @@ def user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
 
 
 def train(logdir: Path, *overrides: str, limit_file_bytes: int | None = None):
-    def limit() -> None:  # a full disk: writes past this size fail with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_bytes, limit_file_bytes))
-
-    # under the limit, a write to the session's compilation cache would leave a truncated entry
-    # that other processes then fail to read: that run keeps out of the cache
-    env = cli_env(JAX_ENABLE_COMPILATION_CACHE="false") if limit_file_bytes else cli_env()
-    return subprocess.run(
-        cli_cmd("train", TINY, *COMMON, f"train.logdir={logdir}", *overrides),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-        preexec_fn=limit if limit_file_bytes else None,
-    )
+    """`jaxpod train` of the tiny config; with `limit_file_bytes`, on a full disk: its writes
+    past that size fail with EFBIG (bash's `ulimit -f`, in KiB, set before the exec: no Python
+    code runs between fork and exec in this multithreaded process)."""
+    cmd = cli_cmd("train", TINY, *COMMON, f"train.logdir={logdir}", *overrides)
+    env = cli_env()
+    if limit_file_bytes:
+        cmd = ["bash", "-c", f'ulimit -f {limit_file_bytes // 1024} && exec "$@"', "bash", *cmd]
+        # a write to the session's compilation cache would leave a truncated entry that other
+        # processes then fail to read: this run keeps out of the cache
+        env = cli_env(JAX_ENABLE_COMPILATION_CACHE="false")
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")
