@@ -130,6 +130,12 @@ class PackedStages:
         step = jax.device_put(jnp.zeros((), jnp.int32), sharding.step)
         return TrainState(step, params, OptState(tx, ls))
 
+    layer_order = None  # the stages' rows hold their blocks in network order
+
+    def reordered(self, state: TrainState, saved_order: list[int] | None) -> TrainState:
+        """`state` as is: packed stages are never stored in another order."""
+        return state
+
     # ------------------------------------------------------------------ inside shard_map
     def examples(self, params, batch: tuple, step, stream: int) -> Examples:
         images, labels = batch

@@ -161,6 +161,24 @@ class StackedStages:
             return None
         return layer_order(self.cfg.model.layers, stages, t.virtual_stages)
 
+    def reordered(self, state: TrainState, saved_order: list[int] | None) -> TrainState:
+        """`state` whose stacked layers are stored in `saved_order` (a checkpoint's; None: the
+        logical order) with every stacked leaf of the params and the optimizer's moments
+        permuted along its layer axis into this engine's `layer_order`, in its shardings."""
+        logical = np.arange(self.cfg.model.layers)
+        saved = logical if saved_order is None else np.asarray(saved_order)
+        order = logical if self.layer_order is None else self.layer_order
+        if np.array_equal(saved, order):
+            return state
+        moved = np.argsort(saved)[order]  # stored_new[j] = stored_saved[moved[j]]
+
+        def move(path, leaf):
+            stacked = any(getattr(key, "key", None) == STACK for key in path)
+            return leaf[moved] if stacked else leaf
+
+        reorder = lambda s: jax.tree_util.tree_map_with_path(move, s)  # noqa: E731
+        return jax.jit(reorder, out_shardings=self.state_shardings())(state)
+
     def _model(self, params, fetched_layers: bool, fetched: bool = False) -> nnx.Module:
         """The model of the local params: non-layer weights fetched and prepared, token tables
         as `VocabSlices` when used a slice at a time, the layers as stored. `fetched`: every

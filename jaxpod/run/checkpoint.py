@@ -27,6 +27,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -157,16 +158,20 @@ class Checkpointer:
         *,
         config: dict | None = None,
         records: list[dict] = (),
+        layer_order: Sequence[int] | None = None,
     ) -> None:
         """Start saving `state` as checkpoint `step`; returns once the arrays are off-device.
 
         The state may be donated to the next train step as soon as this returns. `config` (the
         run's config as a dict) and `records` (the run record's lines of this step, e.g. its
         metrics) are kept with it: a resume restores them even if the record lost them.
+        `layer_order` is the engine's (`stages.layer_order`, the order its stacked layers are
+        stored in): a restore under another order moves every layer to its place.
         A save that fails is a one-line `UserError` naming the directory.
         """
         meta = {"step": step, "seed": seed, "checksums": checksums(state)}
         meta |= {"config": config, "records": list(records)}
+        meta["layer_order"] = None if layer_order is None else [int(i) for i in layer_order]
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with Muted() as mute:  # a failed write leaves orbax's threads printing tracebacks
@@ -195,7 +200,7 @@ class Checkpointer:
 
     def meta(self, step: int) -> dict:
         """The JSON record of checkpoint `step` (step, seed, and if written: config, records,
-        checksums)."""
+        checksums, layer_order)."""
         args = ocp.args.Composite(meta=ocp.args.JsonRestore())
         return dict(self._manager.restore(step, args=args)["meta"])
 
@@ -204,7 +209,8 @@ class Checkpointer:
 
         Refuses (`UserError`, before reading any array) a checkpoint whose tree, shapes or
         dtypes differ from `like` (the freshly built state of this config), or whose seed
-        differs; a checkpoint that cannot be read is refused naming its directory.
+        differs; a checkpoint that cannot be read is refused naming its directory. Stacked
+        layers saved in another order than the engine's are moved to its order.
         """
         where = self.shown / str(step)
         fix = "delete that directory to resume from the previous checkpoint, or use a fresh"
@@ -242,7 +248,7 @@ class Checkpointer:
             raise UserError(f"checkpoint {where} cannot be read ({why}); {fix}")
         state = _from_nested(restored["state"], like)
         _check_sums(where, meta.get("checksums"), checksums(state), fix)
-        return state
+        return engine.stages.reordered(state, meta.get("layer_order"))
 
     def close(self) -> None:
         """Wait for in-flight saves to be committed, then release the manager; a background

@@ -366,7 +366,9 @@ def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, p
             if (every and step % every == 0) or step == steps or stop.requested is not None:
                 steplog.flush()  # reads, checks and writes the metrics up to `step` first
                 records = writer.of(step)
-                ckpt.save(step, state, cfg.train.seed, config=config, records=records)
+                order = task.engine.stages.layer_order  # how its stacked layers are stored
+                ckpt.save(step, state, cfg.train.seed, config=config, records=records,
+                          layer_order=order)  # fmt: skip
             if stop.requested is not None:
                 break  # async save: committed when the checkpointer closes
     steplog.flush()
