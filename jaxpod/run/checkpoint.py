@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 
 from jaxpod.engine import Engine, TrainState
 from jaxpod.errors import Muted, UserError
+from jaxpod.parallel.schedules import layer_order
 
 CHECKPOINTS = "checkpoints"
 ABANDON_SECONDS = 20.0  # how long a failing run waits for background writes before leaving
@@ -248,7 +249,7 @@ class Checkpointer:
             raise UserError(f"checkpoint {where} cannot be read ({why}); {fix}")
         state = _from_nested(restored["state"], like)
         _check_sums(where, meta.get("checksums"), checksums(state), fix)
-        return engine.stages.reordered(state, meta.get("layer_order"))
+        return engine.stages.reordered(state, _saved_layer_order(meta))
 
     def close(self) -> None:
         """Wait for in-flight saves to be committed, then release the manager; a background
@@ -354,6 +355,19 @@ def _why(exc: BaseException) -> str:
         tail = _os_reason(text) or text[-95:]
         text = f"{text[:100]} ... {tail}"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _saved_layer_order(meta: dict) -> list[int] | None:
+    """The order a checkpoint's stacked layers are stored in: its meta's `layer_order`, or for
+    a checkpoint written before that was recorded, the order its config's circular schedule
+    gives (None: the logical order)."""
+    if "layer_order" in meta:
+        return meta["layer_order"]
+    cfg = meta.get("config") or {}
+    train, virtual = cfg.get("train", {}), cfg.get("train", {}).get("virtual_stages", 1)
+    if train.get("pipeline_schedule") != "circular" or virtual == 1:
+        return None
+    return layer_order(cfg["model"]["layers"], cfg["mesh"]["pipeline"], virtual).tolist()
 
 
 def _check_sums(where: Path, saved: dict | None, here: dict, fix: str) -> None:

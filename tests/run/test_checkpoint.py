@@ -34,27 +34,38 @@ def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("direction", ["circular-to-gpipe", "gpipe-to-circular"])
+@pytest.mark.parametrize(
+    "direction", ["circular-to-gpipe", "gpipe-to-circular", "circular-without-a-recorded-order"]
+)
 def test_a_resume_with_another_layer_order_restores_the_same_model(
     tiny_cfg, mesh_for, tmp_path, direction
 ):
     """A circular schedule stores its layers in chunk order (`StackedStages.layer_order`), which
     changes with train.virtual_stages and mesh.pipeline, both free to change on resume. Saved
     in one order and restored into the other, the state is the state a fresh engine of the
-    restoring config initialises (the values depend only on the seed): every layer in place."""
+    restoring config initialises (the values depend only on the seed): every layer in place.
+    A checkpoint written before the order was recorded has it from its config."""
+    import json
+
     import jax
 
+    from jaxpod.config import config_to_dict
     from jaxpod.engine import build_engine
     from jaxpod.run.checkpoint import Checkpointer
 
     common = ["train.global_batch=16", "train.grad_accum=null"]
     circular = ["train.pipeline_schedule=circular", "train.virtual_stages=2"]
     configs = [tiny_cfg(*common, *circular, mesh=(2, 2, 2)), tiny_cfg(*common, mesh=(2, 2, 1))]
-    saving, restoring = configs if direction == "circular-to-gpipe" else configs[::-1]
+    saving, restoring = configs[::-1] if direction == "gpipe-to-circular" else configs
     saver, saved = build_engine(saving, mesh_for(saving))
     assert (saver.stages.layer_order is None) == (direction == "gpipe-to-circular")
     with Checkpointer(tmp_path, keep=1) as ckpt:
-        ckpt.save(1, saved, seed=0, layer_order=saver.stages.layer_order)
+        config = config_to_dict(saving)
+        ckpt.save(1, saved, seed=0, config=config, layer_order=saver.stages.layer_order)
+    if direction == "circular-without-a-recorded-order":
+        meta = tmp_path / "checkpoints" / "1" / "meta" / "metadata"
+        record = json.loads(meta.read_text())
+        meta.write_text(json.dumps({k: v for k, v in record.items() if k != "layer_order"}))
     engine, fresh = build_engine(restoring, mesh_for(restoring))
     with Checkpointer(tmp_path, keep=1) as ckpt:
         restored = ckpt.restore(1, engine, fresh, seed=0)
