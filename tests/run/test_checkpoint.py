@@ -7,9 +7,18 @@ import numpy as np
 import pytest
 
 
+def assert_restored(restored, want, engine) -> None:
+    """Every leaf of `restored` in the engine's sharding and equal to `want`'s, bit for bit."""
+    import jax
+
+    leaves = zip(*map(jax.tree.leaves, (restored, want, engine.state_sharding)), strict=True)
+    for got, expected, sharding in leaves:
+        assert got.sharding == sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
 def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path):
     """In process: saved from 2x2x2, restored on 1x2x4 with exactly the engine's shardings."""
-    import jax
 
     from jaxpod.engine import build_engine
     from jaxpod.run.checkpoint import Checkpointer
@@ -24,14 +33,7 @@ def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path
     assert ckpt.latest_step() == 1
     restored = ckpt.restore(1, engine, fresh, seed=0)
     ckpt.close()
-    for got, want, sharding in zip(
-        jax.tree.leaves(restored),
-        jax.tree.leaves(saved),
-        jax.tree.leaves(engine.state_sharding),
-        strict=True,
-    ):
-        assert got.sharding == sharding
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_restored(restored, saved, engine)
 
 
 @pytest.mark.parametrize(
@@ -46,8 +48,6 @@ def test_a_resume_with_another_layer_order_restores_the_same_model(
     restoring config initialises (the values depend only on the seed): every layer in place.
     A checkpoint written before the order was recorded has it from its config."""
     import json
-
-    import jax
 
     from jaxpod.config import config_to_dict
     from jaxpod.engine import build_engine
@@ -69,14 +69,7 @@ def test_a_resume_with_another_layer_order_restores_the_same_model(
     engine, fresh = build_engine(restoring, mesh_for(restoring))
     with Checkpointer(tmp_path, keep=1) as ckpt:
         restored = ckpt.restore(1, engine, fresh, seed=0)
-    for got, want, sharding in zip(
-        jax.tree.leaves(restored),
-        jax.tree.leaves(fresh),
-        jax.tree.leaves(engine.state_sharding),
-        strict=True,
-    ):
-        assert got.sharding == sharding
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_restored(restored, fresh, engine)
 
 
 def test_the_optimizer_moments_move_with_their_layers(tiny_cfg, mesh_for, tmp_path):
