@@ -172,9 +172,9 @@ class StackedStages:
             return state
         moved = np.argsort(saved)[order]  # stored_new[j] = stored_saved[moved[j]]
 
-        def move(path, leaf):
+        def move(path, leaf):  # host-resident leaves are gathered in device memory
             stacked = any(getattr(key, "key", None) == STACK for key in path)
-            return leaf[moved] if stacked else leaf
+            return offload.to_device(leaf)[moved] if stacked else leaf
 
         reorder = lambda s: jax.tree_util.tree_map_with_path(move, s)  # noqa: E731
         return jax.jit(reorder, out_shardings=self.state_shardings())(state)

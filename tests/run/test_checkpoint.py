@@ -37,7 +37,13 @@ def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path
 
 
 @pytest.mark.parametrize(
-    "direction", ["circular-to-gpipe", "gpipe-to-circular", "circular-without-a-recorded-order"]
+    "direction",
+    [
+        "circular-to-gpipe",
+        "gpipe-to-circular",
+        "circular-without-a-recorded-order",
+        "circular-to-gpipe-on-host",
+    ],
 )
 def test_a_resume_with_another_layer_order_restores_the_same_model(
     tiny_cfg, mesh_for, tmp_path, direction
@@ -46,14 +52,19 @@ def test_a_resume_with_another_layer_order_restores_the_same_model(
     changes with train.virtual_stages and mesh.pipeline, both free to change on resume. Saved
     in one order and restored into the other, the state is the state a fresh engine of the
     restoring config initialises (the values depend only on the seed): every layer in place.
-    A checkpoint written before the order was recorded has it from its config."""
+    A checkpoint written before the order was recorded has it from its config; layers kept in
+    host memory (offloaded, RTS 2) are moved there too."""
     import json
+
+    import jax
 
     from jaxpod.config import config_to_dict
     from jaxpod.engine import build_engine
     from jaxpod.run.checkpoint import Checkpointer
 
     common = ["train.global_batch=16", "train.grad_accum=null"]
+    if direction.endswith("on-host"):
+        common += ["memory.offload=[optimizer,params]", "memory.rts=2"]
     circular = ["train.pipeline_schedule=circular", "train.virtual_stages=2"]
     configs = [tiny_cfg(*common, *circular, mesh=(2, 2, 2)), tiny_cfg(*common, mesh=(2, 2, 1))]
     saving, restoring = configs[::-1] if direction == "gpipe-to-circular" else configs
@@ -69,6 +80,8 @@ def test_a_resume_with_another_layer_order_restores_the_same_model(
     engine, fresh = build_engine(restoring, mesh_for(restoring))
     with Checkpointer(tmp_path, keep=1) as ckpt:
         restored = ckpt.restore(1, engine, fresh, seed=0)
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(restored)}
+    assert ("pinned_host" in kinds) == direction.endswith("on-host")
     assert_restored(restored, fresh, engine)
 
 
