@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 
 from jaxpod.engine import Engine, TrainState
 from jaxpod.errors import Muted, UserError
-from jaxpod.parallel.schedules import layer_order
+from jaxpod.parallel import schedules
 
 CHECKPOINTS = "checkpoints"
 ABANDON_SECONDS = 20.0  # how long a failing run waits for background writes before leaving
@@ -367,7 +367,7 @@ def _saved_layer_order(meta: dict) -> list[int] | None:
     train, virtual = cfg.get("train", {}), cfg.get("train", {}).get("virtual_stages", 1)
     if train.get("pipeline_schedule") != "circular" or virtual == 1:
         return None
-    return layer_order(cfg["model"]["layers"], cfg["mesh"]["pipeline"], virtual).tolist()
+    return schedules.layer_order(cfg["model"]["layers"], cfg["mesh"]["pipeline"], virtual).tolist()
 
 
 def _check_sums(where: Path, saved: dict | None, here: dict, fix: str) -> None:
