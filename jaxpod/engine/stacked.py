@@ -29,7 +29,7 @@ from jaxpod.engine.loss import Examples
 from jaxpod.engine.state import OptState, TrainState, optimizer_shardings, with_shardings
 from jaxpod.models import mlm
 from jaxpod.models.layers import token_loss_in_chunks
-from jaxpod.models.params import STACK, masks
+from jaxpod.models.params import STACK, in_stack, masks
 from jaxpod.optim.chains import make_optimizer
 from jaxpod.optim.guarded import guarded_update, unscaled_sum_squares, whole_tree
 from jaxpod.optim.per_layer import per_layer
@@ -173,8 +173,7 @@ class StackedStages:
         moved = np.argsort(saved)[order]  # stored_new[j] = stored_saved[moved[j]]
 
         def move(path, leaf):  # host-resident leaves are gathered in device memory
-            stacked = any(getattr(key, "key", None) == STACK for key in path)
-            return offload.to_device(leaf)[moved] if stacked else leaf
+            return offload.to_device(leaf)[moved] if in_stack(path) else leaf
 
         reorder = lambda s: jax.tree_util.tree_map_with_path(move, s)  # noqa: E731
         return jax.jit(reorder, out_shardings=self.state_shardings())(state)

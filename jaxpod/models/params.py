@@ -25,6 +25,12 @@ LAYERS = "layers"  # the logical name of the stacked layer axis
 STACK = "layers"  # the attribute (and params key) of a stacked model's `[L, ...]` layers
 
 
+def in_stack(path: tuple) -> bool:
+    """Whether a pytree leaf's key path (`jax.tree_util` keys) runs through the stacked layers:
+    a parameter's, or an optimizer moment's mirroring it, with the layers as its axis 0."""
+    return any(getattr(key, "key", None) == STACK for key in path)
+
+
 def param(value: jax.Array, axes: tuple[str | None, ...], *roles: str) -> nnx.Param:
     """An `nnx.Param` holding `value` with logical `axes` (one per dimension) and `roles`."""
     if len(axes) != value.ndim:

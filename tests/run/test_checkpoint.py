@@ -19,7 +19,6 @@ def assert_restored(restored, want, engine) -> None:
 
 def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path):
     """In process: saved from 2x2x2, restored on 1x2x4 with exactly the engine's shardings."""
-
     from jaxpod.engine import build_engine
     from jaxpod.run.checkpoint import Checkpointer
 
@@ -90,7 +89,7 @@ def test_the_optimizer_moments_move_with_their_layers(tiny_cfg, mesh_for, tmp_pa
     the params and the optimizer state is the saved one in logical order, the rest as saved."""
     import jax
 
-    from jaxpod.models.params import STACK
+    from jaxpod.models.params import in_stack
     from jaxpod.run.checkpoint import Checkpointer
     from jaxpod.run.tasks import build_task
 
@@ -111,8 +110,7 @@ def test_the_optimizer_moments_move_with_their_layers(tiny_cfg, mesh_for, tmp_pa
         restored = jax.device_get(ckpt.restore(1, task.engine, fresh, seed=0))
 
     def logical(path, leaf):
-        stacked = any(getattr(key, "key", None) == STACK for key in path)
-        return leaf[np.argsort(order)] if stacked else leaf
+        return leaf[np.argsort(order)] if in_stack(path) else leaf
 
     want = jax.tree_util.tree_map_with_path(logical, saved)
     moments = [a for a in jax.tree.leaves(restored.opt_state.tx) if a.ndim and a.shape[0] == 4]
