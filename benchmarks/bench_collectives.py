@@ -16,7 +16,6 @@ writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -27,11 +26,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_worker, table, time_steps  # noqa: E402
+from common import ROOT, options, run_worker, serve_worker, table, time_steps, write_report  # noqa: E402
 
 from jaxpod.platform import virtual_cpu_flags  # noqa: E402  (jax-free)
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
 MODEL += ["model.seq_len=128", "model.remat=none", "train.micro_batch=2", "train.grad_accum=1"]
 MODEL += ["optim.warmup_steps=0", "mesh.replica=8", "mesh.pipeline=1", "mesh.tensor=1"]
@@ -140,14 +138,10 @@ def run(name: str, processes: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--only", default="1x8,2x4", help="processes x devices per process")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "collectives.json"))
+    ap = options(__doc__, only="1x8,2x4", only_help="processes x devices per process",
+                 repeats=10, out="collectives.json")  # fmt: skip
     args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))))
+    if serve_worker(args, _worker):
         return
     report = {"machine": {"cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}}
     rows = []
@@ -169,9 +163,7 @@ def main() -> None:
               "permute MB/device", "/ (2(n-1)/n grads)",
               f"loss, step {2 + args.repeats}"]  # fmt: skip
     print(table("Gradient all-reduce on 8 replicas (mesh 8x1x1), GPT 8 x d256", header, rows))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"\nJSON: {args.out}", file=sys.stderr)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

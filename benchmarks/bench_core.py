@@ -13,17 +13,22 @@ jax starts; ratios are only ever taken between numbers measured in the same run.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_worker, table  # noqa: E402
+from common import (  # noqa: E402
+    ROOT,
+    loss_and_grads_flops,
+    options,
+    run_parts,
+    run_worker,
+    serve_worker,
+    table,
+    write_report,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.layers=4", "model.d_model=64", "model.heads=4", "model.d_ff=256", "model.seq_len=64"]
 MID = ["model.layers=8", "model.d_model=512", "model.heads=8", "model.d_ff=2048"]
 MID += ["model.seq_len=256", "train.global_batch=16", "train.grad_accum=null"]
@@ -62,12 +67,8 @@ def _worker(job: dict) -> dict:
 
     if job["kind"] == "flops":
         engine, state = abstract_engine(cfg, mesh, unroll=True)
-        tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=engine.batch_sharding[0])
-        fn = jax.jit(engine.loss_and_grads)
-        cost = fn.lower(state.params, (tokens,)).compile().cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        out["flops_per_device"] = cost["flops"]
-        out["flops_total"] = cost["flops"] * mesh.size
+        out["flops_per_device"] = loss_and_grads_flops(engine, state, shape)
+        out["flops_total"] = out["flops_per_device"] * mesh.size
         return out
 
     t0 = time.perf_counter()
@@ -176,14 +177,8 @@ def bench_d(repeats: int) -> tuple[dict, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--only", default="a,b,c,d")
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "core.json"))
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))))
+    args = options(__doc__, only="a,b,c,d", repeats=20, out="core.json").parse_args()
+    if serve_worker(args, _worker):
         return
     parts = {
         "a": lambda: bench_a(args.repeats),
@@ -191,16 +186,7 @@ def main() -> None:
         "c": bench_c,
         "d": lambda: bench_d(max(3, args.repeats // 4)),
     }
-    report = {"machine": {"cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}}
-    for name in args.only.split(","):
-        t0 = time.perf_counter()
-        print(f"running ({name}) ...", file=sys.stderr, flush=True)
-        report[name], text = parts[name]()
-        print(text, flush=True)
-        print(f"({name}) took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"\nJSON: {args.out}", file=sys.stderr)
+    write_report(run_parts(parts, args.only), args.out)
 
 
 if __name__ == "__main__":

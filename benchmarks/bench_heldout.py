@@ -14,8 +14,6 @@ writes JSON (benchmarks/results/<set>.json).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,10 +21,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_worker, table  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from common import RESULTS, ROOT, options, run_worker, serve_worker, table, write_report  # noqa: E402
 
 ROW_FILES = {"heldout": "heldout.yaml", "calibration-efficientnet": "calibration_efficientnet.yaml"}
 
@@ -56,14 +51,10 @@ def _worker(job: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap = options(__doc__, only="", only_help="rows whose name contains this text")
     ap.add_argument("--set", default="heldout", choices=[*ROW_FILES, "presets"])
-    ap.add_argument("--only", default="", help="rows whose name contains this text")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))))
+    if serve_worker(args, _worker):
         return
     from jaxpod.config import load_config
 
@@ -95,9 +86,7 @@ def main() -> None:
     header = ["config", "devices", "args MB XLA / plan", "temps MB XLA / plan", "XLA MB",
               "planned MB", "plan / XLA"]  # fmt: skip
     print(table(f"planner vs XLA:CPU, {args.set}", header, table_rows))
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"{args.set}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
+    write_report(results, args.out or RESULTS / f"{args.set}.json")
 
 
 if __name__ == "__main__":

@@ -8,13 +8,11 @@ its argument + temp bytes (per device) are compared with `plan(cfg)`'s device to
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, options, write_report  # noqa: E402
 
 from jaxpod.platform import use_virtual_cpu_devices  # noqa: E402  (jax-free)
 
@@ -155,10 +153,8 @@ def measure(case) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--only", help="measure the cases whose row contains TEXT (e.g. 1x2x4)")
-    args = parser.parse_args()
+    ap = options(__doc__, only="", only_help="the cases whose row contains TEXT (e.g. 1x2x4)")
+    args = ap.parse_args()
     use_virtual_cpu_devices(8)
     rows = []
     print("| mesh | remat | GA | extra | compiled MB | planned MB | planned/compiled |")
@@ -166,7 +162,7 @@ def main() -> None:
     for case in CASES:
         (r, p, t), remat, accum, extra = case
         row = f"{r}x{p}x{t} {remat} {accum} {' '.join(extra)}"
-        if args.only and args.only not in row:
+        if args.only not in row:
             continue
         res = measure(case)
         rows.append(res)
@@ -177,7 +173,7 @@ def main() -> None:
             flush=True,
         )
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        write_report(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -17,17 +17,22 @@ starts); ratios are taken between numbers of the same run. Prints tables, writes
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_worker, table, time_steps  # noqa: E402
+from common import (  # noqa: E402
+    ROOT,
+    loss_and_grads_flops,
+    options,
+    run_parts,
+    run_worker,
+    serve_worker,
+    table,
+    time_steps,
+    write_report,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
 MODEL += ["model.seq_len=128", "model.remat=full", "train.micro_batch=2", "optim.warmup_steps=0"]
 SCHEDULES = {
@@ -58,11 +63,7 @@ def _worker(job: dict) -> dict:
     shape = (cfg.global_batch, cfg.model.seq_len + 1)
     if job["kind"] == "flops":
         engine, state = abstract_engine(cfg, mesh, unroll=True)
-        tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=engine.batch_sharding[0])
-        fn = jax.jit(engine.loss_and_grads)
-        cost = fn.lower(state.params, (tokens,)).compile().cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        return {"flops_total": cost["flops"] * mesh.size}
+        return {"flops_total": loss_and_grads_flops(engine, state, shape) * mesh.size}
     if job["kind"] == "memory":
         compiled = compile_step(cfg, mesh)
         planned = plan(cfg)["bytes_per_device"]["device_total"]
@@ -146,27 +147,18 @@ def bench_memory() -> tuple[dict, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--only", default="time,flops,memory")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "schedules.json"))
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))))
+    args = options(
+        __doc__,
+        only="time,flops,memory",
+        only_help="the parts to run",
+        repeats=10,
+        out="schedules.json",
+    ).parse_args()
+    if serve_worker(args, _worker):
         return
     parts = {"time": lambda: bench_time(args.repeats), "flops": bench_flops,
              "memory": bench_memory}  # fmt: skip
-    report = {"machine": {"cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}}
-    for name in args.only.split(","):
-        t0 = time.perf_counter()
-        print(f"running ({name}) ...", file=sys.stderr, flush=True)
-        report[name], text = parts[name]()
-        print(text, flush=True)
-        print(f"({name}) took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"\nJSON: {args.out}", file=sys.stderr)
+    write_report(run_parts(parts, args.only), args.out)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,13 @@ starts); ratios are only taken between numbers measured in the same run.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_worker, table  # noqa: E402
+from common import ROOT, options, run_parts, run_worker, serve_worker, table, write_report  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "configs" / "efficientnet_digits.yaml"
 B4_POD16 = ROOT / "configs" / "efficientnet_b4_g16_pod16.yaml"
 FP32 = ["precision.params=float32", "precision.compute=float32", "precision.master=float32",
@@ -119,23 +116,11 @@ def bench_b(repeats: int) -> tuple[dict, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--only", default="a,b")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vision.json"))
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))))
+    args = options(__doc__, only="a,b", repeats=10, out="vision.json").parse_args()
+    if serve_worker(args, _worker):
         return
-    results = {}
-    for part in args.only.split(","):
-        res, text = bench_a() if part == "a" else bench_b(args.repeats)
-        results[part] = res
-        print(text, flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {args.out}")
+    parts = {"a": bench_a, "b": lambda: bench_b(args.repeats)}
+    write_report(run_parts(parts, args.only), args.out)
 
 
 if __name__ == "__main__":

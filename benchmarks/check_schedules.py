@@ -13,20 +13,17 @@ of it (about 10 minutes on 2 cores) and prints a table. Exit 1 if a case is over
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table  # noqa: E402
+from common import ROOT, options, table, write_report  # noqa: E402
 
 from jaxpod.platform import virtual_cpu_flags  # noqa: E402  (jax-free)
 
 os.environ["XLA_FLAGS"] = virtual_cpu_flags(8)  # before jax starts
 
-ROOT = Path(__file__).resolve().parents[1]
 LOSS_RTOL, GRAD_TOL = 1e-6, 3e-6
 BASE = ["model.layers=8", "model.seq_len=32", "train.micro_batch=1", "train.grad_accum=null"]
 BASE += ["optim.warmup_steps=0"]
@@ -50,9 +47,7 @@ def main() -> None:
     from jaxpod.models import mlm
     from jaxpod.parallel.mesh import make_mesh
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "schedules_check.json"))
-    args = ap.parse_args()
+    args = options(__doc__, out="schedules_check.json").parse_args()
     refs: dict = {}
 
     def cfg_of(model, mesh, rows, extra):
@@ -115,9 +110,7 @@ def main() -> None:
                     print(name, f"{loss_err:.1e} {grad_err:.1e}", file=sys.stderr, flush=True)
     header = ["model", "mesh", "M", "schedule", "loss rel", "worst grad leaf", ""]
     print(table("every schedule vs the single-device reference", header, rows_out))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"\nJSON: {args.out}", file=sys.stderr)
+    write_report(results, args.out)
     raise SystemExit(0 if worst_ok else 1)
 
 

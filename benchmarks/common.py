@@ -1,18 +1,72 @@
-"""What the benchmark scripts share: running a job in a fresh subprocess with its own virtual
-device count (fixed when jax starts) and the XLA flags every jaxpod process compiles with
-(`jaxpod.platform.virtual_cpu_flags`), and printing a markdown table."""
+"""What the benchmark scripts share: their command-line options, running a job in a fresh
+subprocess with its own virtual device count (fixed when jax starts) and the XLA flags every
+jaxpod process compiles with (`jaxpod.platform.virtual_cpu_flags`), printing a markdown table
+and writing the JSON report."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from jaxpod.platform import virtual_cpu_flags  # jax-free
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def options(
+    doc: str,
+    *,
+    only: str | None = None,
+    only_help: str | None = None,
+    repeats: int | None = None,
+    out: str | None = None,
+) -> argparse.ArgumentParser:
+    """A parser with the options the benchmarks share: `--only` (default `only`: the parts or
+    rows to run), `--repeats` (timed steps, if `repeats`), `--out` (the JSON report, default
+    `benchmarks/results/OUT`) and the hidden `--worker JOB` that `run_worker` passes."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    if only is not None:
+        ap.add_argument("--only", default=only, help=only_help or "the parts to run, by letter")
+    if repeats is not None:
+        ap.add_argument("--repeats", type=int, default=repeats, help="timed steps per measurement")
+    ap.add_argument("--out", default=str(RESULTS / out) if out else None, help="the JSON report")
+    return ap
+
+
+def serve_worker(args: argparse.Namespace, worker: Callable[[dict], dict]) -> bool:
+    """In a `run_worker` subprocess (`--worker JOB`): print `worker(JOB)` as JSON, True."""
+    if not args.worker:
+        return False
+    print(json.dumps(worker(json.loads(args.worker))))
+    return True
+
+
+def run_parts(parts: dict[str, Callable[[], tuple]], only: str) -> dict:
+    """Run the comma-separated `only` of `parts` (name -> `() -> (result, table text)`) in
+    order, printing each table, its time on stderr. Returns the machine and each result."""
+    report = {"machine": {"cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}}
+    for name in only.split(","):
+        t0 = time.perf_counter()
+        print(f"running ({name}) ...", file=sys.stderr, flush=True)
+        report[name], text = parts[name]()
+        print(text, flush=True)
+        print(f"({name}) took {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return report
+
+
+def write_report(report, out: str | Path) -> None:
+    """`report` as JSON at `out` (its folder made), named on stderr."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))
+    print(f"\nJSON: {out}", file=sys.stderr)
 
 
 def run_worker(script: str, job: dict, devices: int) -> dict:
@@ -48,6 +102,17 @@ def time_steps(step, state, batch, repeats: int, warmup: int = 2):
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     return state, metrics, times
+
+
+def loss_and_grads_flops(engine, state, shape: tuple[int, int]) -> float:
+    """XLA's cost-analysis FLOPs of one device's `engine.loss_and_grads` on a global batch of
+    int32 tokens of `shape` (sharded as the engine's batch), compiled from abstract values."""
+    import jax
+    import numpy as np
+
+    tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=engine.batch_sharding[0])
+    cost = jax.jit(engine.loss_and_grads).lower(state.params, (tokens,)).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
 
 def table(title: str, header: list[str], rows: list[list]) -> str:
