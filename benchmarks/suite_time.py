@@ -9,7 +9,8 @@ Runs pytest (default: the whole suite as `make test` runs it, 2 xdist workers) w
 loaded as a plugin in every process: it records jax's compile-time events
 (`jax.monitoring`: trace, lowering, backend compile, persistent-cache hits) and each test's
 duration under the test that was running. Times are wall seconds inside busy worker
-processes, so a file's share is what matters, not its absolute seconds.
+processes, so a file's share is what matters, not its absolute seconds; what a test's own
+subprocesses compile (`jaxpod` CLI runs, notebook kernels) is in its test seconds only.
 """
 
 from __future__ import annotations
@@ -99,9 +100,12 @@ def main() -> None:
     cols = ["test_s", "trace_s", "lower_s", "compile_s", "compiles", "cache_saved_s"]
     total = {c: sum(f.get(c, 0) for f in files.values()) for c in cols}
     ranked = sorted(files.items(), key=lambda kv: -kv[1].get("test_s", 0))
-    fmt = lambda v: f"{v:.0f}" if v >= 10 else f"{v:.1f}"  # noqa: E731
-    rows = [[name, *(fmt(f.get(c, 0)) for c in cols)] for name, f in ranked[: args.top]]
-    rows.append(["all files", *(fmt(total[c]) for c in cols)])
+
+    def cells(f: dict) -> list[str]:
+        return [f"{f.get(c, 0):.0f}" if c == "compiles" or abs(f.get(c, 0)) >= 10
+                else f"{f.get(c, 0):.1f}" for c in cols]  # fmt: skip
+
+    rows = [[name, *cells(f)] for name, f in ranked[: args.top]] + [["all files", *cells(total)]]
     header = ["test file", "test s", "trace s", "lower s", "compile s", "compiles", "cache saved s"]
     print(table(f"where the suite's time goes ({' '.join(pytest_args)})", header, rows))
     write_report({"pytest": pytest_args, "exit": returncode, "total": total,
