@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, options, run_worker, serve_worker, table, time_steps, write_report  # noqa: E402
+from common import ROOT, machine, options, run_worker, serve_worker, table, time_steps, write_report  # noqa: E402
 
 from jaxpod.platform import virtual_cpu_flags  # noqa: E402  (jax-free)
 
@@ -143,7 +143,7 @@ def main() -> None:
     args = ap.parse_args()
     if serve_worker(args, _worker):
         return
-    report = {"machine": {"cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}}
+    report = {"machine": machine()}
     rows = []
     for layout in args.only.split(","):
         processes = int(layout.split("x")[0])

@@ -49,10 +49,15 @@ def serve_worker(args: argparse.Namespace, worker: Callable[[dict], dict]) -> bo
     return True
 
 
+def machine() -> dict:
+    """What a report records of the run: the CPU count and the date."""
+    return {"cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
 def run_parts(parts: dict[str, Callable[[], tuple]], only: str) -> dict:
     """Run the comma-separated `only` of `parts` (name -> `() -> (result, table text)`) in
     order, printing each table, its time on stderr. Returns the machine and each result."""
-    report = {"machine": {"cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}}
+    report = {"machine": machine()}
     for name in only.split(","):
         t0 = time.perf_counter()
         print(f"running ({name}) ...", file=sys.stderr, flush=True)

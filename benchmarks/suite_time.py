@@ -1,12 +1,12 @@
 """Where the test suite's time goes: per test file, the seconds its tests ran and how many of
 them jax spent tracing, lowering and XLA spent compiling. Prints a table, writes JSON.
 
-    python benchmarks/suite_time.py [--out FILE] [--top N] [-- PYTEST ARGS ...]
+    python benchmarks/suite_time.py [--out FILE] [--top N] [-- PYTEST ARGS ...]   # or `make test`
     JAXPOD_SUITE_TIME_EVENTS=F PYTHONPATH=benchmarks PYTEST_ADDOPTS="-p suite_time" make test
     python benchmarks/suite_time.py --events F   # the table of that run
 
-Runs pytest (default: the whole suite as `make test` runs it, 2 xdist workers) with this file
-loaded as a plugin in every process: it records jax's compile-time events
+Runs `make test` (or pytest with the given arguments) with this file loaded as a plugin in
+every process (`PYTEST_ADDOPTS`): it records jax's compile-time events
 (`jax.monitoring`: trace, lowering, backend compile, persistent-cache hits) and each test's
 duration under the test that was running. Times are wall seconds inside busy worker
 processes, so a file's share is what matters, not its absolute seconds; what a test's own
@@ -33,7 +33,6 @@ PHASES = {  # jax.monitoring event -> column
     "/jax/core/compile/backend_compile_duration": "compile_s",
     "/jax/compilation_cache/compile_time_saved_sec": "cache_saved_s",
 }
-MAKE_TEST = ["-q", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder"]
 
 
 # ------------------------------------------------------------------ the plugin (every process)
@@ -66,19 +65,22 @@ def summarize(path: str) -> dict[str, dict]:
     files: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     for line in Path(path).read_text().splitlines():
         r = json.loads(line)
-        files[r["file"] or "(outside a test)"][r["phase"]] += r["s"]
-        files[r["file"] or "(outside a test)"]["compiles"] += r["phase"] == "compile_s"
+        counts = files[r["file"] or "(outside a test)"]
+        counts[r["phase"]] += r["s"]
+        counts["compiles"] += r["phase"] == "compile_s"
     return {name: dict(v) for name, v in files.items()}
 
 
 def run_pytest(pytest_args: list[str]) -> tuple[dict[str, dict], int]:
-    """Run pytest from the repository root with this plugin; its files' summary, exit code."""
+    """`make test`, or pytest with `pytest_args`, from the repository root with this plugin;
+    its files' summary and exit code."""
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as tmp:
         events = tmp.name
     env = dict(os.environ, **{EVENTS_ENV: events})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent),
                                                       env.get("PYTHONPATH")]))  # fmt: skip
-    cmd = [sys.executable, "-m", "pytest", "-p", "suite_time", *pytest_args]
+    env["PYTEST_ADDOPTS"] = " ".join(filter(None, [env.get("PYTEST_ADDOPTS"), "-p suite_time"]))
+    cmd = [sys.executable, "-m", "pytest", *pytest_args] if pytest_args else ["make", "test"]
     print(" ".join(cmd), file=sys.stderr, flush=True)
     returncode = subprocess.run(cmd, cwd=ROOT, env=env).returncode
     files = summarize(events)
@@ -92,11 +94,12 @@ def main() -> None:
     ap.add_argument("--events", help="summarize these recorded events instead of running pytest")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
-    args, pytest_args = ap.parse_args(argv[:cut]), argv[cut + 1 :] or MAKE_TEST
+    args, pytest_args = ap.parse_args(argv[:cut]), argv[cut + 1 :]
     if args.events:
-        files, returncode, pytest_args = summarize(args.events), 0, ["(recorded)"]
+        files, returncode, ran = summarize(args.events), 0, f"recorded in {args.events}"
     else:
         files, returncode = run_pytest(pytest_args)
+        ran = " ".join(["pytest", *pytest_args] if pytest_args else ["make test"])
     cols = ["test_s", "trace_s", "lower_s", "compile_s", "compiles", "cache_saved_s"]
     total = {c: sum(f.get(c, 0) for f in files.values()) for c in cols}
     ranked = sorted(files.items(), key=lambda kv: -kv[1].get("test_s", 0))
@@ -107,8 +110,8 @@ def main() -> None:
 
     rows = [[name, *cells(f)] for name, f in ranked[: args.top]] + [["all files", *cells(total)]]
     header = ["test file", "test s", "trace s", "lower s", "compile s", "compiles", "cache saved s"]
-    print(table(f"where the suite's time goes ({' '.join(pytest_args)})", header, rows))
-    write_report({"pytest": pytest_args, "exit": returncode, "total": total,
+    print(table(f"where the suite's time goes ({ran})", header, rows))
+    write_report({"ran": ran, "exit": returncode, "total": total,
                   "files": files}, args.out)  # fmt: skip
     raise SystemExit(returncode)
 
