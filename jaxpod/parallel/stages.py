@@ -9,7 +9,7 @@ buffer per dtype, padded to the largest stage, and the buffer is sharded over `p
 
 Each stage's leaves therefore live only on that stage's devices (plus at most
 `n_max - n_s` padding). Inside `shard_map` a device sees its `[1, n_max]` row and
-`unpack(row, s)` rebuilds stage `s`'s tree (static slices + reshapes, free under jit).
+`unpack(row, s)` rebuilds stage `s`'s tree (one static split + reshapes, free under jit).
 The same packing holds optimizer state (moments, step counts) of each stage.
 """
 
@@ -103,13 +103,20 @@ class StagePacking:
         return {name: jnp.stack([r[name] for r in rows]) for name in self.row_sizes}
 
     def unpack(self, row: dict[str, jax.Array], stage: int) -> Any:
-        """`{dtype: [n_max]}` -> stage `stage`'s tree (static slices)."""
-        leaves = [
-            jax.lax.dynamic_slice_in_dim(row[s.dtype], s.offset, s.size).reshape(s.shape)
-            if s.size
-            else jnp.zeros(s.shape, s.dtype)
-            for s in self.slots[stage]
-        ]
+        """`{dtype: [n_max]}` -> stage `stage`'s tree.
+
+        One `split` per dtype buffer (static sizes), so the gradient of a row is one
+        `concatenate` of the leaves' gradients. Slicing each leaf out separately would make
+        it a sum of one zero-padded row per leaf, which XLA fuses into a loop that visits
+        every leaf for every element of the row (O(leaves x row))."""
+        pieces: dict[str, list[jax.Array]] = {}
+        for name, buf in row.items():
+            sizes = [s.size for s in self.slots[stage] if s.dtype == name]
+            used = sum(sizes)
+            if sizes:
+                parts = jnp.split(buf, np.cumsum(sizes)[:-1].tolist() + [used])
+                pieces[name] = parts[: len(sizes)][::-1]  # popped from the end, in order
+        leaves = [pieces[s.dtype].pop().reshape(s.shape) for s in self.slots[stage]]
         return self.treedefs[stage].unflatten(leaves)
 
     def unpack_all(self, buffers: dict[str, Any]) -> list[Any]:

@@ -199,7 +199,10 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         # moments per parameter) when 16-bit
         opt16 = cfg.optim.moments != "float32" and cfg.precision.master != "float32"
         sr_rows = (1 + MOMENTS[cfg.optim.name] * opt16) if pb < 4 else 0
-        return efficientnet.activation_bytes(cfg, cb, act, row, pb, sr_rows, pb, stage_params)
+        moments = MOMENTS[cfg.optim.name]
+        return efficientnet.activation_bytes(
+            cfg, cb, act, row, pb, sr_rows, pb, stage_params, moments
+        )
     sb = stored_bytes(cfg, profile)
     sets = _layer_sets(cfg, cb, sb)
     # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)

@@ -11,12 +11,13 @@ is what it is: docs/memory.md, "The planner's byte model". Per device:
   backward with every weight gradient's inputs live (`weight_grad_inputs`); any other stage
   as its backward starts, with the recomputed forward's values (`forward_values`). Pipelined
   without remat every branch of the switch saves the union of all stages' residuals.
-- `grad_rows`: the stage's gradient row; float32 rows are built from one padded row per
-  conv and norm, summed at the stage's end; a 16-bit row has no padded rows live.
+- `grad_rows`: pipelined without remat, the row the gradients accumulate in beside the
+  backward; otherwise nothing beside the stage's work (the row is one `concatenate` of the
+  leaves' gradients, `StagePacking.unpack`, after the activations are dead).
 - `carries`: the schedule's float32 `[mb, A]` buffers (GPipe: every tick's input and its
   output's cotangent, with replicas also the collected outputs; 1F1B: two ring buffers).
 - `update_work`: the update on whole rows: float32 copies of the row and, with 16-bit rows,
-  the stochastic rounding's random bits.
+  the stochastic rounding's random bits; with float32 rows the new optimizer state's leaves.
 """
 
 from __future__ import annotations
@@ -45,11 +46,9 @@ SAVED_NORM_F32 = 3
 SAVED_SWISH_ACT = 4
 SAVED_PLAIN_ACT = 1
 # Pipelined without remat the gradient row is built beside the backward, a leaf at a time
-# into the accumulated row (the planner's `grads`): one more row is live, the float32 padded
-# row being added or, 16-bit, the row updated in place (`dynamic-update-slice`).
+# into the accumulated row (the planner's `grads`): one more row is live, the float32 row
+# being added or, 16-bit, the row updated in place (`dynamic-update-slice`).
 RUNNING_SUM_ROWS = 1
-# Beside every padded row, the fused sum's own output.
-SUM_OUTPUT_ROWS = 1
 # The update's float32 rows: the unscaled gradient row (live from the backward's end through
 # the update) and the update row (`pack_row(updates)`, then the new float32 weights).
 UPDATE_F32_ROWS = 2
@@ -222,6 +221,7 @@ def activation_bytes(
     sr_rows: int = 0,
     param_bytes: int = F32,
     stage_params: list[int] | None = None,
+    moments: int = 0,
 ) -> dict:
     """Activation bytes per device (the breakdown `bytes.activation_bytes` reports), plus the
     packed update's working set (`update_work`). `cb`: bytes of a conv's operand or output
@@ -230,7 +230,7 @@ def activation_bytes(
     `sr_rows`: how many rows of that length the update rounds stochastically;
     `param_bytes`: a weight's bytes (kernels narrower than `cb` are held widened);
     `stage_params`: each stage's parameter count (autodiff saves the weights without remat;
-    default: every stage's row full)."""
+    default: every stage's row full); `moments`: the optimizer's state rows."""
     mesh, tr, md = cfg.mesh, cfg.train, cfg.model
     stages = pieces(cfg, cb, act)
     mb, S = tr.micro_batch, mesh.pipeline
@@ -282,18 +282,14 @@ def activation_bytes(
             stage_work, grad_rows = max((stage_work, grad_rows), (union + own, rows))
     else:
         stage_work = grad_rows = 0
-        for k, st in enumerate(stages):
-            work, rows = works[k], 0
-            if grad_bytes == F32:  # materialised padded rows, summed at the stage's end:
-                # the activations are dead by then
-                rows = (sum(p["convs"] + p["norms"] for p in st) + SUM_OUTPUT_ROWS) * row_bytes
-                work, rows = (work, 0) if work >= rows else (0, rows)
-            if work + rows > stage_work + grad_rows:
-                stage_work, grad_rows = work, rows
+        for work in works:
+            stage_work = max(stage_work, work)
     total = carries + stage_work + grad_rows
     update_work = UPDATE_F32_ROWS * row_elements * F32
     if sr_rows:  # the rows are rounded one after another: one row's bits are live
         update_work += SR_BIT_ROWS * row_elements * F32
+    else:  # float32 rows: the new optimizer state's leaves wait for their row's concatenate
+        update_work += moments * row_elements * F32
     return {
         "saved": carries,
         "pipeline_buffers": carries,
