@@ -109,14 +109,11 @@ class StagePacking:
         `concatenate` of the leaves' gradients. Slicing each leaf out separately would make
         it a sum of one zero-padded row per leaf, which XLA fuses into a loop that visits
         every leaf for every element of the row (O(leaves x row))."""
-        pieces: dict[str, list[jax.Array]] = {}
+        pieces = {}  # dtype -> its leaves' pieces in order (then the row's padding)
         for name, buf in row.items():
             sizes = [s.size for s in self.slots[stage] if s.dtype == name]
-            used = sum(sizes)
-            if sizes:
-                parts = jnp.split(buf, np.cumsum(sizes)[:-1].tolist() + [used])
-                pieces[name] = parts[: len(sizes)][::-1]  # popped from the end, in order
-        leaves = [pieces[s.dtype].pop().reshape(s.shape) for s in self.slots[stage]]
+            pieces[name] = iter(jnp.split(buf, np.cumsum(sizes).tolist()))
+        leaves = [next(pieces[s.dtype]).reshape(s.shape) for s in self.slots[stage]]
         return self.treedefs[stage].unflatten(leaves)
 
     def unpack_all(self, buffers: dict[str, Any]) -> list[Any]:

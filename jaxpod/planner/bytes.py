@@ -198,8 +198,8 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         # rows rounded stochastically: the weights row, and the optimizer's (one row of its
         # moments per parameter) when 16-bit
         opt16 = cfg.optim.moments != "float32" and cfg.precision.master != "float32"
-        sr_rows = (1 + MOMENTS[cfg.optim.name] * opt16) if pb < 4 else 0
         moments = MOMENTS[cfg.optim.name]
+        sr_rows = (1 + moments * opt16) if pb < 4 else 0
         return efficientnet.activation_bytes(
             cfg, cb, act, row, pb, sr_rows, pb, stage_params, moments
         )

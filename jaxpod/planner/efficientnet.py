@@ -281,9 +281,7 @@ def activation_bytes(
                     own += HEAD_BACKWARD_TEMPS * cb * st[-1]["in_out"] * mb
             stage_work, grad_rows = max((stage_work, grad_rows), (union + own, rows))
     else:
-        stage_work = grad_rows = 0
-        for work in works:
-            stage_work = max(stage_work, work)
+        stage_work, grad_rows = max(works), 0
     total = carries + stage_work + grad_rows
     update_work = UPDATE_F32_ROWS * row_elements * F32
     if sr_rows:  # the rows are rounded one after another: one row's bits are live
