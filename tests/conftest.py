@@ -23,6 +23,8 @@ those using the equivalence lab are `engine` tests without saying so.
 Scheduling (`make test`: `--dist loadgroup`): every test runs in its module's group (one
 worker per module, module fixtures built once) unless it is marked `xdist_group` itself; the
 groups are handed out heaviest first (`HEAVY_FIRST`) so that the two workers finish together.
+A session whose tests do not carry their groups stops before it starts (the controller's
+`pytest_xdist_node_collection_finished`).
 
 Helpers the test modules share live in `tests/helpers/` (importable as `helpers`); the names
 below stay importable from `conftest` too.
@@ -67,20 +69,33 @@ SLOW_KINDS = ("cli", "full_size", "notebook", "long_run", "engine")
 # on 2 cores) is implied by these folders and by the equivalence lab's fixture.
 ENGINE_FOLDERS = ("tests/engine/",)
 
-# Test modules (or `xdist_group` names) in the order their groups are handed to the workers,
-# before every other group: the longest first (measured with `--durations=0` on 2 cores).
+# Groups (test modules, or `path@name` / `shared:` names of `xdist_group` marks) in the order
+# they are handed to the workers, before every other group: the longest first, as
+# `benchmarks/suite_time.py` measured them (its "groups" table) on 2 cores.
 HEAVY_FIRST = (
     "shared:tiny-efficientnet",  # helpers.TINY_EFFICIENTNET
-    "tests/optim/test_per_layer.py@temporaries",
-    "tests/notebooks/test_notebooks.py",
-    "tests/cli/test_checkpoint_cli.py",
-    "tests/optim/test_per_layer.py",
-    "tests/engine/test_bert_engine.py",
-    "tests/presets/test_preset_runs.py",
-    "tests/engine/test_pinned.py@pinned-gpt-bert",
-    "tests/engine/test_memory_layouts.py",
-    "tests/engine/test_mesh_equivalence.py",
+    "tests/engine/test_schedules_engine.py",
     "tests/planner/test_plan_vs_xla.py",
+    "tests/presets/test_preset_runs.py@emulated-training",
+    "tests/presets/test_preset_runs.py@full-size-compiles",
+    "tests/notebooks/test_notebooks.py",
+    "tests/engine/test_mesh_equivalence.py",
+    "tests/cli/test_checkpoint_cli.py",
+    "tests/engine/test_memory_layouts.py",
+    "tests/optim/test_per_layer.py",
+    "tests/planner/test_efficientnet_bytes.py",
+    "tests/engine/test_bert_engine.py",
+    "tests/optim/test_chains.py",
+    "tests/cli/test_resume_cli.py",
+    "tests/cli/test_interrupt_cli.py",
+    "tests/engine/test_pinned.py@pinned-gpt-bert",
+    "tests/cli/test_multihost_collectives.py",
+    "tests/parallel/test_schedules.py",
+    "tests/engine/test_pipeline_equivalence.py",
+    "tests/parallel/test_tensor.py",
+    "tests/optim/test_per_layer.py@temporaries",
+    "tests/run/test_checkpoint.py",
+    "tests/cli/test_multihost.py",
 )
 
 
@@ -151,6 +166,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(
         key=lambda it: (rank.get(groups[it.nodeid], len(rank)), first_seen[groups[it.nodeid]])
     )
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """The controller, under `--dist loadgroup`: every collected test must carry its group.
+
+    xdist groups by a `@group` suffix its own collection hook writes into each node id; with
+    pytest 9.2 that write no longer takes effect (pytest-xdist#1386) and every test silently
+    becomes its own unit of work (module fixtures built on both workers, the shared groups'
+    programs compiled twice). pyproject.toml pins a pytest that works; this turns a change of
+    either package into a one-line stop instead of a slower suite."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    loose = [i for i in ids if "@" not in i.rsplit("]", 1)[-1]]
+    if loose:
+        import xdist
+
+        pytest.exit(
+            f"xdist's loadgroup did not group {loose[0]} (pytest {pytest.__version__}, "
+            f"pytest-xdist {xdist.__version__}): install the versions pyproject.toml pins",
+            returncode=4,
+        )
 
 
 def _reset_jax_cache_state() -> None:
