@@ -1,5 +1,6 @@
 """Where the test suite's time goes: per test file, the seconds its tests ran and how many of
-them jax spent tracing, lowering and XLA spent compiling. Prints a table, writes JSON.
+them jax spent tracing, lowering and XLA spent compiling; per xdist worker, its busy seconds
+and when it finished; the heaviest xdist groups. Prints tables, writes JSON.
 
     python benchmarks/suite_time.py [--out FILE] [--top N] [-- PYTEST ARGS ...]   # or `make test`
     JAXPOD_SUITE_TIME_EVENTS=F PYTHONPATH=benchmarks PYTEST_ADDOPTS="-p suite_time" make test
@@ -56,24 +57,55 @@ def pytest_configure(config) -> None:
 
 def pytest_runtest_logreport(report) -> None:
     if EVENTS_ENV in os.environ and not hasattr(report, "node"):  # in the process that ran it
-        _record(file=report.nodeid.split("::")[0], phase="test_s", s=report.duration)
+        _record(
+            file=report.nodeid.split("::")[0],
+            phase="test_s",
+            s=report.duration,
+            worker=os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            group=report.nodeid.rsplit("@", 1)[-1] if "@" in report.nodeid else None,
+            end=report.stop,
+        )
 
 
 # ------------------------------------------------------------------ the driver
 def summarize(path: str) -> dict[str, dict]:
     """Per test file: test, trace, lower, compile and cache-saved seconds, and compiles."""
     files: dict[str, dict] = defaultdict(lambda: defaultdict(float))
-    for line in Path(path).read_text().splitlines():
-        r = json.loads(line)
+    for r in map(json.loads, Path(path).read_text().splitlines()):
         counts = files[r["file"] or "(outside a test)"]
         counts[r["phase"]] += r["s"]
         counts["compiles"] += r["phase"] == "compile_s"
     return {name: dict(v) for name, v in files.items()}
 
 
-def run_pytest(pytest_args: list[str]) -> tuple[dict[str, dict], int]:
+def workers(path: str) -> dict[str, dict]:
+    """Per xdist worker: the seconds its tests ran and when its last test ended (seconds after
+    the first test's end): a worker that ends early idled while the other worked."""
+    rows = [r for r in map(json.loads, Path(path).read_text().splitlines()) if "worker" in r]
+    if not rows:
+        return {}
+    start = min(r["end"] - r["s"] for r in rows)
+    out: dict[str, dict] = defaultdict(lambda: {"test_s": 0.0, "last_end_s": 0.0})
+    for r in rows:
+        w = out[r["worker"]]
+        w["test_s"] += r["s"]
+        w["last_end_s"] = max(w["last_end_s"], r["end"] - start)
+    return dict(sorted(out.items()))
+
+
+def groups(path: str) -> dict[str, float]:
+    """Per xdist group (tests/conftest.py), the seconds its tests ran, the largest first: the
+    order `HEAVY_FIRST` hands them out in."""
+    out: dict[str, float] = defaultdict(float)
+    for r in map(json.loads, Path(path).read_text().splitlines()):
+        if r.get("group"):
+            out[r["group"]] += r["s"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def run_pytest(pytest_args: list[str]) -> tuple[str, int]:
     """`make test`, or pytest with `pytest_args`, from the repository root with this plugin;
-    its files' summary and exit code."""
+    the file of its events and its exit code."""
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as tmp:
         events = tmp.name
     env = dict(os.environ, **{EVENTS_ENV: events})
@@ -82,10 +114,7 @@ def run_pytest(pytest_args: list[str]) -> tuple[dict[str, dict], int]:
     env["PYTEST_ADDOPTS"] = " ".join(filter(None, [env.get("PYTEST_ADDOPTS"), "-p suite_time"]))
     cmd = [sys.executable, "-m", "pytest", *pytest_args] if pytest_args else ["make", "test"]
     print(" ".join(cmd), file=sys.stderr, flush=True)
-    returncode = subprocess.run(cmd, cwd=ROOT, env=env).returncode
-    files = summarize(events)
-    os.unlink(events)
-    return files, returncode
+    return events, subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
 
 def main() -> None:
@@ -96,10 +125,13 @@ def main() -> None:
     cut = argv.index("--") if "--" in argv else len(argv)
     args, pytest_args = ap.parse_args(argv[:cut]), argv[cut + 1 :]
     if args.events:
-        files, returncode, ran = summarize(args.events), 0, f"recorded in {args.events}"
+        events, returncode, ran = args.events, 0, f"recorded in {args.events}"
     else:
-        files, returncode = run_pytest(pytest_args)
+        events, returncode = run_pytest(pytest_args)
         ran = " ".join(["pytest", *pytest_args] if pytest_args else ["make test"])
+    files, busy, grouped = summarize(events), workers(events), groups(events)
+    if not args.events:
+        os.unlink(events)
     cols = ["test_s", "trace_s", "lower_s", "compile_s", "compiles", "cache_saved_s"]
     total = {c: sum(f.get(c, 0) for f in files.values()) for c in cols}
     ranked = sorted(files.items(), key=lambda kv: -kv[1].get("test_s", 0))
@@ -111,8 +143,14 @@ def main() -> None:
     rows = [[name, *cells(f)] for name, f in ranked[: args.top]] + [["all files", *cells(total)]]
     header = ["test file", "test s", "trace s", "lower s", "compile s", "compiles", "cache saved s"]
     print(table(f"where the suite's time goes ({ran})", header, rows))
-    write_report({"ran": ran, "exit": returncode, "total": total,
-                  "files": files}, args.out)  # fmt: skip
+    if busy:
+        rows = [[w, f"{b['test_s']:.0f}", f"{b['last_end_s']:.0f}"] for w, b in busy.items()]
+        print(table("per worker", ["worker", "test s", "last test ended at s"], rows))
+    if grouped:
+        rows = [[g, f"{s:.0f}"] for g, s in list(grouped.items())[: args.top]]
+        print(table("the heaviest groups", ["xdist group", "test s"], rows))
+    write_report({"ran": ran, "exit": returncode, "total": total, "files": files,
+                  "workers": busy, "groups": grouped}, args.out)  # fmt: skip
     raise SystemExit(returncode)
 
 
