@@ -55,6 +55,13 @@ def pytest_configure(config) -> None:
     jax.monitoring.register_event_duration_secs_listener(on_event)
 
 
+def _group(nodeid: str) -> str | None:
+    """The xdist group of a test: what `--dist loadgroup` appended after the id's first `@`
+    (after its parameters: `tests/a.py::t[x]@tests/a.py@name` -> `tests/a.py@name`)."""
+    tail = nodeid.rsplit("]", 1)[-1]
+    return tail.split("@", 1)[1] if "@" in tail else None
+
+
 def pytest_runtest_logreport(report) -> None:
     if EVENTS_ENV in os.environ and not hasattr(report, "node"):  # in the process that ran it
         _record(
@@ -62,7 +69,7 @@ def pytest_runtest_logreport(report) -> None:
             phase="test_s",
             s=report.duration,
             worker=os.environ.get("PYTEST_XDIST_WORKER", "main"),
-            group=report.nodeid.rsplit("@", 1)[-1] if "@" in report.nodeid else None,
+            group=_group(report.nodeid),
             end=report.stop,
         )
 
