@@ -75,20 +75,20 @@ def pytest_runtest_logreport(report) -> None:
 
 
 # ------------------------------------------------------------------ the driver
-def summarize(path: str) -> dict[str, dict]:
+def summarize(records: list[dict]) -> dict[str, dict]:
     """Per test file: test, trace, lower, compile and cache-saved seconds, and compiles."""
     files: dict[str, dict] = defaultdict(lambda: defaultdict(float))
-    for r in map(json.loads, Path(path).read_text().splitlines()):
+    for r in records:
         counts = files[r["file"] or "(outside a test)"]
         counts[r["phase"]] += r["s"]
         counts["compiles"] += r["phase"] == "compile_s"
     return {name: dict(v) for name, v in files.items()}
 
 
-def workers(path: str) -> dict[str, dict]:
+def workers(records: list[dict]) -> dict[str, dict]:
     """Per xdist worker: the seconds its tests ran and when its last test ended (seconds after
     the first test's end): a worker that ends early idled while the other worked."""
-    rows = [r for r in map(json.loads, Path(path).read_text().splitlines()) if "worker" in r]
+    rows = [r for r in records if "worker" in r]
     if not rows:
         return {}
     start = min(r["end"] - r["s"] for r in rows)
@@ -100,11 +100,11 @@ def workers(path: str) -> dict[str, dict]:
     return dict(sorted(out.items()))
 
 
-def groups(path: str) -> dict[str, float]:
+def groups(records: list[dict]) -> dict[str, float]:
     """Per xdist group (tests/conftest.py), the seconds its tests ran, the largest first: the
     order `HEAVY_FIRST` hands them out in."""
     out: dict[str, float] = defaultdict(float)
-    for r in map(json.loads, Path(path).read_text().splitlines()):
+    for r in records:
         if r.get("group"):
             out[r["group"]] += r["s"]
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
@@ -136,7 +136,8 @@ def main() -> None:
     else:
         events, returncode = run_pytest(pytest_args)
         ran = " ".join(["pytest", *pytest_args] if pytest_args else ["make test"])
-    files, busy, grouped = summarize(events), workers(events), groups(events)
+    records = [json.loads(line) for line in Path(events).read_text().splitlines()]
+    files, busy, grouped = summarize(records), workers(records), groups(records)
     if not args.events:
         os.unlink(events)
     cols = ["test_s", "trace_s", "lower_s", "compile_s", "compiles", "cache_saved_s"]
