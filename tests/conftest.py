@@ -23,7 +23,8 @@ those using the equivalence lab are `engine` tests without saying so.
 Scheduling (`make test`: `--dist loadgroup`): every test runs in its module's group (one
 worker per module, module fixtures built once) unless it is marked `xdist_group` itself; the
 groups are handed out heaviest first (`HEAVY_FIRST`) so that the two workers finish together.
-A session whose tests do not carry their groups stops before it starts (the controller's
+A session whose tests do not carry their groups, or a whole-suite session (`make test`) in which
+a `HEAVY_FIRST` name is no group, stops before it starts (the controller's
 `pytest_xdist_node_collection_finished`).
 
 Helpers the test modules share live in `tests/helpers/` (importable as `helpers`); the names
@@ -187,6 +188,24 @@ def pytest_xdist_node_collection_finished(node, ids):
             f"pytest-xdist {xdist.__version__}): install the versions pyproject.toml pins",
             returncode=4,
         )
+    stale = _stale_heavy_first(node.config, ids)
+    if stale:
+        pytest.exit(
+            f"tests/conftest.py HEAVY_FIRST names {stale[0]!r}, which is no group of the tests: "
+            "rename it to the group's name or remove it",
+            returncode=4,
+        )
+
+
+def _stale_heavy_first(config, ids: list[str]) -> list[str]:
+    """`HEAVY_FIRST` names that are no group of a whole-suite run (no paths, `-m` or `-k`:
+    `make test`, i.e. CI); such a name orders nothing, silently. A group is what follows the
+    id's first `@` after its parameters."""
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    if not whole or config.getoption("markexpr") or config.getoption("keyword"):
+        return []
+    groups = {i.rsplit("]", 1)[-1].split("@", 1)[1] for i in ids}
+    return [name for name in HEAVY_FIRST if name not in groups]
 
 
 def _reset_jax_cache_state() -> None:
