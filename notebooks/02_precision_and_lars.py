@@ -199,7 +199,7 @@ print("largest: ", names[int(np.argmax(ratios))], f"{max(ratios):.3g}")
 # images sent to the devices as uint8. The curves are the run record of the full run
 # (`jaxpod train configs/efficientnet_digits.yaml`, its `metrics.jsonl` kept in
 # `docs/results/`); the same command reproduces it exactly (seeded data, init and rounding).
-# `tests/engine/test_packed_engine.py` runs the first 50 steps of it through the same training loop.
+# `tests/run/test_digits_training.py` runs the first 50 steps of it through the same training loop.
 
 # %%
 import json

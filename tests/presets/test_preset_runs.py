@@ -1,10 +1,6 @@
 """The pod presets through the CLI, in subprocesses (each sets its own device count): the
-full-size presets compile from abstract shapes, the `_emulated` ones train a few steps.
-
-Measured on 2 shared cores: `jaxpod compile` of the full-size presets from abstract shapes
-16 s (BERT-Large, 16 devices) and 35 s (GPT-3 175B, 256 devices, streamed matrix by matrix);
-`jaxpod train` of bert_large_pod16_emulated 26 s (16 devices) and of
-gpt3_175b_pod256_emulated 65 s (256 devices, 16 s of it compiling).
+full-size presets compile from abstract shapes, the `_emulated` ones train a few steps
+(their times in the suite: docs/benchmarks.md, "The slowest tests").
 """
 
 from __future__ import annotations
