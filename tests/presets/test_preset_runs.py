@@ -1,6 +1,6 @@
 """The pod presets through the CLI, in subprocesses (each sets its own device count): the
 full-size presets compile from abstract shapes, the `_emulated` ones train a few steps
-(their times in the suite: docs/benchmarks.md, "The slowest tests").
+(their times in the suite: docs/benchmarks.md, "Where the suite stands").
 """
 
 from __future__ import annotations
