@@ -169,6 +169,7 @@ def pytest_collection_modifyitems(config, items):
     )
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: `-p no:xdist` runs without it
 def pytest_xdist_node_collection_finished(node, ids):
     """The controller, under `--dist loadgroup`: every collected test must carry its group.
 
