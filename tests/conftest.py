@@ -180,7 +180,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     either package into a one-line stop instead of a slower suite."""
     if node.config.getvalue("dist") != "loadgroup":
         return
-    loose = [i for i in ids if "@" not in i.rsplit("]", 1)[-1]]
+    loose = [i for i in ids if _id_group(i) is None]
     if loose:
         import xdist
 
@@ -198,14 +198,20 @@ def pytest_xdist_node_collection_finished(node, ids):
         )
 
 
+def _id_group(nodeid: str) -> str | None:
+    """The group xdist wrote into a test id: what follows its first `@` after the test's
+    parameters (None: no group)."""
+    tail = nodeid.rsplit("]", 1)[-1]
+    return tail.split("@", 1)[1] if "@" in tail else None
+
+
 def _stale_heavy_first(config, ids: list[str]) -> list[str]:
     """`HEAVY_FIRST` names that are no group of a whole-suite run (no paths, `-m` or `-k`:
-    `make test`, i.e. CI); such a name orders nothing, silently. A group is what follows the
-    id's first `@` after its parameters."""
+    `make test`, i.e. CI); such a name orders nothing, silently."""
     whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS
     if not whole or config.getoption("markexpr") or config.getoption("keyword"):
         return []
-    groups = {i.rsplit("]", 1)[-1].split("@", 1)[1] for i in ids}
+    groups = {_id_group(i) for i in ids}
     return [name for name in HEAVY_FIRST if name not in groups]
 
 
