@@ -118,7 +118,7 @@ def measure(case) -> dict:
     from jaxpod.config import load_config
     from jaxpod.parallel.mesh import make_mesh
     from jaxpod.planner.plan import plan
-    from jaxpod.run.aot import abstract_inputs
+    from jaxpod.run.aot import abstract_inputs, compile_to_inspect
 
     (r, p, t), remat, accum, extra = case
     overrides = [
@@ -134,7 +134,7 @@ def measure(case) -> dict:
     cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
     mesh = make_mesh(cfg.mesh, jax.devices()[: r * p * t])
     engine, state, batch = abstract_inputs(cfg, mesh)
-    mem = engine.train_step.lower(state, batch).compile().memory_analysis()
+    mem = compile_to_inspect(engine.train_step.lower(state, batch)).memory_analysis()
     planned = plan(cfg)
     compiled = mem.argument_size_in_bytes + mem.temp_size_in_bytes
     total = planned["bytes_per_device"]["device_total"]

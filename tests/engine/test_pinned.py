@@ -22,17 +22,14 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_EFFICIENTNET, TINY_VISION
+from helpers import FP16_LARS, GPT16, TINY_EFFICIENTNET, TINY_VISION
 
 RTOL = 2.2e-6
 
-GPT = ("train.global_batch=16", "train.grad_accum=null", "optim.warmup_steps=0")
+GPT = GPT16
 BERT = (*GPT, "model.name=bert", "model.vocab=264")
 VISION = TINY_VISION
-FP16 = (
-    "precision.params=float16", "precision.compute=float16", "precision.master=same-as-params",
-    "precision.loss_scale=dynamic", "optim.name=lars", "optim.lr=0.1",
-)  # fmt: skip
+FP16 = FP16_LARS
 ONE, SPLIT = ("model.pipeline_splits=[]",), ("model.pipeline_splits=[4a]",)
 
 # name -> (overrides, mesh, [(loss, grad_norm) of steps 1, 2, 3])

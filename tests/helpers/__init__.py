@@ -45,6 +45,16 @@ TINY_VISION = (
     "optim.lr=0.5", "optim.weight_decay=1e-4", "optim.warmup_steps=0", "optim.schedule=constant",
 )  # fmt: skip
 
+# The tiny GPT of the pinned cases (tests/engine/test_pinned.py): 16 sequences a step.
+GPT16 = ("train.global_batch=16", "train.grad_accum=null", "optim.warmup_steps=0")
+
+# The pinned cases' 16-bit recipe: float16 weights and master weights (stochastic rounding),
+# float16 compute, a dynamic loss scale, LARS.
+FP16_LARS = (
+    "precision.params=float16", "precision.compute=float16", "precision.master=same-as-params",
+    "precision.loss_scale=dynamic", "optim.name=lars", "optim.lr=0.1",
+)  # fmt: skip
+
 # One xdist group (tests/conftest.py) for the tests that compile the tiny EfficientNet's and
 # the digits config's train steps: one process compiles each program once and the session's
 # compilation cache serves the repeats (an EfficientNet compile is ~10-30 s on 2 cores).

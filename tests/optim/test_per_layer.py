@@ -16,6 +16,7 @@ from jaxpod.engine import abstract_engine, build_engine
 from jaxpod.optim.guarded import guarded_update, whole_tree
 from jaxpod.optim.per_layer import per_layer
 from jaxpod.optim.strips import MIN_STRIP, strips
+from jaxpod.run.aot import compile_to_inspect
 
 pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
 
@@ -123,7 +124,7 @@ def test_float16_lamb_update_holds_a_fraction_of_the_whole_tree_temporaries(tiny
             params, opt_state, ls, info = update(*a)
             return params, opt_state, ls, info["grad_norm"], info["update_sq"]
 
-        return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+        return compile_to_inspect(jax.jit(fn).lower(*args)).memory_analysis().temp_size_in_bytes
 
     whole = temps(_updates(cfg, engine, key)[0])
     lean = lambda min_strip: temps(_updates(cfg, engine, key, min_strip)[1])  # noqa: E731

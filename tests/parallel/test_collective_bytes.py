@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpod.parallel.collectives import ring_all_reduce
 from jaxpod.parallel.replica import plan_buckets, reduction_axes
+from jaxpod.run.aot import compile_to_inspect
 
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
 # compiled HLO: `%name = f32[125]{0} collective-permute(%x), ..., source_target_pairs={{0,1},...}`
@@ -54,7 +55,7 @@ def compiled(fn, n: int, shape, dtype=jnp.float32) -> str:
     arg = jax.ShapeDtypeStruct((n, *shape), dtype, sharding=NamedSharding(mesh, P("x")))
     local = lambda v: fn(v[0])
     mapped = jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=P())
-    return jax.jit(mapped).lower(arg).compile().as_text()
+    return compile_to_inspect(jax.jit(mapped).lower(arg)).as_text()
 
 
 def permutes(text: str) -> list[tuple[int, list[tuple[int, int]]]]:

@@ -56,10 +56,10 @@ XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, more overrides
 
 def compiled_step(cfg, mesh):
     """The train step of `cfg` compiled on `mesh` from abstract shapes (no weights)."""
-    from jaxpod.run.aot import abstract_inputs
+    from jaxpod.run.aot import abstract_inputs, compile_to_inspect
 
     engine, state, batch = abstract_inputs(cfg, mesh)
-    return engine.train_step.lower(state, batch).compile()
+    return compile_to_inspect(engine.train_step.lower(state, batch))
 
 
 def total_bytes(compiled) -> int:
