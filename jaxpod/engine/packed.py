@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpod.config import Config
 from jaxpod.engine.loss import Examples
-from jaxpod.engine.state import OptState, TrainState, with_shardings
+from jaxpod.engine.state import OptState, TrainState, compile_once, with_shardings
 from jaxpod.models.efficientnet import build_stages, normalize
 from jaxpod.models.params import masks
 from jaxpod.optim.chains import make_optimizer
@@ -125,7 +125,7 @@ class PackedStages:
             opt = [o.init(t) for o, t in zip(self.optimizers, trees, strict=True)]
             return self.packing.pack(trees), self.opt_packing.pack(opt)
 
-        params, tx = jax.jit(make, out_shardings=(sharding.params, sharding.opt_state.tx))()
+        params, tx = compile_once(make, (sharding.params, sharding.opt_state.tx))()
         ls = jax.device_put(init_loss_scale(self.cfg.precision), sharding.opt_state.loss_scale)
         step = jax.device_put(jnp.zeros((), jnp.int32), sharding.step)
         return TrainState(step, params, OptState(tx, ls))

@@ -26,7 +26,13 @@ from jax.sharding import PartitionSpec as P
 from jaxpod.config import Config
 from jaxpod.engine.layout import make_layout
 from jaxpod.engine.loss import Examples
-from jaxpod.engine.state import OptState, TrainState, optimizer_shardings, with_shardings
+from jaxpod.engine.state import (
+    OptState,
+    TrainState,
+    compile_once,
+    optimizer_shardings,
+    with_shardings,
+)
 from jaxpod.models import mlm
 from jaxpod.models.layers import token_loss_in_chunks
 from jaxpod.models.params import STACK, in_stack, masks
@@ -121,8 +127,8 @@ class StackedStages:
                 params = {**params, STACK: stack}
             return _cast(params, master)
 
-        params = jax.jit(make, out_shardings=sharding.params)()
-        tx = jax.jit(self.optimizer.init, out_shardings=sharding.opt_state.tx)(params)
+        params = compile_once(make, sharding.params)()
+        tx = compile_once(self.optimizer.init, sharding.opt_state.tx, params)(params)
         ls = jax.device_put(init_loss_scale(cfg.precision), sharding.opt_state.loss_scale)
         step = jax.device_put(jnp.zeros((), jnp.int32), sharding.step)
         return TrainState(step, params, OptState(tx, ls))
