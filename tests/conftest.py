@@ -9,10 +9,12 @@ Compilation cache: the session (the pytest process, its xdist workers and every 
 tests start: `jaxpod` CLI runs, notebook kernels) shares one jax persistent compilation cache,
 a fresh temporary directory created by `pytest_configure` and removed by
 `pytest_unconfigure`. It is passed on through the environment (`JAX_COMPILATION_CACHE_DIR`,
-with no minimum compile time or entry size, and a size limit, which turns on jax's file lock
-around reads and writes), so every compile of a program that some process
-of the session compiled before is a cache hit: the cache key is the whole program with its
-compile options and XLA flags, so a hit is the identical executable. Set
+a minimum compile time of one second, no minimum entry size, and a size limit, which turns on
+jax's file lock around reads and writes), so every compile of a program that some process of
+the session compiled before in a second or more is a cache hit: the cache key is the whole
+program with its compile options and XLA flags, so a hit is the identical executable. Quicker
+compiles (most of the session's ~2,000, eager ops among them) are not written: writing one
+costs more than compiling it again (docs/benchmarks.md, "The suite on 2026-11-25"). Set
 `JAX_COMPILATION_CACHE_DIR` yourself to keep a cache across sessions (it is then not removed).
 
 Markers (registered in pyproject.toml): `cli`, `full_size`, `notebook`, `long_run` and
@@ -58,8 +60,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # it a process could read an entry another is still writing ("incomplete or truncated
 # stream", a warning and a recompile). 32 GiB: nothing is ever evicted.
 CACHE_MAX_BYTES = 32 * 2**30
+CACHE_MIN_COMPILE_SECS = 1  # quicker compiles are not written (module docstring)
 CACHE_ENV = {
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(CACHE_MIN_COMPILE_SECS),
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
     "JAX_COMPILATION_CACHE_MAX_SIZE": str(CACHE_MAX_BYTES),
 }
@@ -235,7 +238,7 @@ def xla_compilation_cache():
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if path and jax.config.jax_compilation_cache_dir != path:
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECS)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
         _reset_jax_cache_state()

@@ -5,7 +5,7 @@ live arrays (measured from `addressable_shards`, by memory kind) change by the e
 factors.
 
 Every config is the tiny GPT with global batch 16 and SGD with momentum (the plain engines are the
-ones tests/test_parallel.py compiles, so the session's compilation cache serves them).
+equivalence lab's, tests/helpers/lab.py, so the session's compilation cache serves them).
 """
 
 from __future__ import annotations

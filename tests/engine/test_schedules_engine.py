@@ -7,7 +7,7 @@ stages, the layers stored round-robin: `StackedStages.layer_order`) and 1f1b on 
 1x2x1); a circular engine's grads are put back in the logical layer order first. A train
 step of each schedule updates the params like GPipe's, and EfficientNet's packed stages
 under 1f1b give GPipe's loss and gradients (GPipe is proven against the plain models in
-tests/test_parallel.py and tests/test_vision.py). Tolerances are GPipe's: the same math
+test_mesh_equivalence.py and test_packed_engine.py). Tolerances are GPipe's: the same math
 summed in another order.
 """
 
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import TINY_VISION
 
 from jaxpod.engine import build_engine
 from jaxpod.engine.stacked import build_model
@@ -27,7 +28,7 @@ from jaxpod.models import mlm
 
 LOSS_RTOL = 1e-6
 GRAD_TOL = 3e-6
-PARAM_ATOL = 1e-7  # one AdamW-free SGD step of ~1e-3: as tests/test_memory.py
+PARAM_ATOL = 1e-7  # one AdamW-free SGD step of ~1e-3: as test_memory_layouts.py
 GPT = ("model.layers=8", "model.seq_len=32", "train.micro_batch=1", "train.grad_accum=null")
 GPT += ("optim.warmup_steps=0", "optim.name=sgd", "optim.grad_clip=0")
 BERT = (*GPT, "model.name=bert", "model.vocab=264")
@@ -94,7 +95,7 @@ def check_against_reference(tiny_cfg, mesh_for, model, mesh, micro, schedule):
 
 
 MESHES = [(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 4)]
-# GPipe's engine equivalence is tests/test_parallel.py's; the executors themselves are
+# GPipe's engine equivalence is test_mesh_equivalence.py's; the executors themselves are
 # checked for every S in {2, 4} and M in {S, 2S, 4S} in tests/parallel/test_schedules.py;
 # benchmarks/check_schedules.py runs the whole model x mesh x M x schedule matrix.
 CASES = [("gpt", m, 2 * m[1], k) for m in MESHES for k in ("circular", "1f1b")]
@@ -128,23 +129,21 @@ def test_a_train_step_updates_like_gpipe(tiny_cfg, mesh_for):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=PARAM_ATOL)
 
 
-VISION = (
-    "model.name=efficientnet", "data.name=digits", "model.width_mult=0.25",
-    "model.depth_mult=0.2", "model.image_size=32", "model.num_classes=10", "model.remat=none",
-    "train.micro_batch=2", "optim.warmup_steps=0", "model.pipeline_splits=[4a]",
-)  # fmt: skip
+# test_pinned's effnet-421 config: 2 micro-batches per replica; its init is the pinned run's
+VISION = (*TINY_VISION, "model.pipeline_splits=[4a]")
 
 
-def test_1f1b_efficientnet_heterogeneous_stages(tiny_cfg, mesh_for, micro=2):
-    """1F1B on EfficientNet's two packed stages (2x2x1): GPipe's loss, correct count and
-    gradients of every stage row (GPipe's are proven against the plain network in
-    tests/test_vision.py)."""
+def test_1f1b_efficientnet_heterogeneous_stages(tiny_cfg, mesh_for):
+    """1F1B on EfficientNet's two packed stages (4x2x1, 2 micro-batches): GPipe's loss,
+    correct count and gradients of every stage row (GPipe's are proven against the plain
+    network in tests/engine/test_packed_engine.py)."""
     from jaxpod.run.images import load_images
 
     digits = load_images("digits", image_size=32, seed=0)
     results = {}
     for name in ("gpipe", "1f1b"):
-        cfg = tiny_cfg(*VISION, f"train.grad_accum={micro}", *SCHEDULES[name], mesh=(2, 2, 1))
+        cfg = tiny_cfg(*VISION, *SCHEDULES[name], mesh=(4, 2, 1))
+        assert cfg.train.grad_accum == 2
         engine, state = build_engine(cfg, mesh_for(cfg), bubble_fill=float("nan"))
         g = cfg.global_batch
         batch = jax.device_put(digits.train_batch(0, 0, g, g), engine.batch_sharding)
