@@ -128,6 +128,29 @@ def checksums(state: TrainState) -> dict[str, list[int]]:
     return {".".join(p): v for p, v in zip(_paths(state), host, strict=True)}
 
 
+def _one_writer_per_shard() -> None:
+    """In a single process, each shard of an array is saved whole from one of its replicas.
+
+    orbax's default (replica-parallel saving) has each of a shard's R replicas save 1/R of it,
+    which spreads a pod's writes over its hosts; in one process the bytes leave the same host
+    either way, and every slice is an eager `slice_in_dim`, one small XLA compile per shape
+    and device (docs/runs.md)."""
+    global _WHOLE_SHARDS
+    if jax.process_count() == 1 and not _WHOLE_SHARDS:
+        handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
+        absl = logging.getLogger("absl")
+        level = absl.level
+        absl.setLevel(logging.ERROR)  # not its "overriding jax.Array" warning
+        try:
+            ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+        finally:
+            absl.setLevel(level)
+        _WHOLE_SHARDS = True
+
+
+_WHOLE_SHARDS = False  # registered in this process
+
+
 class Checkpointer:
     """Save and restore `TrainState`s in `<logdir>/checkpoints/` (keeps the newest `keep`)."""
 
@@ -138,6 +161,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=False, enable_async_checkpointing=True
         )
+        _one_writer_per_shard()
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=options,
