@@ -9,12 +9,13 @@ Compilation cache: the session (the pytest process, its xdist workers and every 
 tests start: `jaxpod` CLI runs, notebook kernels) shares one jax persistent compilation cache,
 a fresh temporary directory created by `pytest_configure` and removed by
 `pytest_unconfigure`. It is passed on through the environment (`JAX_COMPILATION_CACHE_DIR`,
-a minimum compile time of one second, no minimum entry size, and a size limit, which turns on
-jax's file lock around reads and writes), so every compile of a program that some process of
-the session compiled before in a second or more is a cache hit: the cache key is the whole
-program with its compile options and XLA flags, so a hit is the identical executable. Quicker
-compiles (most of the session's ~2,000, eager ops among them) are not written: writing one
-costs more than compiling it again (docs/benchmarks.md, "The suite on 2026-11-25"). Set
+a minimum compile time, no minimum entry size, and a size limit, which turns on jax's file
+lock around reads and writes), so every compile of a program that some process of
+the session compiled before is a cache hit: the cache key is the whole program with its
+compile options and XLA flags, so a hit is the identical executable. The pytest processes do
+not write compiles quicker than a second (most of their ~2,000, eager ops among them, each
+compiled once): writing one costs more than compiling it again. CLI subprocesses, which repeat
+each other's programs, write every compile (`helpers.cli.CLI_CACHE`). Set
 `JAX_COMPILATION_CACHE_DIR` yourself to keep a cache across sessions (it is then not removed).
 
 Markers (registered in pyproject.toml): `cli`, `full_size`, `notebook`, `long_run` and

@@ -17,9 +17,16 @@ from helpers import ROOT, TINY_YAML, free_port
 TINY = str(TINY_YAML)
 
 
+# A CLI run compiles what the runs before it compiled, quick programs (eager ops) included:
+# every compile is worth a cache entry there (a cached tiny run: 3.5 s with the pytest
+# processes' one-second minimum, 2.4 s without; tests/conftest.py).
+CLI_CACHE = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of a CLI subprocess: this one's without `XLA_FLAGS`, plus `extra`."""
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | extra
+    """The environment of a CLI subprocess: this one's without `XLA_FLAGS`, every compile
+    cached (`CLI_CACHE`), plus `extra`."""
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | CLI_CACHE | extra
 
 
 def cli_cmd(*args: str) -> list[str]:
