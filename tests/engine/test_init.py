@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FP16_LARS, GPT16, TINY_EFFICIENTNET, TINY_VISION
+from helpers import FP16_LARS, GPT16, TINY_VISION, grouped_cases
 
 CASES = {
     "gpt": GPT16,
@@ -21,12 +21,7 @@ CASES = {
 }
 
 
-def _cases():
-    group = lambda name: [pytest.mark.xdist_group(TINY_EFFICIENTNET)] if "effnet" in name else []
-    return [pytest.param(name, marks=group(name)) for name in CASES]
-
-
-@pytest.mark.parametrize("name", _cases())
+@pytest.mark.parametrize("name", grouped_cases(CASES))
 def test_the_init_computes_the_default_compiles_bits(name, tiny_cfg, mesh_for, monkeypatch):
     from jaxpod.engine import build_engine
     from jaxpod.engine import state as state_module

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import FP16_LARS, GPT16, TINY_EFFICIENTNET, TINY_VISION
+from helpers import FP16_LARS, GPT16, TINY_VISION, grouped_cases
 
 RTOL = 2.2e-6
 
@@ -86,14 +86,8 @@ def test_the_tolerance_is_what_the_docstring_derives():
     assert RTOL == pytest.approx(4 * worst, rel=0.05)
 
 
-def _cases():
-    """The pinned names; EfficientNet's compiles run with the other tests of the same programs
-    (`TINY_EFFICIENTNET`), beside the transformers'."""
-    group = lambda name: TINY_EFFICIENTNET if name.startswith("effnet") else "pinned-gpt-bert"
-    return [pytest.param(name, marks=pytest.mark.xdist_group(group(name))) for name in PINNED]
-
-
-@pytest.mark.parametrize("name", _cases())
+# EfficientNet's compiles run with the other tests of the same programs, beside the transformers'
+@pytest.mark.parametrize("name", grouped_cases(PINNED, "pinned-gpt-bert"))
 def test_three_steps_match_the_pinned_values(name, tiny_cfg, mesh_for):
     overrides, mesh, want = PINNED[name]
     cfg = tiny_cfg(*overrides, mesh=mesh)

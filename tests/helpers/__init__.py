@@ -60,6 +60,19 @@ FP16_LARS = (
 # compilation cache serves the repeats (an EfficientNet compile is ~10-30 s on 2 cores).
 TINY_EFFICIENTNET = "shared:tiny-efficientnet"
 
+
+def grouped_cases(names, other: str | None = None) -> list:
+    """`pytest.param`s of the case `names`: the EfficientNet ones (`effnet...`) in the
+    `TINY_EFFICIENTNET` xdist group, the others in `other` (None: their module's group)."""
+    import pytest
+
+    def marks(name: str) -> list:
+        group = TINY_EFFICIENTNET if name.startswith("effnet") else other
+        return [pytest.mark.xdist_group(group)] if group else []
+
+    return [pytest.param(name, marks=marks(name)) for name in names]
+
+
 # The digits run's length (tests/run/test_digits_training.py): the packed engine's overflow
 # test compiles the same train step (the loss scale is state, not program), so the session's
 # compilation cache serves whichever of the two compiles second.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from helpers import FP16_LARS, GPT16, TINY_EFFICIENTNET, TINY_VISION
+from helpers import FP16_LARS, GPT16, TINY_VISION, grouped_cases
 
 pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
 
@@ -41,12 +41,7 @@ def _read(compiled) -> dict:
     }
 
 
-def _cases():
-    group = lambda name: [pytest.mark.xdist_group(TINY_EFFICIENTNET)] if "effnet" in name else []
-    return [pytest.param(name, marks=group(name)) for name in CASES]
-
-
-@pytest.mark.parametrize("name", _cases())
+@pytest.mark.parametrize("name", grouped_cases(CASES))
 def test_the_inspected_program_is_the_default_compile(name, tiny_cfg, mesh_for):
     from jaxpod.run.aot import INSPECT_OPTIONS, abstract_inputs, compile_to_inspect
 
