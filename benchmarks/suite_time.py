@@ -5,6 +5,7 @@ and when it finished; the heaviest xdist groups. Prints tables, writes JSON.
     python benchmarks/suite_time.py [--out FILE] [--top N] [-- PYTEST ARGS ...]   # or `make test`
     JAXPOD_SUITE_TIME_EVENTS=F PYTHONPATH=benchmarks PYTEST_ADDOPTS="-p suite_time" make test
     python benchmarks/suite_time.py --events F   # the table of that run
+    python benchmarks/suite_time.py --yardstick [--events F]   # how fast this machine compiles
 
 Runs `make test` (or pytest with the given arguments) with this file loaded as a plugin in
 every process (`PYTEST_ADDOPTS`): it records jax's compile-time events
@@ -12,6 +13,12 @@ every process (`PYTEST_ADDOPTS`): it records jax's compile-time events
 duration under the test that was running. Times are wall seconds inside busy worker
 processes, so a file's share is what matters, not its absolute seconds; what a test's own
 subprocesses compile (`jaxpod` CLI runs, notebook kernels) is in its test seconds only.
+
+The same code takes longer on a slower day of this shared machine (docs/benchmarks.md). With
+`--yardstick` the report carries how long one fixed program takes to compile now, before and
+after the suite (alone with `--events`): test_pinned's float16 GPT step on 2x2x2, in a fresh
+process without the compilation cache, the best of two. Suites timed on different days compare
+by their worker-seconds per yardstick-second.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, options, table, write_report  # noqa: E402
+from common import ROOT, options, run_worker, serve_worker, table, write_report  # noqa: E402
 
 EVENTS_ENV = "JAXPOD_SUITE_TIME_EVENTS"
 PHASES = {  # jax.monitoring event -> column
@@ -124,18 +131,59 @@ def run_pytest(pytest_args: list[str]) -> tuple[str, int]:
     return events, subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
 
+# ------------------------------------------------------------------ the yardstick
+# tests/engine/test_pinned.py's gpt-fp16-222: configs/tiny.yaml with its float16 recipe.
+YARDSTICK = (
+    "train.global_batch=16", "train.grad_accum=null", "optim.warmup_steps=0",
+    "precision.params=float16", "precision.compute=float16", "precision.master=same-as-params",
+    "precision.loss_scale=dynamic", "optim.name=lars", "optim.lr=0.1",
+)  # fmt: skip
+
+
+def _yardstick_worker(job: dict) -> dict:
+    """In a fresh process with 8 virtual devices: seconds to compile the yardstick's train step
+    (lowered first; the compilation cache off, so XLA compiles it whole)."""
+    import time
+
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    from jaxpod.config import load_config
+    from jaxpod.parallel.mesh import make_mesh
+    from jaxpod.run.tasks import build_task
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", list(YARDSTICK))
+    task, state = build_task(cfg, make_mesh(cfg.mesh))
+    lowered = task.engine.train_step.lower(state, task.batch(0))
+    t0 = time.perf_counter()
+    lowered.compile()
+    return {"compile_s": time.perf_counter() - t0}
+
+
+def yardstick(repeats: int = 2) -> float:
+    """The best of `repeats` yardstick compiles, each in its own process (seconds)."""
+    print("timing the yardstick compile ...", file=sys.stderr, flush=True)
+    return min(run_worker(__file__, {}, 8)["compile_s"] for _ in range(repeats))
+
+
 def main() -> None:
     ap = options(__doc__, out="suite_time.json")
     ap.add_argument("--top", type=int, default=25, help="rows in the printed table")
     ap.add_argument("--events", help="summarize these recorded events instead of running pytest")
+    ap.add_argument("--yardstick", action="store_true", help="time the yardstick compile too")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args, pytest_args = ap.parse_args(argv[:cut]), argv[cut + 1 :]
+    if serve_worker(args, _yardstick_worker):
+        return
+    sticks = {("now" if args.events else "before"): yardstick()} if args.yardstick else {}
     if args.events:
         events, returncode, ran = args.events, 0, f"recorded in {args.events}"
     else:
         events, returncode = run_pytest(pytest_args)
         ran = " ".join(["pytest", *pytest_args] if pytest_args else ["make test"])
+        if args.yardstick:
+            sticks["after"] = yardstick()
     records = [json.loads(line) for line in Path(events).read_text().splitlines()]
     files, busy, grouped = summarize(records), workers(records), groups(records)
     if not args.events:
@@ -157,8 +205,13 @@ def main() -> None:
     if grouped:
         rows = [[g, f"{s:.0f}"] for g, s in list(grouped.items())[: args.top]]
         print(table("the heaviest groups", ["xdist group", "test s"], rows))
+    if sticks:
+        rows = [[when, f"{s:.2f}", f"{total['test_s'] / s:.0f}"] for when, s in sticks.items()]
+        header = ["measured", "yardstick compile s", "test s per yardstick s"]
+        print(table("the yardstick (module docstring)", header, rows))
     write_report({"ran": ran, "exit": returncode, "total": total, "files": files,
-                  "workers": busy, "groups": grouped}, args.out)  # fmt: skip
+                  "workers": busy, "groups": grouped, "yardstick_s": sticks},
+                 args.out)  # fmt: skip
     raise SystemExit(returncode)
 
 
