@@ -132,27 +132,23 @@ def run_pytest(pytest_args: list[str]) -> tuple[str, int]:
 
 
 # ------------------------------------------------------------------ the yardstick
-# tests/engine/test_pinned.py's gpt-fp16-222: configs/tiny.yaml with its float16 recipe.
-YARDSTICK = (
-    "train.global_batch=16", "train.grad_accum=null", "optim.warmup_steps=0",
-    "precision.params=float16", "precision.compute=float16", "precision.master=same-as-params",
-    "precision.loss_scale=dynamic", "optim.name=lars", "optim.lr=0.1",
-)  # fmt: skip
-
-
 def _yardstick_worker(job: dict) -> dict:
-    """In a fresh process with 8 virtual devices: seconds to compile the yardstick's train step
-    (lowered first; the compilation cache off, so XLA compiles it whole)."""
+    """In a fresh process with 8 virtual devices: seconds to compile the yardstick's train step,
+    tests/engine/test_pinned.py's gpt-fp16-222 (configs/tiny.yaml on 2x2x2 with the pinned
+    float16 recipe), lowered first; the compilation cache off, so XLA compiles it whole."""
     import time
 
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import FP16_LARS, GPT16, TINY_YAML  # jax-free: the pinned case's overrides
+
     from jaxpod.config import load_config
     from jaxpod.parallel.mesh import make_mesh
     from jaxpod.run.tasks import build_task
 
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", list(YARDSTICK))
+    cfg = load_config(TINY_YAML, [*GPT16, *FP16_LARS])
     task, state = build_task(cfg, make_mesh(cfg.mesh))
     lowered = task.engine.train_step.lower(state, task.batch(0))
     t0 = time.perf_counter()
