@@ -18,7 +18,8 @@ The same code takes longer on a slower day of this shared machine (docs/benchmar
 `--yardstick` the report carries how long one fixed program takes to compile now, before and
 after the suite (alone with `--events`): test_pinned's float16 GPT step on 2x2x2, in a fresh
 process without the compilation cache, the best of two. Suites timed on different days compare
-by their worker-seconds per yardstick-second.
+by their worker-seconds per yardstick-second, roughly: the yardstick is a reading of the same
+shared host and moves too (its spread: docs/benchmarks.md).
 """
 
 from __future__ import annotations
