@@ -1,19 +1,17 @@
 """The planner's byte model: what one device holds of a mapping, per kind of state.
 
-`activation_bytes(cfg, profile)` models what the train step keeps alive at two moments, the
-loss head and the layers' backward pass (saved residuals per layer and pipeline tick, the
-pipeline's buffers, the head's logits, one layer's backward working set); `device_bytes(cfg,
-layout, acts, profile)` adds what else is alive at each and at the update (weights, gradients,
-optimizer state, the update's working set, RTS-gathered copies, float32 copies of streamed
-matrices), on the device and the host.
+`device_bytes(cfg, layout, acts, profile)` adds to the activations
+(`jaxpod.planner.activations`) what else is alive at the loss head, the layers' backward pass
+and the update (weights, gradients, optimizer state, the update's working set, RTS-gathered
+copies, float32 copies of streamed matrices), on the device and the host.
 Analytic, no jax: nothing is built, so any mapping can be planned.
 
 Every credit is a transfer the compiled step makes (tests/planner/test_transfers.py finds
 them in the lowered program): host-resident layers reach the device a phase (pipeline 1) or a
 weight matrix (`memory.stream=matrix`) at a time, a pipelined stage's whole stack before the
 ticks; the update moves the whole parameter and optimizer trees to the device; saved
-saved activations never leave the device (the lowered step has no such placement). Nothing
-is prefetched. The device profile's `widens_16bit` says how the backend computes.
+activations never leave the device (the lowered step has no such placement). Nothing is
+prefetched. The device profile's `widens_16bit` says how the backend computes.
 """
 
 from __future__ import annotations
@@ -22,290 +20,13 @@ import math
 
 from jaxpod.config import Config
 from jaxpod.optim.strips import strips
-from jaxpod.planner import efficientnet
+from jaxpod.planner.activations import DTYPE_BYTES, MOMENTS, compute_bytes
 from jaxpod.planner.counts import block_params
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-MOMENTS = {"adamw": 2, "lamb": 2, "sgd": 1, "lars": 1}
 TOKEN_BYTES = 4  # int32 token ids
-HEAD_LOGIT_COPIES = 3  # float32 logits, shifted logits, exp: live together in the loss head
-# with 16-bit compute the logits are rounded to it: the exp of the rounded logits and the
-# cotangent are the two alive at the head's peak (read on BERT-Large POD16 and a float16
-# GPT, benchmarks/xla_peak.py: docs/memory.md)
-ROUNDED_HEAD_LOGIT_COPIES = 2
-# with memory.vocab_slices > 1 the head's online softmax keeps a block's logits and its exp
-# (calibrated on bench_planner's vocab-slices row, docs/memory.md)
-SLICED_HEAD_LOGIT_COPIES = 2
 
 
-# ----------------------------------------------------------------------------- activations
-def compute_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
-    """Bytes of one activation scalar: the compute dtype's, or 4 on a device that computes
-    16-bit dtypes in float32 (`DeviceProfile.widens_16bit`)."""
-    profile = profile or get_profile(cfg.memory.device)
-    return 4 if profile.widens_16bit else DTYPE_BYTES[cfg.precision.compute]
-
-
-def stored_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
-    """Bytes of one activation scalar kept between computations (saved residuals, pipeline
-    rows): the compute dtype's, or 4 where the backend stores that dtype in float32
-    (`DeviceProfile.stores_in_float32`)."""
-    profile = profile or get_profile(cfg.memory.device)
-    compute = cfg.precision.compute
-    return 4 if compute in profile.stores_in_float32 else DTYPE_BYTES[compute]
-
-
-def _layer_sets(cfg: Config, cb: int, sb: int) -> dict:
-    """Bytes of one layer's residuals for one micro-batch on one device (`cb` bytes a scalar):
-    `all` (what autodiff saves without remat), `saved` (what the remat policy keeps, layer
-    input included), `work` (one layer's backward working set) and `btd` (one [b, T, D] row
-    of the residual stream, as stored)."""
-    md, t = cfg.model, cfg.mesh.tensor
-    b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
-    btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
-    # With sequence_chunks = C > 1 each query block and each MLP token block is a checkpoint:
-    # scores and MLP hidden activations are never saved, one query block's scores are alive.
-    # The MLP's token blocks earn credit in the backward working set only with RTS (the
-    # layer's weights all-gathered inside its remat unit): without it XLA holds the whole
-    # sequence's hidden units anyway (measured: docs/benchmarks.md, "MLP token blocks").
-    # The loss head's logits shrink by C. The blocks are sliced from their input and their
-    # outputs written in place (`map_chunks`): no stacked copies.
-    chunked = md.sequence_chunks > 1
-    kept_scores = 0 if chunked else scores
-    block = scores // md.sequence_chunks
-    attention_work = (5 * cb + 1) * block if chunked else 0  # masked, exp, probs, 2 grads
-    # Sequence parallelism: residual-stream tensors are [b, T/t, D]; attention and the MLP
-    # each all-gather their input to [b, T, D] (and the row-parallel matmul output is
-    # full-length before its reduce-scatter).
-    res = btd // t if md.sequence_parallel else btd
-    gathered = 2 * btd if md.sequence_parallel and t > 1 else 0
-    # LN1/LN2: 4 [b,T,D] each; q, k, v, attention output: [b,T,D/t] each; masked scores,
-    # exp, probabilities [b,H/t,T,T] (+ the boolean mask, 1 byte); GELU MLP: 6 [b,T,F/t].
-    kept_hidden = 0 if chunked else btf
-    every = (8 * res + gathered + 4 * btd // t + 6 * kept_hidden) * cb
-    every += (3 * cb + 1) * kept_scores
-    # The attention psum's output is saved; the MLP psum's output is not (the residual add's
-    # backward needs no inputs, so autodiff drops it as a residual).
-    psums = res if t > 1 else 0
-    # What a policy keeps is stored in the compute dtype (`sb` bytes a scalar, `stored_bytes`):
-    # a backend that widens float16 arithmetic (`cb` = 4) widens it inside its fused
-    # computations, not in the buffers between them (XLA:CPU's GPT-3 POD256 program keeps its
-    # saved layer inputs and the pipeline's rows in float16); XLA:CPU stores bfloat16 in float32.
-    kept_scalars = {
-        "full": res,
-        "minimal": res + 3 * btd // t + btd + btf,
-        "attention": res + 4 * btd // t,
-        "comms": res + psums,
-    }
-    saved = every if md.remat == "none" else kept_scalars[md.remat] * sb
-    # Recomputing one layer: everything it would have saved (`every`, split into its attention
-    # and MLP halves), less what the policy keeps. memory.stream=matrix recomputes one step
-    # at a time: the attention half, or one of the k MLP blocks (1/k of the hidden units, and
-    # the block's partial sums [b, T, D]), plus the steps' inputs (x, q, k, v, o, x1, y).
-    # XLA realises that smaller working set without tensor parallelism only: with t > 1 it
-    # holds the layer's working set plus the steps' inputs (measured on 1x2x4 and 1x1x4, with
-    # and without sequence parallelism and chunks: docs/benchmarks.md), so that is counted.
-    # Alive together at the peak of a recomputed layer's backward (the GELU's backward, in
-    # every remat-full program read with benchmarks/xla_peak.py): of the attention, the scores
-    # and the probabilities kept for its backward (exp is fused into them; the causal mask is
-    # one [T, T]); of the MLP, the pre-activation, the GELU's tanh, the cotangents of the
-    # GELU's output and of its input, 4 hidden-sized (the GELU's output is dead by then).
-    attention = (4 * res + gathered // 2 + 4 * btd // t) * cb + 2 * cb * kept_scores
-    attention += attention_work
-    mlp_in = (4 * res + gathered // 2) * cb
-    # the recomputed MLP's hidden units: the whole sequence's, or with RTS (the weights
-    # gathered inside the layer) one token block's (measured)
-    hidden = btf // md.sequence_chunks if chunked and cfg.memory.rts > 1 else btf
-    mlp = mlp_in + 4 * hidden * cb
-    kept = saved - res * cb if md.remat == "none" else (kept_scalars[md.remat] - res) * cb
-    step_inputs = (3 * res + 4 * btd // t) * cb  # x, q, k, v, o, x1, y: kept per layer
-    if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
-        work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
-    elif cfg.memory.stream == "matrix" and t == 1:
-        k = cfg.memory.mlp_panels
-        mlp_block = mlp_in + btd * cb + 6 * btf // k * cb
-        work = max(max(attention, mlp_block) + step_inputs - kept, 0)
-    else:
-        work = max(attention + mlp - attention_work - kept, 0) + attention_work
-        if cfg.memory.stream == "matrix":  # no credit under tensor parallelism (measured)
-            work += step_inputs
-    return {"all": every, "saved": saved, "work": work, "btd": res * sb}
-
-
-def _head_kept(cfg: Config, tokens: int, sb: int) -> int:
-    """Bytes of the loss head's values alive through the layers' backward pass (`tokens`: the
-    head's tokens on this device; `sb` bytes a stored scalar, `stored_bytes`). XLA:CPU computes
-    the head's weight gradients after the layers' backward, so each weighted op of the head
-    keeps its input and its output's cotangent: GPT the final LN's input, its output (the
-    logits' input) and that output's cotangent; BERT also the dense layer's input and its
-    output's cotangent, the head LN's input, its output (with the constant-1 column) and that
-    output's cotangent; both the float32 logits' cotangent. A head in blocks
-    (`sequence_chunks`) computes them inside its block loop and keeps none (measured);
-    `memory.vocab_slices` is taken to be the same (not read)."""
-    md = cfg.model
-    if math.gcd(md.sequence_chunks, tokens) > 1 or cfg.memory.vocab_slices > 1:
-        return 0
-    rows = 3 if md.name == "gpt" else 5 + 2 * (md.norm == "pre")
-    return tokens * (rows * md.d_model * sb + md.vocab // cfg.mesh.tensor * 4)
-
-
-def _head_table(cfg: Config, cb: int) -> int:
-    """Bytes of the output table's copy the loss head makes (`cb` bytes a compute scalar):
-    BERT appends its output bias as a column (a new [V/t, D+1] table); with RTS the table is
-    all-gathered; computed in a wider dtype than stored (a widening backend) it is converted.
-    The copy holds the wider of the two dtypes. None when the head reads the stored table."""
-    md = cfg.model
-    pb = DTYPE_BYTES[cfg.precision.params]
-    if md.name != "bert" and cfg.memory.rts == 1 and cb <= pb:
-        return 0
-    rows = md.vocab // cfg.mesh.tensor // cfg.memory.vocab_slices
-    return rows * (md.d_model + (md.name == "bert")) * max(cb, pb)
-
-
-def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
-    """Activation bytes per device, with the breakdown.
-
-    - `saved`: residuals kept for the backward pass. pipeline == 1: the micro-batches run one
-      after another (forward and backward inside the accumulation loop), so one micro-batch's
-      layers are in flight. gpipe and circular (one forward scan, differentiated as a whole):
-      every one of the V·M + S - 1 ticks saves its chunk's layers, bubble ticks included, where
-      M is the micro-batches of one pass (`train.pipeline_group`; the passes run in turn).
-      1f1b: the stage inputs of at most S micro-batches.
-    - `pipeline_buffers`: what the backward tick scan holds besides (gpipe, circular: the
-      cotangent of every tick's collected output, the embedded micro-batches' cotangent, the
-      carry, the tick's slice of the saved residuals; 1f1b: a backward tick's residuals).
-    - `tick_grads`: the gradient of the stage's layer stack that a tick's layer scan carries.
-    - `head`: the loss head: float32 logits over this device's tokens (mb·T; M·mb·T/S when the
-      pipeline spreads the head over the stages) x V/t (/ `memory.vocab_slices`), x 3 live
-      copies, plus the final LN; the tokens in `sequence_chunks` blocks.
-    - `head_kept`: the head's operands for its weight gradients, alive through the layers'
-      backward (`_head_kept`).
-    - `layer_work`: one layer's backward working set (recomputation under remat).
-    Two moments: `head_moment` (saved, the forward's embedded rows, the head; a head in blocks
-    also its table gradient) and `backward_moment` (saved + pipeline_buffers + tick_grads +
-    head_kept + layer_work); `total` is the larger. `head_table` is the head's table copy.
-    """
-    md, mesh, tr = cfg.model, cfg.mesh, cfg.train
-    profile = profile or get_profile(cfg.memory.device)
-    cb = compute_bytes(cfg, profile)
-    if md.name == "efficientnet":  # packed heterogeneous stages: jaxpod.planner.efficientnet
-        from jaxpod.planner.counts import efficientnet_stage_params
-
-        stage_params = efficientnet_stage_params(cfg)
-        row = max(stage_params)  # n_max: every stage's row is this long
-        act, pb = DTYPE_BYTES[cfg.precision.compute], DTYPE_BYTES[cfg.precision.params]
-        # rows rounded stochastically: the weights row, and the optimizer's (one row of its
-        # moments per parameter) when 16-bit
-        opt16 = cfg.optim.moments != "float32" and cfg.precision.master != "float32"
-        moments = MOMENTS[cfg.optim.name]
-        sr_rows = (1 + moments * opt16) if pb < 4 else 0
-        return efficientnet.activation_bytes(
-            cfg, cb, act, row, pb, sr_rows, pb, stage_params, moments
-        )
-    sb = stored_bytes(cfg, profile)
-    sets = _layer_sets(cfg, cb, sb)
-    # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)
-    stages, micro, per_stage = mesh.pipeline, cfg.pipeline_group, md.layers // mesh.pipeline
-    kind, virtual = tr.pipeline_schedule, tr.virtual_stages
-    ticks = 1 if stages == 1 else virtual * micro + stages - 1
-    chunk = per_stage // virtual  # the layers one tick runs
-    saved = ticks * chunk * sets["saved"]  # the forward tick scan's stacked residuals
-    head_tokens = tr.micro_batch * md.seq_len * (1 if stages == 1 else micro) // stages
-    vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_slices  # logits of a row block
-    buffers = tick_grads = head_kept = 0
-    if stages == 1 and md.remat != "none":
-        # the head's operands through the layers' backward, as pipelined below (read on 1x1x1
-        # and 1x1x4, remat full; without remat XLA:CPU computes the head's gradients at once)
-        head_kept = _head_kept(cfg, head_tokens, sb)
-    if stages > 1 and kind != "1f1b":
-        # gpipe and circular: the forward tick scan, the head, then autodiff's backward tick
-        # scan, which holds besides the saved residuals (XLA:CPU's buffer assignment, read
-        # with benchmarks/xla_peak.py: docs/benchmarks.md, "Pipeline schedules"):
-        # - `ticks` rows: the cotangent of the ticks' collected outputs (the transpose of
-        #   taking the last stage's M outputs from them: a pad (gpipe), a scatter (circular));
-        # - `micro` rows: the embedded micro-batches' cotangent, a carry of the scan; BERT
-        #   also its embedding LayerNorm's input and centred input, [M, mb, T, D] each, saved
-        #   for the embedding's backward after the ticks;
-        # - one row: the carry, the activation cotangent sent up the pipe;
-        # - the tick's own slice of the saved residuals (`chunk` layers);
-        # - `tick_grads`: with more than one layer a tick (a layer scan inside the tick), the
-        #   transposed layer scan's gradient of the stage's whole stack (the chunk is a
-        #   dynamic slice of it), before it is added into the stage's accumulator;
-        # - `head_kept`: the head's operands for its weight gradients, computed after the
-        #   backward ticks (`_head_kept`).
-        rows = ticks + micro + 1 + (2 * micro if md.name == "bert" else 0)
-        buffers = rows * sets["btd"] + chunk * sets["saved"]
-        if chunk > 1:
-            sharded, replicated = block_params(md.d_model, md.d_ff)
-            layer = (sharded // mesh.tensor + replicated) * DTYPE_BYTES[cfg.precision.params]
-            tick_grads = per_stage * layer // cfg.memory.rts
-        head_kept = _head_kept(cfg, head_tokens, sb)
-    if stages > 1 and kind == "1f1b":
-        # the stage inputs of at most S micro-batches and their gradients (two ring buffers),
-        # the two values sent each tick; a backward tick's residuals of the stage's layers;
-        # the head runs on one micro-batch at a time on the last stage (its gradients inside
-        # the tick). The carried gradients and the backward tick's stack gradients are the
-        # two gradient copies of `device_bytes` ("carried").
-        saved = (2 * stages + 2) * sets["btd"]
-        buffers = per_stage * sets["saved"]
-        head_tokens = tr.micro_batch * md.seq_len
-    head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head blocks (as the engine)
-    copies = SLICED_HEAD_LOGIT_COPIES if cfg.memory.vocab_slices > 1 else HEAD_LOGIT_COPIES
-    if cfg.precision.compute != "float32":
-        copies = min(copies, ROUNDED_HEAD_LOGIT_COPIES)
-    head = head_tokens * vocab_rows * 4 * copies // head_chunks
-    head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // head_chunks
-    # memory.offload=activations earns nothing: the lowered step places no saved value on the
-    # host (tests/planner/test_transfers.py), so every saved activation stays on the device
-    on_device_saved = saved
-    # Two moments: the loss head (end of the forward pass: the saved residuals, the forward's
-    # rows, the head's logits) and the layers' backward pass (the backward's buffers, the
-    # stack's gradients, the head's kept operands, a layer's working set); `device_bytes`
-    # adds to each what else is alive then. 1f1b runs its head inside the backward ticks.
-    backward = on_device_saved + buffers + tick_grads + head_kept + sets["work"]
-    if stages > 1 and kind != "1f1b":  # the embedded micro-batches (BERT: and its LN's rows)
-        head_moment = on_device_saved + (micro + 2 * micro * (md.name == "bert")) * sets["btd"]
-    else:
-        head_moment = on_device_saved + buffers + tick_grads
-    pb = DTYPE_BYTES[cfg.precision.params]
-    if cfg.memory.vocab_slices > 1:
-        # the head's loop over blocks of table rows carries the table's gradient, reduce-
-        # scattered block by block (RTS): the carry and its update (read on
-        # test_plan_vs_xla's vocab-slices config, 4x2x1, benchmarks/xla_peak.py)
-        table = md.vocab // mesh.tensor * md.d_model * pb // cfg.memory.rts
-        head_moment += head + 2 * table
-    elif head_chunks > 1:
-        # in blocks, the head's table gradient is summed inside its block loop: the loop's
-        # accumulator, and at a block's backward its term beside the block's logits'
-        # cotangent (read on bench_planner's vocab row)
-        logits = head_tokens * vocab_rows * 4 // head_chunks
-        table = vocab_rows * md.d_model * pb
-        head_moment += max(head, logits + table) + table
-    else:
-        head_moment += head
-    total = max(backward, head_moment)
-    return {
-        "saved": saved,
-        "saved_on_device": on_device_saved,
-        "saved_per_layer": sets["saved"],
-        "pipeline_buffers": buffers,
-        "tick_grads": tick_grads,
-        "head": head,
-        "head_kept": head_kept,
-        "layer_work": sets["work"],
-        "backward_moment": backward,
-        "head_moment": head_moment,
-        "head_table": _head_table(cfg, cb),
-        "ticks": ticks,
-        "layers_per_stage": per_stage,
-        "total": total,
-        "host": saved - on_device_saved,
-        "estimated": False,
-    }
-
-
-# ----------------------------------------------------------------------------- the bytes
 def _step_share(cfg: Config) -> float:
     """With `memory.stream=matrix`: the largest step's share of a layer's parameters (a third
     of `W_qkv`, `W_o`, or one of the `mlp_panels` blocks of `W_in` and `W_out`)."""

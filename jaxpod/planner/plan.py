@@ -18,7 +18,8 @@ Pre- or post-LN blocks have the same parameters. Per device, the block weights s
 replicated), the vocabulary-sized tables over `tensor` only, positions and LNs are replicated
 (positions split over `tensor` along T with sequence parallelism).
 
-The byte model (what each kind of state costs per device) is `jaxpod.planner.bytes`.
+The byte model (what each kind of state costs per device) is `jaxpod.planner.activations` and
+`jaxpod.planner.bytes`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import dataclasses
 
 from jaxpod.config import Config, parse_bytes
 from jaxpod.errors import UserError
-from jaxpod.planner.bytes import DTYPE_BYTES, activation_bytes, device_bytes
+from jaxpod.planner.activations import DTYPE_BYTES, activation_bytes
+from jaxpod.planner.bytes import device_bytes
 from jaxpod.planner.counts import (
     block_params,
     efficientnet_stage_params,

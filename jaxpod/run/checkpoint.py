@@ -2,10 +2,10 @@
 
 A checkpoint holds the `TrainState` (step, params, optimizer state; every array saved shard by
 shard from the devices that own it) and a small JSON record: step, seed, the config that trained
-it, the run record's lines of that step, and a checksum of every array (two uint32 sums of its
-bits, computed on the devices, exact under any sharding), verified after every restore, so bytes
-changed on disk are refused naming the array. The data position needs no saving: the batch of
-step k is a pure function of (seed, k).
+it, the run record's lines of that step, and a checksum of every array (`jaxpod.run.integrity`:
+two uint32 sums of its bits, computed on the devices, exact under any sharding), verified after
+every restore, so bytes changed on disk are refused naming the array. The data position needs
+no saving: the batch of step k is a pure function of (seed, k).
 
 Saving is asynchronous: `save` returns once the arrays are copied off the devices, and orbax
 writes them in the background into a temporary directory that is renamed into place when
@@ -31,35 +31,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxpod.engine import Engine, TrainState
 from jaxpod.errors import Muted, UserError
 from jaxpod.parallel import schedules
+from jaxpod.run.integrity import by_path, check_matches, check_sums, checksums, leaf_paths
 
 CHECKPOINTS = "checkpoints"
 ABANDON_SECONDS = 20.0  # how long a failing run waits for background writes before leaving
-_GOLDEN = np.uint32(2654435761)  # Knuth's multiplicative hash: position weights of a checksum
-
-
-def _part(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)  # pragma: no cover
-
-
-def _paths(tree) -> list[tuple[str, ...]]:
-    """The path of every leaf of `tree`, as strings (dict keys, field names, indices)."""
-    return [tuple(_part(k) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def _to_nested(state: TrainState) -> dict:
     """`state` as nested dicts with string keys: orbax's plainest, most portable tree."""
     out: dict = {}
-    for path, leaf in zip(_paths(state), jax.tree.leaves(state), strict=True):
+    for path, leaf in zip(leaf_paths(state), jax.tree.leaves(state), strict=True):
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -70,62 +56,12 @@ def _to_nested(state: TrainState) -> dict:
 def _from_nested(nested: dict, like: TrainState) -> TrainState:
     """Inverse of `_to_nested`: the leaves of `nested` in the structure of `like`."""
     leaves = []
-    for path in _paths(like):
+    for path in leaf_paths(like):
         node = nested
         for part in path:
             node = node[part]
         leaves.append(node)
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
-
-
-def _flat(nested, prefix: tuple[str, ...] = ()) -> dict[str, object]:
-    """`{"params.blocks.mlp.w_in": leaf, ...}` of a nested dict (any mapping-like metadata)."""
-    if hasattr(nested, "items"):
-        out: dict[str, object] = {}
-        for key, value in nested.items():
-            out.update(_flat(value, (*prefix, str(key))))
-        return out
-    return {".".join(prefix): nested}
-
-
-def _shape(leaf) -> str:
-    return f"{list(leaf.shape)} {jax.numpy.dtype(leaf.dtype).name}"
-
-
-def _bits(x: jax.Array) -> jax.Array:
-    """The bits of `x` as uint32 values, elementwise (same shape, same sharding)."""
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    size = jnp.dtype(x.dtype).itemsize
-    if x.dtype == jnp.bool_ or size not in (1, 2, 4):
-        return x.astype(jnp.uint32)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
-    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-
-
-def _leaf_sums(x: jax.Array) -> jax.Array:
-    """uint32[2]: the sum of `x`'s bits and their position-weighted sum (mod 2^32). Integer
-    sums are exact in any order, so the result does not depend on the sharding. A leaf in
-    host memory (`memory.offload`) is read into device memory first."""
-    x = jax.device_put(x, jax.memory.Space.Device)
-    bits = _bits(x)
-    position = jnp.zeros(x.shape, jnp.uint32)
-    stride = 1
-    for dim in reversed(range(x.ndim)):
-        position += jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim) * np.uint32(stride)
-        stride = (stride * x.shape[dim]) % 2**32
-    weights = position * _GOLDEN + np.uint32(1)
-    return jnp.stack([bits.sum(dtype=jnp.uint32), (bits * weights).sum(dtype=jnp.uint32)])
-
-
-_sums = jax.jit(lambda leaves: [_leaf_sums(x) for x in leaves])
-
-
-def checksums(state: TrainState) -> dict[str, list[int]]:
-    """`{"params.blocks.mlp.w_in": [sum, weighted sum], ...}` of every array of `state`."""
-    sums = _sums(jax.tree.leaves(state))
-    host = [np.asarray(s.addressable_data(0)).tolist() for s in sums]  # replicated scalars
-    return {".".join(p): v for p, v in zip(_paths(state), host, strict=True)}
 
 
 def _one_writer_per_shard() -> None:
@@ -246,7 +182,7 @@ class Checkpointer:
         try:
             meta = self.meta(step)
             saved_seed = meta.get("seed")
-            saved = _flat(self._manager.item_metadata(step)["state"])
+            saved = by_path(self._manager.item_metadata(step)["state"])
         except Exception as exc:  # orbax/tensorstore raise many types for a damaged directory
             raise UserError(f"checkpoint {where} cannot be read ({_why(exc)}); {fix}") from None
         if saved_seed != seed:
@@ -259,7 +195,7 @@ class Checkpointer:
             like,
             engine.state_sharding,
         )
-        _check_matches(where, saved, _flat(_to_nested(target)))
+        check_matches(where, saved, by_path(_to_nested(target)))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(_to_nested(target)))
         why = None
         with Muted() as mute:  # a failed read leaves orbax's other reads printing tracebacks
@@ -272,7 +208,7 @@ class Checkpointer:
         if why is not None:
             raise UserError(f"checkpoint {where} cannot be read ({why}); {fix}")
         state = _from_nested(restored["state"], like)
-        _check_sums(where, meta.get("checksums"), checksums(state), fix)
+        check_sums(where, meta.get("checksums"), checksums(state), fix)
         return engine.stages.reordered(state, _saved_layer_order(meta))
 
     def close(self) -> None:
@@ -392,29 +328,3 @@ def _saved_layer_order(meta: dict) -> list[int] | None:
     if train.get("pipeline_schedule") != "circular" or virtual == 1:
         return None
     return schedules.layer_order(cfg["model"]["layers"], cfg["mesh"]["pipeline"], virtual).tolist()
-
-
-def _check_sums(where: Path, saved: dict | None, here: dict, fix: str) -> None:
-    """One-line `UserError` naming the first array whose checksum differs from the saved one
-    (`saved` is None for a checkpoint written before checksums were kept)."""
-    if saved is None:
-        return
-    for path in sorted(here):
-        if saved.get(path) != here[path]:
-            raise UserError(
-                f"checkpoint {where} is damaged: {path} does not match the checksum saved with "
-                f"it (its bytes under {where}/state changed after saving); {fix}"
-            )
-
-
-def _check_matches(where: Path, saved: dict[str, object], here: dict[str, object]) -> None:
-    """One-line `UserError` naming the first parameter path whose shape/dtype differ."""
-    fix = "use a fresh train.logdir or the same model.* and optim.*"
-    head = f"checkpoint {where} does not match the model:"
-    for path in sorted(set(saved) | set(here), key=lambda p: (not p.startswith("params."), p)):
-        if path not in here or path not in saved:
-            side = "the checkpoint only" if path in saved else "the model only"
-            raise UserError(f"{head} {path} is in {side}; {fix}")
-        a, b = saved[path], here[path]
-        if tuple(a.shape) != tuple(b.shape) or jax.numpy.dtype(a.dtype) != b.dtype:
-            raise UserError(f"{head} {path} is {_shape(a)} there but {_shape(b)} here; {fix}")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from helpers import digits_cfg, mesh_for
 
+from jaxpod.planner.activations import activation_bytes
 from jaxpod.planner.backend import backend_plan
-from jaxpod.planner.bytes import activation_bytes
 from jaxpod.planner.efficientnet import (
     SR_BIT_ROWS,
     UPDATE_F32_ROWS,

@@ -328,7 +328,7 @@ def test_stored_bytes_follow_the_device_profile():
     """Saved activations are counted as the backend stores them: XLA:CPU (`cpu`) widens both
     16-bit dtypes in its arithmetic but keeps bfloat16 values in float32 buffers and float16 in
     float16; a pod profile stores the compute dtype (test_plan_vs_xla checks both on XLA:CPU)."""
-    from jaxpod.planner.bytes import activation_bytes, compute_bytes, stored_bytes
+    from jaxpod.planner.activations import activation_bytes, compute_bytes, stored_bytes
     from jaxpod.planner.profiles import get_profile
 
     cpu, ipu = get_profile("cpu"), get_profile("ipu-gc200")

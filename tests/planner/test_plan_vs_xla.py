@@ -150,10 +150,10 @@ def test_saved_layer_inputs_are_held_as_the_cpu_profile_says(tiny_cfg, mesh_for,
     5 ticks of 2 layers) the forward tick scan stacks the layer inputs [5, 2, mb, T, D] in the
     compute dtype; under bfloat16 XLA:CPU converts the whole stack to float32 for the backward
     tick scan, which holds that copy (benchmarks/xla_peak.py), under float16 it does not: what
-    `planner.bytes.stored_bytes` counts for the `cpu` profile (4 and 2 bytes a scalar)."""
+    `planner.activations.stored_bytes` counts for the `cpu` profile (4 and 2 bytes a scalar)."""
     import re
 
-    from jaxpod.planner.bytes import stored_bytes
+    from jaxpod.planner.activations import stored_bytes
 
     cfg = tiny_cfg(*SMALL, "model.remat=full", "train.grad_accum=4",
                    f"precision.compute={compute}", mesh=(1, 2, 1))  # fmt: skip

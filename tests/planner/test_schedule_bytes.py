@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from jaxpod.config import load_config
-from jaxpod.planner.bytes import activation_bytes
+from jaxpod.planner.activations import activation_bytes
 from jaxpod.planner.counts import block_params
 from jaxpod.planner.profiles import get_profile
 

@@ -1,6 +1,7 @@
-"""Checkpoint integrity in process (`jaxpod.run.checkpoint`): every array's checksum is kept
-with it and verified on restore, so bytes changed on disk are refused naming the array; a
-checkpoint missing its metadata is called unreadable, not "another model"."""
+"""Checkpoint integrity in process (`jaxpod.run.integrity`, used by `jaxpod.run.checkpoint`):
+every array's checksum is kept with it and verified on restore, so bytes changed on disk are
+refused naming the array; a checkpoint missing its metadata is called unreadable, not "another
+model"."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def _restore(engine, state, logdir):
 def test_checksums_change_with_any_element_and_not_with_the_sharding(saved):
     import jax
 
-    from jaxpod.run.checkpoint import checksums
+    from jaxpod.run.integrity import checksums
 
     engine, state, _ = saved
     sums = checksums(state)
@@ -59,7 +60,7 @@ def test_checksums_change_with_any_element_and_not_with_the_sharding(saved):
     changed = jax.device_put(host, leaf.sharding)
     swapped = jax.device_put(np.asarray(leaf)[:, ::-1].copy(), leaf.sharding)  # same values
     replicated = jax.device_put(np.asarray(leaf))  # one device, no sharding
-    from jaxpod.run.checkpoint import _leaf_sums
+    from jaxpod.run.integrity import _leaf_sums
 
     def one(x):
         return np.asarray(_leaf_sums(x)).tolist()
