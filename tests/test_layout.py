@@ -1,0 +1,161 @@
+"""The package's shape, as issue 14 set it: small modules, few top-level modules, no import
+cycle, generic code that names no model parameter, models that know nothing of memory
+management. Read from the source with `ast` (no jax), so a change that breaks one fails here,
+naming the file.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from helpers import ROOT
+
+PACKAGE = ROOT / "jaxpod"
+MAX_LINES = 400
+MAX_TOP_LEVEL = 3  # modules directly under jaxpod/ besides __init__.py and the folders
+MAX_IS_VISION = 3
+MODEL_PARAMETER_NAMES = {"blocks", "wte", "unembed", "b_"}  # a model's own keys
+NOT_FOR_MODELS = ("jaxpod.parallel.replica", "jaxpod.parallel.offload", "jaxpod.engine")
+
+
+def modules() -> dict[str, Path]:
+    """`{"jaxpod.run.loop": path, "jaxpod.planner": path/__init__.py, ...}`."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def module_imports(name: str, path: Path, known: set[str], anywhere: bool = False) -> set[str]:
+    """The jaxpod modules `name` imports when it is imported (its module-level statements), or
+    with `anywhere` in any statement (inside functions too)."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree) if anywhere else tree.body:
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def test_no_module_is_over_400_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these modules (at most {MAX_LINES} lines): {long}"
+
+
+def test_few_top_level_modules():
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= MAX_TOP_LEVEL, top
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of `graph` (module -> the modules it imports) as a path, or None. An import of
+    `a.b.c` runs the packages `a.b` first, so they count as imported too, except the module itself
+    and its own packages (they are already being imported when it is)."""
+    graph = {
+        name: {p for d in deps for p in _with_packages(d) if not f"{name}.".startswith(f"{p}.")}
+        for name, deps in graph.items()
+    }
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        if name in path:
+            return path[path.index(name) :] + [name]
+        if name in done:
+            return None
+        path.append(name)
+        for dep in sorted(graph.get(name, ())):
+            if cycle := visit(dep):
+                return cycle
+        path.pop()
+        done.add(name)
+        return None
+
+    return next((c for name in sorted(graph) if (c := visit(name))), None)
+
+
+def _with_packages(module: str) -> list[str]:
+    """`jaxpod.run.loop` -> [`jaxpod.run.loop`, `jaxpod.run`] (the root package left out)."""
+    parts = module.split(".")
+    return [".".join(parts[:k]) for k in range(len(parts), 1, -1)]
+
+
+def test_no_import_cycle():
+    mods = modules()
+    graph = {name: module_imports(name, path, set(mods)) for name, path in mods.items()}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path):
+    """The reader and the search behind `test_no_import_cycle` on a made-up package."""
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("from jaxpod.x.b import f\n")
+    b.write_text("import jaxpod.x.a\n\ndef f():\n    import jaxpod.x.c\n")
+    known = {"jaxpod.x", "jaxpod.x.a", "jaxpod.x.b", "jaxpod.x.c"}
+    graph = {"jaxpod.x.a": module_imports("jaxpod.x.a", a, known),
+             "jaxpod.x.b": module_imports("jaxpod.x.b", b, known)}  # fmt: skip
+    assert graph == {"jaxpod.x.a": {"jaxpod.x.b"}, "jaxpod.x.b": {"jaxpod.x.a"}}
+    assert module_imports("jaxpod.x.b", b, known, anywhere=True) == {"jaxpod.x.a", "jaxpod.x.c"}
+    assert find_cycle(graph) == ["jaxpod.x.a", "jaxpod.x.b", "jaxpod.x.a"]
+    assert find_cycle({"jaxpod.x.a": {"jaxpod.x.b"}, "jaxpod.x.b": set()}) is None
+    # a package whose __init__ imports a module that imports the package back
+    assert find_cycle({"jaxpod.p": {"jaxpod.q.m"}, "jaxpod.q.m": {"jaxpod.p"}}) is not None
+
+
+def test_is_vision_is_asked_in_at_most_3_places():
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in PACKAGE.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "is_vision" in line
+    ]
+    assert len(hits) <= MAX_IS_VISION, hits
+
+
+def test_generic_code_names_no_model_parameter():
+    """Outside `jaxpod/models/`, no string literal is one of a model's parameter names: generic
+    code reads parameter roles from the metadata instead."""
+    hits = []
+    for p in PACKAGE.rglob("*.py"):
+        if "models" in p.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Constant) and node.value in MODEL_PARAMETER_NAMES:
+                hits.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert not hits, hits
+
+
+def test_models_import_no_memory_management():
+    mods = modules()
+    bad = {
+        name: sorted(
+            d
+            for d in module_imports(name, path, set(mods), anywhere=True)
+            if d.startswith(NOT_FOR_MODELS)
+        )
+        for name, path in mods.items()
+        if name.startswith("jaxpod.models")
+    }
+    assert not {k: v for k, v in bad.items() if v}, bad
