@@ -1,6 +1,7 @@
 """Where the test suite's time goes: per test file, the seconds its tests ran and how many of
 them jax spent tracing, lowering and XLA spent compiling; per xdist worker, its busy seconds
-and when it finished; the heaviest xdist groups. Prints tables, writes JSON.
+and when it finished; the heaviest xdist groups; the longest compiles, each with its test and
+jitted function (where to look for nearly identical programs). Prints tables, writes JSON.
 
     python benchmarks/suite_time.py [--out FILE] [--top N] [-- PYTEST ARGS ...]   # or `make test`
     JAXPOD_SUITE_TIME_EVENTS=F PYTHONPATH=benchmarks PYTEST_ADDOPTS="-p suite_time" make test
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, options, run_worker, serve_worker, table, write_report  # noqa: E402
 
 EVENTS_ENV = "JAXPOD_SUITE_TIME_EVENTS"
+LONG_COMPILE_S = 1.0  # compiles at least this long are recorded with their test and function
 PHASES = {  # jax.monitoring event -> column
     "/jax/core/compile/jaxpr_trace_duration": "trace_s",
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
@@ -55,10 +57,13 @@ def pytest_configure(config) -> None:
         return
     import jax.monitoring
 
-    def on_event(event: str, seconds: float, **_) -> None:
+    def on_event(event: str, seconds: float, fun_name: str | None = None, **_) -> None:
         if event in PHASES:
-            test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
-            _record(file=test, phase=PHASES[event], s=seconds)
+            test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+            fields = {"file": test.split("::")[0], "phase": PHASES[event], "s": seconds}
+            if PHASES[event] == "compile_s" and seconds >= LONG_COMPILE_S:
+                fields |= {"test": test, "fun": fun_name}
+            _record(**fields)
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
 
@@ -116,6 +121,13 @@ def groups(records: list[dict]) -> dict[str, float]:
         if r.get("group"):
             out[r["group"]] += r["s"]
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def long_compiles(records: list[dict]) -> list[dict]:
+    """The compiles of at least `LONG_COMPILE_S`, the longest first: the test that ran each
+    and the jitted function's name (where to look for programs that are nearly the same)."""
+    rows = [{"test": r["test"], "fun": r["fun"], "s": r["s"]} for r in records if "fun" in r]
+    return sorted(rows, key=lambda r: -r["s"])
 
 
 def run_pytest(pytest_args: list[str]) -> tuple[str, int]:
@@ -183,6 +195,7 @@ def main() -> None:
             sticks["after"] = yardstick()
     records = [json.loads(line) for line in Path(events).read_text().splitlines()]
     files, busy, grouped = summarize(records), workers(records), groups(records)
+    longest = long_compiles(records)
     if not args.events:
         os.unlink(events)
     cols = ["test_s", "trace_s", "lower_s", "compile_s", "compiles", "cache_saved_s"]
@@ -202,12 +215,17 @@ def main() -> None:
     if grouped:
         rows = [[g, f"{s:.0f}"] for g, s in list(grouped.items())[: args.top]]
         print(table("the heaviest groups", ["xdist group", "test s"], rows))
+    if longest:
+        rows = [[r["test"], r["fun"], f"{r['s']:.1f}"] for r in longest[: args.top]]
+        title = f"the longest compiles ({len(longest)} of at least {LONG_COMPILE_S:.0f} s)"
+        print(table(title, ["test", "function", "compile s"], rows))
     if sticks:
         rows = [[when, f"{s:.2f}", f"{total['test_s'] / s:.0f}"] for when, s in sticks.items()]
         header = ["measured", "yardstick compile s", "test s per yardstick s"]
         print(table("the yardstick (module docstring)", header, rows))
     write_report({"ran": ran, "exit": returncode, "total": total, "files": files,
-                  "workers": busy, "groups": grouped, "yardstick_s": sticks},
+                  "workers": busy, "groups": grouped, "long_compiles": longest,
+                  "yardstick_s": sticks},
                  args.out)  # fmt: skip
     raise SystemExit(returncode)
 
