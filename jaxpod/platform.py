@@ -1,4 +1,5 @@
-"""Process-level setup that must happen before jax starts. Imports nothing from jax."""
+"""Process-level setup that must happen before jax starts (imports nothing from jax at import
+time), and the compiler options that apply to XLA's CPU backend only."""
 
 from __future__ import annotations
 
@@ -27,3 +28,11 @@ def use_virtual_cpu_devices(count: int) -> None:
     at start-up.
     """
     os.environ["XLA_FLAGS"] = virtual_cpu_flags(count, os.environ.get("XLA_FLAGS", ""))
+
+
+def cpu_only(options: dict) -> dict:
+    """`options` (XLA compiler options) when jax runs on its CPU backend, `{}` elsewhere: the
+    LLVM levels jaxpod picks for programs that run once or are only read are XLA:CPU's."""
+    import jax  # here, not at the top: this module is imported before jax may start
+
+    return dict(options) if jax.default_backend() == "cpu" else {}

@@ -16,6 +16,7 @@ import jax
 import optax
 
 from jaxpod.optim.precision import LossScaleState
+from jaxpod.platform import cpu_only
 
 # XLA's LLVM optimization level for the init, a program that runs once (CPU only): at -O1 it
 # compiles in ~40 % less time and computes the default compile's bits (tests/engine/test_init.py).
@@ -25,7 +26,7 @@ INIT_OPTIONS = {"xla_backend_optimization_level": 1}
 def compile_once(fn: Callable, out_shardings, *args) -> jax.stages.Compiled:
     """`jax.jit(fn, out_shardings=out_shardings)` compiled for `args` as a program that runs
     once (the state's init): on CPU with `INIT_OPTIONS`, elsewhere as any jit."""
-    options = dict(INIT_OPTIONS) if jax.default_backend() == "cpu" else {}
+    options = cpu_only(INIT_OPTIONS)
     return jax.jit(fn, out_shardings=out_shardings).lower(*args).compile(compiler_options=options)
 
 

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from jaxpod.config import Config
 from jaxpod.engine import Engine, TrainState, abstract_engine
 from jaxpod.planner.backend import backend_plan
+from jaxpod.platform import cpu_only
 from jaxpod.run.mapping import most_on_one_device
 
 
@@ -57,7 +58,7 @@ def compile_to_inspect(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
 
 def inspect_options() -> dict:
     """The compiler options of `compile_to_inspect` on this backend (`{}`: the default)."""
-    return dict(INSPECT_OPTIONS) if jax.default_backend() == "cpu" else {}
+    return cpu_only(INSPECT_OPTIONS)
 
 
 def compile_step(cfg: Config, mesh: Mesh) -> dict:
