@@ -114,7 +114,8 @@ print(format_plan(plans["gpt3_175b_pod256"]))
 
 # %% [markdown]
 # Why: a device stores 1/256 of 175 B float16 weights, 1.37 GB, and the step holds all of them
-# (plus their gradients) because jax 0.10.2 lowers no per-phase transfer; the float32 LAMB state
+# (plus their gradients) because the CPU lowering it counts has no per-phase transfer (the
+# TPU/GPU lowering has, uncredited: docs/memory.md, "Which program"); the float32 LAMB state
 # (5.6 GB) is moved in whole for the update. What the gathers do earn: at tensor 8 one layer's
 # weights are `12·d²/8 × 2 B ≈ 453 MB` once all-gathered over the RTS group, so the preset runs
 # each layer matrix by matrix (`memory.stream=matrix`, the MLP in `memory.mlp_panels=8` panels)
@@ -139,8 +140,9 @@ for device in ("ipu-gc200", "tpu-v5e", "h100-80gb"):
 # but the gathered working copy of the stage's weights is added back while it runs.
 #
 # **Phases** (`memory.phases = K`, with `memory.offload=[params]`) run the stage's layers as `K`
-# scans. In jax 0.10.2 the lowered step has no per-phase transfer: the host-resident stack comes
-# in whole, so the planner gives every `K` the same bytes. Below: GPT-3 175B on its POD256 mesh,
+# scans. The CPU lowering, which the planner counts, has no per-phase transfer: the
+# host-resident stack comes in whole, so the planner gives every `K` the same bytes (the TPU/GPU
+# lowering fetches phase by phase). Below: GPT-3 175B on its POD256 mesh,
 # layer by layer, for every divisor `K` of its 12 layers per stage: the bars are equal.
 
 # %%
@@ -262,9 +264,9 @@ plt.tight_layout()
 # state (AdamW moments) stayed on the device. Now a trace of two training steps with
 # `jax.profiler`, read back with `jax.profiler.ProfileData`. Be clear about what it shows: on the
 # CPU backend "device" and "pinned_host" are both host RAM, every virtual device's program runs
-# on a shared thread pool, and (jax 0.10.2) the transfer of host weights to the device inside
-# `shard_map` is not lowered phase by phase: XLA brings the stage's host weights in where the
-# `shard_map` consumes them, once per step. The phase structure is in the program (K scans, each
+# on a shared thread pool, and the CPU lowering drops the transfers of host weights inside
+# `shard_map` (jax lowers them for TPU and GPU only): XLA brings the stage's host weights in
+# where the `shard_map` consumes them, once per step. The phase structure is in the program (K scans, each
 # phase a checkpoint that does not save its fetched weights) but per-phase streaming is not what
 # this backend executes. The timeline colours the XLA operations on each thread: data movement
 # (copies, slices, dynamic-update-slices), collectives (all-reduce, collective-permute, …) and

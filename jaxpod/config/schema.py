@@ -252,9 +252,9 @@ class Config:
             )
         if "activations" in self.memory.offload:
             out.append(
-                "memory.offload includes activations, but the step jax 0.10.2 lowers places no "
-                "saved activation on the host (tests/planner/test_transfers.py): they stay on "
-                "the device and the planner counts them there; drop it from memory.offload"
+                "memory.offload includes activations: the TPU/GPU program places the saved "
+                "activations on the host, the CPU one does not, and the planner counts them on "
+                "the device for every profile (tests/planner/test_transfers.py)"
             )
         return out
 

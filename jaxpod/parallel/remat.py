@@ -7,9 +7,9 @@ values with `checkpoint_name` (see `jaxpod.models.layers`).
 With `memory.offload` containing `activations`, the values a policy saves are *offloaded*
 instead: written to `pinned_host` memory in the forward pass and read back in the backward
 pass (`OFFLOAD_POLICIES`, built from `save_and_offload_only_these_names` /
-`offload_dot_with_no_batch_dims`); what is recomputed does not change. In jax 0.10.2 the
-lowered step carries no host placement for them (inside `shard_map`): they stay on the
-device, and the planner counts them there (tests/planner/test_transfers.py).
+`offload_dot_with_no_batch_dims`); what is recomputed does not change. The TPU/GPU lowering
+places them on the host; the CPU lowering has no such placement (`jaxpod.parallel.offload`),
+and the planner counts them on the device (tests/planner/test_transfers.py).
 """
 
 from __future__ import annotations

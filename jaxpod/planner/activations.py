@@ -244,8 +244,8 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         copies = min(copies, ROUNDED_HEAD_LOGIT_COPIES)
     head = head_tokens * vocab_rows * 4 * copies // head_chunks
     head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // head_chunks
-    # memory.offload=activations earns nothing: the lowered step places no saved value on the
-    # host (tests/planner/test_transfers.py), so every saved activation stays on the device
+    # memory.offload=activations earns nothing: the CPU lowering places no saved value on the
+    # host (the TPU/GPU one does, uncredited: tests/planner/test_transfers.py)
     on_device_saved = saved
     # Two moments: the loss head (end of the forward pass: the saved residuals, the forward's
     # rows, the head's logits) and the layers' backward pass (the backward's buffers, the

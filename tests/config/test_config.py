@@ -465,6 +465,14 @@ def test_float16_without_loss_scale_warns():
     assert cfg.warnings() == []
 
 
+def test_offloaded_activations_warn_that_the_planner_keeps_them_on_the_device():
+    """The offload is real in the TPU/GPU program only (tests/planner/test_transfers.py)."""
+    (warning,) = load_config(None, ["memory.offload=[activations]"]).warnings()
+    assert warning.startswith("memory.offload includes activations")
+    assert "planner counts them on the device" in warning
+    assert load_config(None, ["memory.offload=[optimizer]"]).warnings() == []
+
+
 def test_import_does_not_load_jax():
     code = (
         "import sys, jaxpod.config.load\n"

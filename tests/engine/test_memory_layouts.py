@@ -233,9 +233,8 @@ def test_host_weights_are_placed_on_device(tiny_cfg, mesh_for):
     """The lowered step moves every host-resident weight to device memory (an
     `annotate_device_placement` to "device" of each weight's global shape).
 
-    Not asserted (see the report in jaxpod.parallel.offload): jax 0.10.2 emits no placement
-    inside the `shard_map` body, so the per-phase fetches are not visible as separate
-    transfers in the lowered program."""
+    Not asserted here: the per-phase fetches inside the `shard_map` body, which the CPU
+    lowering drops and the TPU/GPU lowering keeps (tests/planner/test_transfers.py)."""
     shape, extra = OFFLOAD_CASES["params-phases2-2x1x4"]
     engine, _, _, state = run(tiny_cfg, mesh_for, shape, *extra)
     lowered = engine.train_step.lower(state, abstract_batch(engine))

@@ -153,10 +153,10 @@ def test_rts_and_offload_move_bytes():
     assert off["optimizer"] == 0 and off["host_total"] == p1["optimizer"]
     assert off["peak"] == "update" and off["moved_in"] == p1["optimizer"]
     assert off["device_total"] >= off["weights"] + off["moved_in"] + off["updates"]
-    # host-resident layers are on the device for the whole step (moved in at the shard_map
-    # boundary; per-phase / per-matrix transfers are not executed as written): no credit,
-    # whatever the phases or the stream (matrix streaming's own credit, a smaller working
-    # set, is the same with the weights on the device)
+    # host-resident layers are on the device for the whole step (the CPU lowering moves them
+    # in at the shard_map boundary; its per-phase / per-matrix transfers lower to nothing): no
+    # credit, whatever the phases or the stream (matrix streaming's own credit, a smaller
+    # working set, is the same with the weights on the device)
     for extra in (["memory.phases=6"], ["memory.stream=matrix", "memory.mlp_panels=4"]):
         ph = plan(cfg_of(*base, "memory.offload=[params]", *extra))["bytes_per_device"]
         on = plan(cfg_of(*base, *extra))["bytes_per_device"]

@@ -8,6 +8,11 @@ the entry's arguments with `memory_kind = "pinned_host"`, and the blocks gathere
 assumes (`jaxpod.planner.bytes`): host-resident layers and optimizer state moved whole (no
 phase-, panel- or layer-sized transfer exists), no saved activation placed on the host, the
 token table and the MLP gathered a block at a time.
+
+That is the CPU lowering, the program XLA:CPU compiles here. The same step lowered for TPU or
+GPU (`lowering_platforms`, no such device needed) has what the CPU lowering drops: the phases'
+and the matrices' fetches and the saved activations' offload; the last tests find them. The
+planner credits none of them, for any profile.
 """
 
 from __future__ import annotations
@@ -24,12 +29,16 @@ PLACEMENT = re.compile(r'_xla_buffer_placement = "(\w+)".*\) -> (tensor<[^>]*>)'
 ARGUMENT = re.compile(r"%arg\d+: (tensor<[^>]*>) \{([^}]*)\}")
 
 
-def _lowered(mesh_for, *overrides, mesh=(1, 1, 2)) -> str:
+def _lowered(mesh_for, *overrides, mesh=(1, 1, 2), platform: str | None = None) -> str:
+    """The tiny step's StableHLO as jax lowers it for this backend, or for `platform`."""
     from jaxpod.run.aot import abstract_inputs
 
     cfg = make_tiny_cfg(*overrides, mesh=mesh)
     engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
-    return engine.train_step.lower(state, batch).as_text()
+    if platform is None:
+        return engine.train_step.lower(state, batch).as_text()
+    traced = engine.train_step.trace(state, batch)
+    return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
 def _placements(text: str) -> Counter:
@@ -114,7 +123,7 @@ def test_xla_cpu_reads_host_optimizer_state_in_place(mesh_for):
 
 @pytest.mark.parametrize("remat", ["minimal", "attention"])
 def test_no_saved_activation_is_placed_on_the_host(mesh_for, remat):
-    """`memory.offload=activations` lowers to no host placement at all (jax 0.10.2): the
+    """`memory.offload=activations` lowers to no host placement at all on CPU: the
     planner keeps every saved activation on the device."""
     text = _lowered(mesh_for, "memory.offload=[activations]", f"model.remat={remat}")
     assert not [t for (kind, t) in _placements(text) if kind == "pinned_host"]
@@ -138,3 +147,52 @@ def test_blocks_are_gathered_one_at_a_time(mesh_for):
     cfgs = [make_tiny_cfg(*common, *extra, mesh=(2, 1, 1)) for extra in ([], blocks)]
     gathered = [plan(c)["bytes_per_device"]["gathered"] for c in cfgs]
     assert gathered[1] < gathered[0]
+
+
+# jax lowers a placement inside jit (`jax.device_put` to a memory kind, a remat policy's
+# offload) for TPU and GPU only; the CPU lowering, which XLA:CPU compiles, drops them. Lowering
+# for another platform needs no such device: these programs are read, never compiled.
+ACCELERATORS = ("tpu", "cuda")
+OFFLOADED_LAYERS = ("memory.offload=[params]", "model.remat=full")
+
+
+def _placed(text: str, kind: str) -> set[str]:
+    """The types placed in memory `kind` (`device` or `pinned_host`) anywhere in `text`."""
+    return {t for k, t in _placements(text) if k == kind}
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+def test_an_accelerator_lowering_fetches_a_phase_at_a_time(mesh_for, platform):
+    """The phases' fetches are in the TPU/GPU program: with 4 layers in 2 phases on tensor 2,
+    the MLP's input matrices move in [2, 64, 128] pieces, a phase of the device's
+    [4, 64, 128]. The CPU lowering has no such piece (`test_host_layers_reach_the_device_whole`),
+    and the planner counts the CPU lowering's structure for every profile."""
+    phases = (*OFFLOADED_LAYERS, "memory.phases=2")
+    assert "tensor<2x64x128xf32>" in _placed(
+        _lowered(mesh_for, *phases, platform=platform), "device"
+    )
+    assert "tensor<2x64x128xf32>" not in _placed(_lowered(mesh_for, *phases), "device")
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+def test_an_accelerator_lowering_streams_a_matrix_at_a_time(mesh_for, platform):
+    """`memory.stream=matrix` in the TPU/GPU program: one layer's attention output matrix
+    ([32, 64] on tensor 2) and one of its q, k, v matrices ([64, 1, 32]) are moved in alone;
+    the CPU lowering moves neither."""
+    pieces = {"tensor<32x64xf32>", "tensor<64x1x32xf32>"}
+    stream = (*OFFLOADED_LAYERS, "memory.stream=matrix", "memory.mlp_panels=2")
+    assert pieces <= _placed(_lowered(mesh_for, *stream, platform=platform), "device")
+    assert not pieces & _placed(_lowered(mesh_for, *stream), "device")
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+def test_an_accelerator_lowering_offloads_saved_activations(mesh_for, platform):
+    """`memory.offload=activations` in the TPU/GPU program: the products remat `minimal`
+    saves are placed on the host in the forward pass and back on the device for the backward,
+    the MLP's first one, [micro-batch 2, 64 positions, 128 of d_ff 256], among them. The CPU
+    lowering places none (`test_no_saved_activation_is_placed_on_the_host`)."""
+    offload = ("memory.offload=[activations]", "model.remat=minimal")
+    text = _lowered(mesh_for, *offload, platform=platform)
+    to_host = _placed(text, "pinned_host")
+    assert "tensor<2x64x128xf32>" in to_host
+    assert to_host <= _placed(text, "device")
