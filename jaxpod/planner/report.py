@@ -66,8 +66,11 @@ def format_plan(p: dict) -> str:
             + (f", token table in {p['vocab_slices']} blocks" if p["vocab_slices"] > 1 else ""),
         ),
     ]
+    weights = "master (+16-bit working copy)"
+    if "params" in p["offload"]:  # docs/memory.md, "Which program the planner counts"
+        weights += "; host-resident, on the device all step as the CPU lowering moves it in"
     rows = [
-        ("weights", b["weights"], "master (+16-bit working copy)"),
+        ("weights", b["weights"], weights),
         ("grads", b["grads"], "peak during backward"),
         ("optimizer", b["optimizer"], p["optimizer"]),
         ("moved in", b["moved_in"], "host-resident state moved to the device for the update"),

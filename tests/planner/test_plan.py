@@ -162,6 +162,11 @@ def test_rts_and_offload_move_bytes():
         on = plan(cfg_of(*base, *extra))["bytes_per_device"]
         assert ph["weights"] == on["weights"] and ph["device_total"] >= on["device_total"]
         assert ph["arguments"] < on["arguments"]  # what rests on the device between steps
+    # and the report says so, on the weights row
+    (row,) = [r for r in format_plan(plan(cfg_of(*base, "memory.offload=[params]"))).splitlines()
+              if r.startswith("weights ")]  # fmt: skip
+    assert "host-resident, on the device all step as the CPU lowering moves it in" in row
+    assert "host-resident" not in format_plan(plan(cfg_of(*base)))
 
 
 def test_not_fitting_plan_suggests_and_budget_refuses():
