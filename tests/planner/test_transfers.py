@@ -174,6 +174,17 @@ def test_an_accelerator_lowering_fetches_a_phase_at_a_time(mesh_for, platform):
     assert "tensor<2x64x128xf32>" not in _placed(_lowered(mesh_for, *phases), "device")
 
 
+def test_an_accelerator_lowering_fetches_a_pipelined_stage_once(mesh_for):
+    """Pipelined (4 layers on 2 stages, phases of 1 layer), a stage's whole stack is fetched
+    once before the ticks in the TPU program: the MLP's input matrices move in as [2, 64, 256]
+    (the stage's 2 layers), never as a phase's [1, 64, 256]. The CPU lowering moves neither."""
+    phases = (*OFFLOADED_LAYERS, "memory.phases=2")
+    tpu = _placed(_lowered(mesh_for, *phases, mesh=(1, 2, 1), platform="tpu"), "device")
+    assert "tensor<2x64x256xf32>" in tpu and "tensor<1x64x256xf32>" not in tpu
+    cpu = _placed(_lowered(mesh_for, *phases, mesh=(1, 2, 1)), "device")
+    assert not {"tensor<2x64x256xf32>", "tensor<1x64x256xf32>"} & cpu
+
+
 @pytest.mark.parametrize("platform", ACCELERATORS)
 def test_an_accelerator_lowering_streams_a_matrix_at_a_time(mesh_for, platform):
     """`memory.stream=matrix` in the TPU/GPU program: one layer's attention output matrix
