@@ -114,8 +114,9 @@ print(format_plan(plans["gpt3_175b_pod256"]))
 
 # %% [markdown]
 # Why: a device stores 1/256 of 175 B float16 weights, 1.37 GB, and the step holds all of them
-# (plus their gradients) because the CPU lowering it counts has no per-phase transfer (the
-# TPU/GPU lowering has, uncredited: docs/memory.md, "Which program"); the float32 LAMB state
+# (plus their gradients) because the CPU lowering fetches no piece of them (the TPU/GPU
+# lowering fetches them phase by phase, uncredited: docs/memory.md, "Which program"); the
+# float32 LAMB state
 # (5.6 GB) is moved in whole for the update. What the gathers do earn: at tensor 8 one layer's
 # weights are `12·d²/8 × 2 B ≈ 453 MB` once all-gathered over the RTS group, so the preset runs
 # each layer matrix by matrix (`memory.stream=matrix`, the MLP in `memory.mlp_panels=8` panels)
@@ -140,9 +141,9 @@ for device in ("ipu-gc200", "tpu-v5e", "h100-80gb"):
 # but the gathered working copy of the stage's weights is added back while it runs.
 #
 # **Phases** (`memory.phases = K`, with `memory.offload=[params]`) run the stage's layers as `K`
-# scans. The CPU lowering, which the planner counts, has no per-phase transfer: the
-# host-resident stack comes in whole, so the planner gives every `K` the same bytes (the TPU/GPU
-# lowering fetches phase by phase). Below: GPT-3 175B on its POD256 mesh,
+# scans. The CPU lowering has no transfer inside the step (XLA:CPU reads the host-resident
+# stack in place), so the planner counts the stack whole and gives every `K` the same bytes
+# (the TPU/GPU lowering fetches phase by phase, uncredited). Below: GPT-3 175B on its POD256 mesh,
 # layer by layer, for every divisor `K` of its 12 layers per stage: the bars are equal.
 
 # %%
@@ -265,8 +266,7 @@ plt.tight_layout()
 # `jax.profiler`, read back with `jax.profiler.ProfileData`. Be clear about what it shows: on the
 # CPU backend "device" and "pinned_host" are both host RAM, every virtual device's program runs
 # on a shared thread pool, and the CPU lowering drops the transfers of host weights inside
-# `shard_map` (jax lowers them for TPU and GPU only): XLA brings the stage's host weights in
-# where the `shard_map` consumes them, once per step. The phase structure is in the program (K scans, each
+# the step (jax lowers them for TPU and GPU only): XLA reads the host weights in place. The phase structure is in the program (K scans, each
 # phase a checkpoint that does not save its fetched weights) but per-phase streaming is not what
 # this backend executes. The timeline colours the XLA operations on each thread: data movement
 # (copies, slices, dynamic-update-slices), collectives (all-reduce, collective-permute, …) and
@@ -338,17 +338,37 @@ busy = sum(totals.values())
 print("share of traced op time:", {k: f"{v / busy:.0%}" for k, v in totals.items()})
 
 # %% [markdown]
-# What the program *asks for* is visible in the lowered step: every host-resident weight gets an
-# `annotate_device_placement` to device memory (a memory-space transfer the scheduler may overlap
-# with compute on TPU/GPU), and the state arguments carry their memory kinds. The compiled step's
-# temporaries hold the fetched weights, activations and gradients:
+# Where the state lives is visible in the lowered step: the state arguments carry their memory
+# kinds, and the results' `annotate_device_placement`s return the new weights to `pinned_host`
+# and the rest to the device. On CPU there is no placement inside the step (no transfer); the
+# same step lowered for TPU (`lowering_platforms`, read, not compiled) fetches the weights
+# phase by phase inside it. The compiled step's temporaries hold the weights read in place,
+# the activations and the gradients:
 
 # %%
-text = lowered.as_text()
-placements = [line for line in text.splitlines() if "annotate_device_placement" in line]
-to_device = sum('_xla_buffer_placement = "device"' in line for line in placements)
-to_host = sum('_xla_buffer_placement = "pinned_host"' in line for line in placements)
-print(f"annotate_device_placement: {to_device} to device, {to_host} to pinned_host")
+import re
+
+lowered_tpu = engine.train_step.trace(state, tokens(0)).lower(lowering_platforms=("tpu",))
+
+
+def placements(text):
+    """(placements inside the step, placements of its results): [to device, to host] each."""
+    entry = text[text.index("func.func public @main"):]
+    entry = entry[:entry.index("\n  }\n")]
+    returned = set(re.findall(r"%\w+", entry.splitlines()[-1]))
+    inside, results = [0, 0], [0, 0]
+    for line in text.splitlines():
+        if "annotate_device_placement" in line:
+            name = line.split("=")[0].strip()
+            where = results if name in returned and line in entry else inside
+            where['"pinned_host"' in line] += 1
+    return inside, results
+
+
+for platform, text in [("cpu", lowered.as_text()), ("tpu", lowered_tpu.as_text())]:
+    (ind, inh), (rd, rh) = placements(text)
+    print(f"{platform}: inside the step {ind} to device, {inh} to host; "
+          f"results {rd} to device, {rh} to host")
 mem = compiled.memory_analysis()
 print(f"compiled step, per device: arguments {mem.argument_size_in_bytes:,} B, "
       f"temporaries {mem.temp_size_in_bytes:,} B, host arguments "

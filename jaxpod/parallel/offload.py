@@ -17,12 +17,9 @@ A pod's *streaming memory* is emulated with the `pinned_host` memory kind: array
 
 Which of these transfers a program has depends on the platform it is lowered for: jax 0.10.2
 lowers a placement inside jit (these `device_put`s, a remat policy's offload) for TPU and GPU
-only. The TPU/GPU program fetches phase by phase (a pipelined stage: its stack, once) and
-matrix by matrix and offloads the saved activations; the CPU program, which XLA:CPU
-compiles, has none of that (the host weights come in whole where the `shard_map` consumes
-them; both memory kinds are host RAM). The planner counts the CPU program's structure for
-every profile (docs/memory.md); tests/planner/test_transfers.py finds both structures in the
-lowered programs.
+only. The TPU/GPU program does all of the above; the CPU program, which XLA:CPU compiles, has
+no transfer inside the step and reads the host-resident state in place (one RAM). What the
+planner counts of each: docs/memory.md; tests/planner/test_transfers.py reads both programs.
 """
 
 from __future__ import annotations

@@ -79,10 +79,10 @@ def device_bytes(
         gathered = (other + step) * pb
         gathered_layer = step * pb
 
-    # Host-resident weights are on the device for the whole step: the CPU lowering moves them
-    # in at the shard_map boundary (its per-phase / per-matrix device_puts lower to nothing;
-    # the TPU/GPU lowering keeps them, uncredited: jaxpod.parallel.offload), and a pipelined
-    # stage fetches its stack before the ticks.
+    # Host-resident weights are on the device for the whole step: the CPU lowering fetches no
+    # piece of them (its per-phase / per-matrix device_puts lower to nothing; the TPU/GPU
+    # lowering keeps them, uncredited: jaxpod.parallel.offload), and a pipelined stage
+    # fetches its stack before the ticks.
     weights = weights_all
     grads = grads_stage
     optimizer = 0 if "optimizer" in offload else optimizer_all

@@ -68,7 +68,7 @@ def format_plan(p: dict) -> str:
     ]
     weights = "master (+16-bit working copy)"
     if "params" in p["offload"]:  # docs/memory.md, "Which program the planner counts"
-        weights += "; host-resident, on the device all step as the CPU lowering moves it in"
+        weights += "; host-resident, counted on the device all step (CPU fetches no piece)"
     rows = [
         ("weights", b["weights"], weights),
         ("grads", b["grads"], "peak during backward"),

@@ -153,8 +153,8 @@ def test_rts_and_offload_move_bytes():
     assert off["optimizer"] == 0 and off["host_total"] == p1["optimizer"]
     assert off["peak"] == "update" and off["moved_in"] == p1["optimizer"]
     assert off["device_total"] >= off["weights"] + off["moved_in"] + off["updates"]
-    # host-resident layers are on the device for the whole step (the CPU lowering moves them
-    # in at the shard_map boundary; its per-phase / per-matrix transfers lower to nothing): no
+    # host-resident layers are on the device for the whole step (the CPU lowering fetches no
+    # piece of them; its per-phase / per-matrix transfers lower to nothing): no
     # credit, whatever the phases or the stream (matrix streaming's own credit, a smaller
     # working set, is the same with the weights on the device)
     for extra in (["memory.phases=6"], ["memory.stream=matrix", "memory.mlp_panels=4"]):
@@ -165,7 +165,7 @@ def test_rts_and_offload_move_bytes():
     # and the report says so, on the weights row
     (row,) = [r for r in format_plan(plan(cfg_of(*base, "memory.offload=[params]"))).splitlines()
               if r.startswith("weights ")]  # fmt: skip
-    assert "host-resident, on the device all step as the CPU lowering moves it in" in row
+    assert "host-resident, counted on the device all step (CPU fetches no piece)" in row
     assert "host-resident" not in format_plan(plan(cfg_of(*base)))
 
 

@@ -1,18 +1,20 @@
 """Every byte the planner credits is a transfer or a buffer the lowered step has.
 
 The planner's memory credits are checked against the program jax lowers, not against the
-memory kinds the engine asked for: host-to-device and device-to-host transfers are the
-`annotate_device_placement` custom calls of the lowered StableHLO, the host-resident state is
-the entry's arguments with `memory_kind = "pinned_host"`, and the blocks gathered are the
-`all_gather` results. Each test lowers a small step and checks the structure the planner
-assumes (`jaxpod.planner.bytes`): host-resident layers and optimizer state moved whole (no
-phase-, panel- or layer-sized transfer exists), no saved activation placed on the host, the
-token table and the MLP gathered a block at a time.
+memory kinds the engine asked for: a transfer is an `annotate_device_placement` custom call
+inside the step (the entry's results carry placements too: where the new state is returned,
+not a transfer), the host-resident state is the entry's arguments with
+`memory_kind = "pinned_host"`, and the blocks gathered are the `all_gather` results.
 
-That is the CPU lowering, the program XLA:CPU compiles here. The same step lowered for TPU or
-GPU (`lowering_platforms`, no such device needed) has what the CPU lowering drops: the phases'
-and the matrices' fetches and the saved activations' offload; the last tests find them. The
-planner credits none of them, for any profile.
+Two lowerings of the same step (docs/memory.md, "Which program the planner counts"). The CPU
+lowering, the program XLA:CPU compiles here, has no transfer inside the step: it reads the
+host-resident state in place (one RAM), fetches no piece of it, and places no saved
+activation on the host. The TPU/GPU lowering (`lowering_platforms`, no such device needed)
+moves the optimizer state in whole for the update and back, fetches the layers phase by phase
+or matrix by matrix, and offloads the saved activations. The planner counts the layers and
+the activations on the device (what the CPU program's lack of pieces implies) and, for
+profiles that do not share host memory, the optimizer state moved in whole (what the TPU/GPU
+program does). Also here: the token table and the MLP gathered a block at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from helpers import make_tiny_cfg
 
 from jaxpod.planner.plan import plan
 
-PLACEMENT = re.compile(r'_xla_buffer_placement = "(\w+)".*\) -> (tensor<[^>]*>)')
+PLACEMENT = re.compile(
+    r'(%\w+) = stablehlo.custom_call @annotate_device_placement.*_xla_buffer_placement = "(\w+)"'
+    r".*\) -> (tensor<[^>]*>)"
+)
 ARGUMENT = re.compile(r"%arg\d+: (tensor<[^>]*>) \{([^}]*)\}")
 
 
@@ -41,10 +46,24 @@ def _lowered(mesh_for, *overrides, mesh=(1, 1, 2), platform: str | None = None) 
     return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
-def _placements(text: str) -> Counter:
-    """(memory kind, result type) of every placement annotation: a transfer when it differs
-    from where the value lives."""
-    return Counter(m.groups() for m in PLACEMENT.finditer(text))
+def _entry(text: str) -> str:
+    """The text of the entry function, `@main`."""
+    start = text.index("func.func public @main")
+    return text[start : text.index("\n  }\n", start)]
+
+
+def _placements(text: str, results: bool = False) -> Counter:
+    """(memory kind, type) of each placement annotation inside the step, the transfers; or,
+    with `results`, of those on the values the entry returns (where the new state goes)."""
+    entry = _entry(text)
+    returned = set(re.findall(r"%\w+", entry.splitlines()[-1]))
+    at_return = {m.group(1) for m in PLACEMENT.finditer(entry) if m.group(1) in returned}
+    counts = Counter()
+    for m in PLACEMENT.finditer(text):
+        is_result = m.group(1) in at_return and m.group(0) in entry
+        if is_result == results:
+            counts[m.group(2), m.group(3)] += 1
+    return counts
 
 
 def _arguments(text: str) -> list[tuple[str, bool]]:
@@ -60,44 +79,41 @@ def _gathers(text: str) -> list[str]:
 @pytest.mark.parametrize(
     ("extra", "mesh"),
     [
-        (["memory.phases=2"], (1, 1, 2)),
-        (["memory.stream=matrix", "memory.mlp_panels=2"], (1, 1, 2)),
-        (["memory.phases=2"], (1, 2, 1)),
+        (["memory.offload=[params]", "memory.phases=2"], (1, 1, 2)),
+        (["memory.offload=[params]", "memory.stream=matrix", "memory.mlp_panels=2"], (1, 1, 2)),
+        (["memory.offload=[params]", "memory.phases=2"], (1, 2, 1)),
+        (["memory.offload=[optimizer]"], (1, 1, 2)),
     ],
-    ids=["phases", "matrix", "pipelined"],
+    ids=["phases", "matrix", "pipelined", "optimizer"],
 )
-def test_host_layers_reach_the_device_whole(mesh_for, extra, mesh):
-    """With the layer stack host-resident, every transfer in the step moves a whole argument:
-    no phase-, panel- or layer-sized piece is ever transferred. So the planner counts the
-    stage's stack on the device for the whole step, whatever the phases or the stream."""
-    overrides = ["memory.offload=[params]", "model.remat=full", *extra]
-    text = _lowered(mesh_for, *overrides, mesh=mesh)
-    arguments = _arguments(text)
-    host = {t for t, on_host in arguments if on_host}
-    stacked = {t for t in host if re.match(r"tensor<4x", t)}  # [L=4, ...] layer leaves
-    assert stacked, "the layer stack should be host-resident"
-    moved = {t for (kind, t), _ in _placements(text).items() if kind == "device"}
-    assert stacked <= moved  # the whole stack is moved to the device
-    whole = {t for t, _ in arguments} | {"tensor<f32>", "tensor<i32>"}
-    assert moved <= whole, f"pieces transferred: {sorted(moved - whole)}"
-    cfg = make_tiny_cfg(*overrides, mesh=mesh)
-    resident = make_tiny_cfg("model.remat=full", *extra, mesh=mesh)
-    planned, kept = plan(cfg)["bytes_per_device"], plan(resident)["bytes_per_device"]
-    assert planned["weights"] == kept["weights"] and planned["grads"] == kept["grads"]
-    assert planned["arguments"] < kept["arguments"]  # at rest, the stack is on the host
+def test_the_cpu_lowering_transfers_nothing_inside_the_step(mesh_for, extra, mesh):
+    """On CPU the host-resident state is read in place: the step has no placement inside it,
+    so no phase-, panel- or layer-sized piece is ever fetched, and its only placements are
+    its results', the new host-resident state returned to the host. So the planner counts
+    the stage's stack on the device for the whole step, whatever the phases or the stream."""
+    text = _lowered(mesh_for, *extra, "model.remat=full", mesh=mesh)
+    host = {t for t, on_host in _arguments(text) if on_host}
+    assert host, "some state should be host-resident"
+    assert not _placements(text)
+    assert host <= {t for kind, t in _placements(text, results=True) if kind == "pinned_host"}
+    if "memory.offload=[params]" in extra:
+        cfg = make_tiny_cfg(*extra, "model.remat=full", mesh=mesh)
+        resident = make_tiny_cfg("model.remat=full", *extra[1:], mesh=mesh)
+        planned, kept = plan(cfg)["bytes_per_device"], plan(resident)["bytes_per_device"]
+        assert planned["weights"] == kept["weights"] and planned["grads"] == kept["grads"]
+        assert planned["arguments"] < kept["arguments"]  # at rest, the stack is on the host
 
 
-def test_host_optimizer_state_is_moved_in_whole_for_the_update(mesh_for):
-    """The optimizer state rests on the host and every leaf of it is moved to the device in
-    one piece and back: the planner counts it whole at the update's peak (`moved_in`)."""
-    text = _lowered(mesh_for, "memory.offload=[optimizer]", "model.remat=full")
-    arguments = _arguments(text)
-    host = {t for t, on_host in arguments if on_host}
-    placements = _placements(text)
-    to_device = {t for kind, t in placements if kind == "device"}
-    to_host = {t for kind, t in placements if kind == "pinned_host"}
-    assert host and host <= to_device and host <= to_host  # moved in, written back
-    assert to_device | to_host <= {t for t, _ in arguments} | {"tensor<f32>", "tensor<i32>"}
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_an_accelerator_moves_the_host_optimizer_state_in_whole(mesh_for, platform):
+    """The TPU/GPU program moves every host-resident optimizer leaf to the device in one
+    piece inside the step and back to the host: the planner counts it whole at the update's
+    peak (`moved_in`) on the profiles that do not share host memory."""
+    text = _lowered(mesh_for, "memory.offload=[optimizer]", "model.remat=full", platform=platform)
+    host = {t for t, on_host in _arguments(text) if on_host}
+    inside = _placements(text)
+    assert host and host <= {t for kind, t in inside if kind == "device"}  # moved in whole
+    assert host <= {t for kind, t in inside if kind == "pinned_host"}  # and written back
     pod = ("memory.device=ipu-gc200", "model.remat=full")
     b = plan(make_tiny_cfg("memory.offload=[optimizer]", *pod, mesh=(1, 1, 2)))
     kept = plan(make_tiny_cfg(*pod, mesh=(1, 1, 2)))["bytes_per_device"]
