@@ -346,29 +346,17 @@ print("share of traced op time:", {k: f"{v / busy:.0%}" for k, v in totals.items
 # the activations and the gradients:
 
 # %%
-import re
+def count(placed, kind):
+    """How many of the (memory kind, type) `placed` go to `kind`."""
+    return sum(n for (k, _), n in placed.items() if k == kind)
+
 
 lowered_tpu = engine.train_step.trace(state, tokens(0)).lower(lowering_platforms=("tpu",))
-
-
-def placements(text):
-    """(placements inside the step, placements of its results): [to device, to host] each."""
-    entry = text[text.index("func.func public @main"):]
-    entry = entry[:entry.index("\n  }\n")]
-    returned = set(re.findall(r"%\w+", entry.splitlines()[-1]))
-    inside, results = [0, 0], [0, 0]
-    for line in text.splitlines():
-        if "annotate_device_placement" in line:
-            name = line.split("=")[0].strip()
-            where = results if name in returned and line in entry else inside
-            where['"pinned_host"' in line] += 1
-    return inside, results
-
-
 for platform, text in [("cpu", lowered.as_text()), ("tpu", lowered_tpu.as_text())]:
-    (ind, inh), (rd, rh) = placements(text)
-    print(f"{platform}: inside the step {ind} to device, {inh} to host; "
-          f"results {rd} to device, {rh} to host")
+    transfers, results = offload.placements(text)  # inside the step; on the returned state
+    print(f"{platform}: inside the step {count(transfers, 'device')} to device, "
+          f"{count(transfers, 'pinned_host')} to host; results {count(results, 'device')} "
+          f"to device, {count(results, 'pinned_host')} to host")
 mem = compiled.memory_analysis()
 print(f"compiled step, per device: arguments {mem.argument_size_in_bytes:,} B, "
       f"temporaries {mem.temp_size_in_bytes:,} B, host arguments "

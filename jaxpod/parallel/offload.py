@@ -24,6 +24,8 @@ planner counts of each: docs/memory.md; tests/planner/test_transfers.py reads bo
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from typing import Any
 
 import jax
@@ -45,3 +47,24 @@ def to_host(tree: Any) -> Any:
 def with_memory_kind(shardings: Any, kind: str) -> Any:
     """The same `NamedSharding`s in memory kind `kind`."""
     return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
+
+
+# An `annotate_device_placement` in lowered StableHLO: its value, memory kind and type.
+_PLACEMENT = re.compile(
+    r'(%\w+) = stablehlo.custom_call @annotate_device_placement.*_xla_buffer_placement = "(\w+)"'
+    r".*\) -> (tensor<[^>]*>)"
+)
+
+
+def placements(lowered_text: str) -> tuple[Counter, Counter]:
+    """`(transfers, results)` of a lowered step's text: `Counter`s of (memory kind, type)
+    of its `annotate_device_placement`s inside the step, and of those on the values its
+    entry function returns (where the new state goes: no transfer inside the step)."""
+    start = lowered_text.index("func.func public @main")
+    entry = lowered_text[start : lowered_text.index("\n  }\n", start)]
+    returned = set(re.findall(r"%\w+", entry.splitlines()[-1]))
+    at_return = {m.group(0) for m in _PLACEMENT.finditer(entry) if m.group(1) in returned}
+    transfers, results = Counter(), Counter()
+    for m in _PLACEMENT.finditer(lowered_text):
+        (results if m.group(0) in at_return else transfers)[m.group(2), m.group(3)] += 1
+    return transfers, results

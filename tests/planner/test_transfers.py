@@ -25,12 +25,9 @@ from collections import Counter
 import pytest
 from helpers import make_tiny_cfg
 
+from jaxpod.parallel.offload import placements
 from jaxpod.planner.plan import plan
 
-PLACEMENT = re.compile(
-    r'(%\w+) = stablehlo.custom_call @annotate_device_placement.*_xla_buffer_placement = "(\w+)"'
-    r".*\) -> (tensor<[^>]*>)"
-)
 ARGUMENT = re.compile(r"%arg\d+: (tensor<[^>]*>) \{([^}]*)\}")
 
 
@@ -46,24 +43,10 @@ def _lowered(mesh_for, *overrides, mesh=(1, 1, 2), platform: str | None = None) 
     return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
-def _entry(text: str) -> str:
-    """The text of the entry function, `@main`."""
-    start = text.index("func.func public @main")
-    return text[start : text.index("\n  }\n", start)]
-
-
 def _placements(text: str, results: bool = False) -> Counter:
-    """(memory kind, type) of each placement annotation inside the step, the transfers; or,
-    with `results`, of those on the values the entry returns (where the new state goes)."""
-    entry = _entry(text)
-    returned = set(re.findall(r"%\w+", entry.splitlines()[-1]))
-    at_return = {m.group(1) for m in PLACEMENT.finditer(entry) if m.group(1) in returned}
-    counts = Counter()
-    for m in PLACEMENT.finditer(text):
-        is_result = m.group(1) in at_return and m.group(0) in entry
-        if is_result == results:
-            counts[m.group(2), m.group(3)] += 1
-    return counts
+    """(memory kind, type) of each placement inside the step, the transfers; or, with
+    `results`, of those on the values the entry returns (`jaxpod.parallel.offload`)."""
+    return placements(text)[results]
 
 
 def _arguments(text: str) -> list[tuple[str, bool]]:
