@@ -29,6 +29,11 @@ from jaxpod.parallel.offload import placements
 from jaxpod.planner.plan import plan
 
 ARGUMENT = re.compile(r"%arg\d+: (tensor<[^>]*>) \{([^}]*)\}")
+# jax lowers a placement inside jit (`jax.device_put` to a memory kind, a remat policy's
+# offload) for TPU and GPU only; the CPU lowering, which XLA:CPU compiles, drops them. Lowering
+# for another platform needs no such device: these programs are read, never compiled.
+ACCELERATORS = ("tpu", "cuda")
+OFFLOADED_LAYERS = ("memory.offload=[params]", "model.remat=full")
 
 
 def _lowered(mesh_for, *overrides, mesh=(1, 1, 2), platform: str | None = None) -> str:
@@ -47,6 +52,12 @@ def _placements(text: str, results: bool = False) -> Counter:
     """(memory kind, type) of each placement inside the step, the transfers; or, with
     `results`, of those on the values the entry returns (`jaxpod.parallel.offload`)."""
     return placements(text)[results]
+
+
+def _placed(text: str, kind: str, results: bool = False) -> set[str]:
+    """The types placed in memory `kind` (`device` or `pinned_host`) inside the step, or,
+    with `results`, on the values it returns."""
+    return {t for k, t in _placements(text, results) if k == kind}
 
 
 def _arguments(text: str) -> list[tuple[str, bool]]:
@@ -78,7 +89,7 @@ def test_the_cpu_lowering_transfers_nothing_inside_the_step(mesh_for, extra, mes
     host = {t for t, on_host in _arguments(text) if on_host}
     assert host, "some state should be host-resident"
     assert not _placements(text)
-    assert host <= {t for kind, t in _placements(text, results=True) if kind == "pinned_host"}
+    assert host <= _placed(text, "pinned_host", results=True)
     if "memory.offload=[params]" in extra:
         cfg = make_tiny_cfg(*extra, "model.remat=full", mesh=mesh)
         resident = make_tiny_cfg("model.remat=full", *extra[1:], mesh=mesh)
@@ -87,16 +98,15 @@ def test_the_cpu_lowering_transfers_nothing_inside_the_step(mesh_for, extra, mes
         assert planned["arguments"] < kept["arguments"]  # at rest, the stack is on the host
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("platform", ACCELERATORS)
 def test_an_accelerator_moves_the_host_optimizer_state_in_whole(mesh_for, platform):
     """The TPU/GPU program moves every host-resident optimizer leaf to the device in one
     piece inside the step and back to the host: the planner counts it whole at the update's
     peak (`moved_in`) on the profiles that do not share host memory."""
     text = _lowered(mesh_for, "memory.offload=[optimizer]", "model.remat=full", platform=platform)
     host = {t for t, on_host in _arguments(text) if on_host}
-    inside = _placements(text)
-    assert host and host <= {t for kind, t in inside if kind == "device"}  # moved in whole
-    assert host <= {t for kind, t in inside if kind == "pinned_host"}  # and written back
+    assert host and host <= _placed(text, "device")  # moved in whole
+    assert host <= _placed(text, "pinned_host")  # and written back
     pod = ("memory.device=ipu-gc200", "model.remat=full")
     b = plan(make_tiny_cfg("memory.offload=[optimizer]", *pod, mesh=(1, 1, 2)))
     kept = plan(make_tiny_cfg(*pod, mesh=(1, 1, 2)))["bytes_per_device"]
@@ -148,24 +158,13 @@ def test_blocks_are_gathered_one_at_a_time(mesh_for):
     assert gathered[1] < gathered[0]
 
 
-# jax lowers a placement inside jit (`jax.device_put` to a memory kind, a remat policy's
-# offload) for TPU and GPU only; the CPU lowering, which XLA:CPU compiles, drops them. Lowering
-# for another platform needs no such device: these programs are read, never compiled.
-ACCELERATORS = ("tpu", "cuda")
-OFFLOADED_LAYERS = ("memory.offload=[params]", "model.remat=full")
-
-
-def _placed(text: str, kind: str) -> set[str]:
-    """The types placed in memory `kind` (`device` or `pinned_host`) anywhere in `text`."""
-    return {t for k, t in _placements(text) if k == kind}
-
-
 @pytest.mark.parametrize("platform", ACCELERATORS)
 def test_an_accelerator_lowering_fetches_a_phase_at_a_time(mesh_for, platform):
     """The phases' fetches are in the TPU/GPU program: with 4 layers in 2 phases on tensor 2,
     the MLP's input matrices move in [2, 64, 128] pieces, a phase of the device's
-    [4, 64, 128]. The CPU lowering has no such piece (`test_host_layers_reach_the_device_whole`),
-    and the planner counts the CPU lowering's structure for every profile."""
+    [4, 64, 128]. The CPU lowering has no such piece
+    (`test_the_cpu_lowering_transfers_nothing_inside_the_step`), and the planner counts the
+    CPU lowering's structure for every profile."""
     phases = (*OFFLOADED_LAYERS, "memory.phases=2")
     assert "tensor<2x64x128xf32>" in _placed(
         _lowered(mesh_for, *phases, platform=platform), "device"
