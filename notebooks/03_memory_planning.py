@@ -104,10 +104,10 @@ for name, p in plans.items():
 # The planner says the two BERT-Large mappings fit: on 4 stages with RTS 4 and the float32 LAMB
 # moments resting in streaming memory (moved to the device whole for the update), on 8 stages
 # with RTS 2 and everything on chip. The EfficientNet-B4 presets run 1F1B (a stage holds at most
-# 2 micro-batches' inputs): POD64 to POD256 fit; POD16 is over by its batch, the step's 768 uint8
-# images (333 MB), which the step takes whole. **GPT-3 does not fit a GC200 with the program
-# jaxpod compiles**: the step moves a stage's host-resident layers in whole and keeps them for the
-# step, and moves the LAMB state in whole for the update. The full table of the GPT-3 preset:
+# 2 micro-batches' inputs) and fit; POD16 feeds its batch of 768 uint8 images (333 MB) in 8 parts
+# (`train.batch_parts`), so a device holds 96 of them and the summed gradients. **GPT-3 does not
+# fit a GC200 with the program jaxpod compiles**: the step moves a stage's host-resident layers
+# in whole and keeps them for the step, and moves the LAMB state in whole for the update. The full table of the GPT-3 preset:
 
 # %%
 print(format_plan(plans["gpt3_175b_pod256"]))

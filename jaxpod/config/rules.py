@@ -192,9 +192,10 @@ def check_precision(cfg: Config) -> None:
 
 
 def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
-    """(grad_accum, global_batch), each derived from the other (default grad_accum=1); a
-    GPipe pass's micro-batches divide grad_accum, and its output tokens split over the
-    stages of a stacked pipeline (its head runs 1/S of them on every stage)."""
+    """(grad_accum, global_batch), each derived from the other (default grad_accum=1); the
+    batch's parts divide grad_accum, a GPipe pass's micro-batches a part's, and its output
+    tokens split over the stages of a stacked pipeline (its head runs 1/S of them on every
+    stage)."""
     t = cfg.train
     per_accum = t.micro_batch * replica
     if t.global_batch is None:
@@ -213,23 +214,43 @@ def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
                 f"{t.global_batch} (which needs grad_accum={grad_accum}); set only one, e.g. "
                 "train.grad_accum=null"
             )
-    group = t.pipeline_group or grad_accum
-    if grad_accum % group:
+    parts = t.batch_parts
+    if grad_accum % parts:
         fail(
-            f"train.pipeline_group={group} does not divide train.grad_accum={grad_accum}; "
-            f"use a divisor of {grad_accum}"
+            f"train.batch_parts={parts} does not divide train.grad_accum={grad_accum} "
+            f"micro-batches; use a divisor of {grad_accum}"
+        )
+    if parts > 1 and not cfg.kind.fixed_denominator:
+        fail(
+            f"train.batch_parts={parts} sums the parts' losses, but model.name={cfg.model.name} "
+            "divides its loss by a count of the whole batch (masked tokens); use "
+            "train.batch_parts=1"
+        )
+    micro = grad_accum // parts  # micro-batches per call of the step
+    group = t.pipeline_group or micro
+    if micro % group:
+        fail(
+            f"train.pipeline_group={group} does not divide {_group_name(t, False)}={micro}; "
+            f"use a divisor of {micro}"
         )
     check_schedule(cfg, group)
     tokens = t.micro_batch * group * cfg.model.seq_len
     spread = t.pipeline_schedule != "1f1b"  # the head runs on 1/S of a pass's tokens per stage
     if cfg.kind.stages == "stacked" and spread and tokens % cfg.mesh.pipeline:
-        name = "train.pipeline_group" if t.pipeline_group else "train.grad_accum"
+        name = _group_name(t)
         fail(
             f"train.micro_batch*{name}*model.seq_len = {t.micro_batch}*"
             f"{group}*{cfg.model.seq_len} = {tokens} output tokens per pipeline pass is not "
             f"divisible by mesh.pipeline={cfg.mesh.pipeline}; change one of them"
         )
     return grad_accum, per_accum * grad_accum
+
+
+def _group_name(t, group: bool = True) -> str:
+    """The key(s) a pipeline pass's micro-batch count (`group`) or a call's comes from."""
+    if group and t.pipeline_group:
+        return "train.pipeline_group"
+    return "train.grad_accum/train.batch_parts" if t.batch_parts > 1 else "train.grad_accum"
 
 
 def check_schedule(cfg: Config, group: int) -> None:
@@ -266,7 +287,7 @@ def check_schedule(cfg: Config, group: int) -> None:
             f" = {stages}*{v} = {stages * v} chunks; use a multiple of {stages * v}"
         )
     if group % stages:
-        name = "train.pipeline_group" if t.pipeline_group else "train.grad_accum"
+        name = _group_name(t)
         fail(
             f"{name}={group} micro-batches per pass is not a multiple of mesh.pipeline="
             f"{stages}: train.pipeline_schedule=circular sends them around the ring in groups "

@@ -90,8 +90,12 @@ class TrainConfig:
     micro_batch: int = 4
     grad_accum: int | None = None
     global_batch: int | None = None
-    # micro-batches per GPipe pass (pipeline > 1): the step runs grad_accum / pipeline_group
-    # pipeline passes and sums their gradients; null: one pass of all grad_accum
+    # the step's grad_accum micro-batches fed in this many parts, one call of the compiled
+    # step each, their gradients summed on the device between calls: the device holds one
+    # part of the batch (a pod streams its micro-batches in)
+    batch_parts: int = 1
+    # micro-batches per GPipe pass (pipeline > 1): a call runs part_micro / pipeline_group
+    # pipeline passes and sums their gradients; null: one pass of a call's micro-batches
     pipeline_group: int | None = None
     # the pipeline schedule (mesh.pipeline > 1): gpipe, circular (virtual_stages chunks per
     # stage, layers round-robin) or 1f1b (backward interleaved: memory independent of M)
@@ -136,7 +140,7 @@ class DataConfig:
     name: DataName = "stdlib-code"
     path: str | None = None
     val_fraction: float = 0.05
-    prefetch: int = 3  # batches prepared ahead by a background thread (0: synchronous)
+    prefetch: int = 3  # batches (parts) prepared ahead by a background thread (0: synchronous)
 
 
 @dataclass(frozen=True)
@@ -212,14 +216,24 @@ class Config:
         return self.train.global_batch
 
     @property
+    def part_micro(self) -> int:
+        """Micro-batches per call of the step: `grad_accum / train.batch_parts`."""
+        return self.train.grad_accum // self.train.batch_parts
+
+    @property
+    def part_batch(self) -> int:
+        """Examples per call of the step: `global_batch / train.batch_parts`."""
+        return self.global_batch // self.train.batch_parts
+
+    @property
     def pipeline_group(self) -> int:
-        """Micro-batches per GPipe pass: `train.pipeline_group`, or all of `grad_accum`."""
-        return self.train.pipeline_group or self.train.grad_accum
+        """Micro-batches per GPipe pass: `train.pipeline_group`, or all of a call's."""
+        return self.train.pipeline_group or self.part_micro
 
     @property
     def pipeline_passes(self) -> int:
-        """GPipe passes per optimizer step: `grad_accum / pipeline_group` (pipeline > 1)."""
-        return self.train.grad_accum // self.pipeline_group
+        """GPipe passes per call of the step: `part_micro / pipeline_group` (pipeline > 1)."""
+        return self.part_micro // self.pipeline_group
 
     @property
     def tokens_per_step(self) -> int:

@@ -129,7 +129,7 @@ def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: 
         if not pipelined:
             outs = jax.lax.map(lambda b: micro_loss(params, *b, ex.denominator), micro)
             return summed(jax.tree.map(jnp.sum, outs))
-        table = make_schedule(forward_kind, n_stages, cfg.train.grad_accum, virtual)
+        table = make_schedule(forward_kind, n_stages, cfg.part_micro, virtual)
         return summed(pipeline_loss(params, *micro, ex.denominator, table=table))
 
     def loss_and_grads(params, batch, scale, step):

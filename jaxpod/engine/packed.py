@@ -139,7 +139,7 @@ class PackedStages:
     # ------------------------------------------------------------------ inside shard_map
     def examples(self, params, batch: tuple, step, stream: int) -> Examples:
         images, labels = batch
-        micro, mb = self.cfg.train.grad_accum, self.cfg.train.micro_batch
+        micro, mb = self.cfg.part_micro, self.cfg.train.micro_batch
         inputs = images.reshape(micro, mb, *images.shape[1:])
         return Examples(inputs, labels.reshape(micro, mb), None, self.cfg.global_batch)
 

@@ -144,7 +144,7 @@ class StackedStages:
             rows = jax.lax.axis_index(batch_axes) * tokens.shape[0]
             keys = mlm.row_keys(cfg.train.seed, step, rows + jnp.arange(tokens.shape[0]), stream)
         inputs, targets, weights = model.inputs_and_targets(tokens, keys)
-        micro, mb = cfg.train.grad_accum, cfg.train.micro_batch
+        micro, mb = cfg.part_micro, cfg.train.micro_batch
         split = lambda a: None if a is None else a.reshape(micro, mb, *a.shape[1:])
         if weights is None:
             return Examples(split(inputs), split(targets), None, cfg.tokens_per_step)

@@ -7,6 +7,15 @@ One step: `loss_and_grads` in one `shard_map` over the mesh (`jaxpod.engine.loss
 layout's guarded update (`StackedStages.update` under GSPMD, `PackedStages.update` per stage
 in `shard_map`). Metrics, one dict for every model: loss, grad_norm, update_norm (0 for a
 skipped step), param_norm, lr, loss_scale, skipped_steps, and accuracy for classifiers.
+
+With `train.batch_parts` = k > 1 a step is k calls, each on 1/k of the batch (`run_step`):
+
+    first_part_step(state, part) -> (grad_sum, {"loss"[, "correct"]})
+    accumulate_step(state, part, grad_sum) -> (grad_sum, {"loss"[, "correct"]})
+    train_step(state, last part, grad_sum) -> (state, metrics)   the state donated
+
+The parts' losses are divided by the whole batch's count, so their sums are the batch's
+loss and gradients; only the summed gradients (one gradient copy) live between calls.
 """
 
 from __future__ import annotations
@@ -33,13 +42,33 @@ class Engine(NamedTuple):
     stages: Any  # StackedStages | PackedStages
     state_sharding: TrainState
     batch_sharding: tuple  # one NamedSharding per batch array
-    train_step: Callable  # (state, batch) -> (state, metrics)
+    train_step: Callable  # (state, batch[, grad_sum]) -> (state, metrics)
     eval_step: Callable  # (params, batch) -> {"val_loss": ..[, "val_accuracy"]}
     loss_and_grads: Callable  # (params, batch, scale=1, step=0) -> (loss, aux, grads)
+    first_part_step: Callable | None  # batch_parts > 1: (state, part) -> (grad_sum, sums)
+    accumulate_step: Callable | None  # batch_parts > 1: (state, part, grad_sum) -> the same
 
     @property
     def schedule(self):
         return self.stages.schedule
+
+    def run_step(self, state: TrainState, parts) -> tuple[TrainState, dict]:
+        """One optimizer step on `parts`, the batch's `train.batch_parts` parts in order: the
+        earlier parts' gradients summed by `accumulate_step`, the last part's `train_step`
+        adding them and updating; loss and accuracy are the parts' sums."""
+        if self.accumulate_step is None:
+            (batch,) = parts
+            return self.train_step(state, batch)
+        grad_sum, out = self.first_part_step(state, parts[0])
+        sums = [out]
+        for part in parts[1:-1]:
+            grad_sum, out = self.accumulate_step(state, part, grad_sum)
+            sums.append(out)
+        state, metrics = self.train_step(state, parts[-1], grad_sum)
+        metrics = {**metrics, "loss": metrics["loss"] + sum(o["loss"] for o in sums)}
+        if "accuracy" in metrics:
+            metrics["accuracy"] += sum(o["correct"] for o in sums) / self.stages.cfg.global_batch
+        return state, metrics
 
 
 def make_engine(stages, cfg: Config, *, bubble_fill: float = 0.0, unroll: bool = False) -> Engine:
@@ -61,9 +90,18 @@ def make_engine(stages, cfg: Config, *, bubble_fill: float = 0.0, unroll: bool =
         step = jnp.zeros((), jnp.int32) if step is None else step
         return loss_and_grads_map(params, batch, scale, step)
 
-    def train_step(state: TrainState, batch):
+    def accumulate_step(state: TrainState, batch, grad_sum=None):
+        """A part's (grad_sum + its gradients, {"loss"[, "correct"]}), both sums."""
         ls = state.opt_state.loss_scale
         loss, aux, grads = loss_and_grads_map(state.params, batch, ls.scale, state.step)
+        grads = grads if grad_sum is None else jax.tree.map(jnp.add, grad_sum, grads)
+        return grads, {"loss": loss, **({"correct": aux["correct"]} if "correct" in aux else {})}
+
+    def train_step(state: TrainState, batch, grad_sum=None):
+        ls = state.opt_state.loss_scale
+        loss, aux, grads = loss_and_grads_map(state.params, batch, ls.scale, state.step)
+        if grad_sum is not None:  # the earlier parts' gradients
+            grads = jax.tree.map(jnp.add, grad_sum, grads)
         key = jax.random.fold_in(jax.random.key(cfg.train.seed), state.step)
         params, tx, new_ls, info = stages.update(grads, state.opt_state.tx, state.params, ls, key)
         metrics = {
@@ -88,10 +126,35 @@ def make_engine(stages, cfg: Config, *, bubble_fill: float = 0.0, unroll: bool =
 
     sharding = stages.state_shardings()
     batch_sharding = tuple(NamedSharding(stages.mesh, s) for s in stages.batch_specs)
-    train = jax.jit(
-        train_step,
-        in_shardings=(sharding, batch_sharding),
-        out_shardings=(sharding, None),
-        donate_argnums=0,
+    first = accumulate = None
+    if cfg.train.batch_parts == 1:
+        train = jax.jit(
+            train_step,
+            in_shardings=(sharding, batch_sharding),
+            out_shardings=(sharding, None),
+            donate_argnums=0,
+        )
+    else:  # the summed gradients: sharded as stored (loss_and_grads' out_specs), on device
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        sums = jax.tree.map(
+            lambda s: NamedSharding(stages.mesh, s), stages.stored_specs, is_leaf=is_spec
+        )
+        train = jax.jit(
+            train_step,
+            in_shardings=(sharding, batch_sharding, sums),
+            out_shardings=(sharding, None),
+            donate_argnums=0,
+        )
+        accumulate = jax.jit(
+            accumulate_step,
+            in_shardings=(sharding, batch_sharding, sums),
+            out_shardings=(sums, None),
+            donate_argnums=2,
+        )
+        first = jax.jit(
+            accumulate_step, in_shardings=(sharding, batch_sharding), out_shardings=(sums, None)
+        )
+    evaluate = jax.jit(eval_step)
+    return Engine(
+        stages, sharding, batch_sharding, train, evaluate, loss_and_grads, first, accumulate
     )
-    return Engine(stages, sharding, batch_sharding, train, jax.jit(eval_step), loss_and_grads)

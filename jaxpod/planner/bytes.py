@@ -50,7 +50,7 @@ def device_bytes(
     weights_all = local / rts * mb + (local / rts * pb if mb != pb else 0)
     moment_bytes = 4 if cfg.optim.moments == "float32" else mb
     optimizer_all = local / rts_opt * MOMENTS[cfg.optim.name] * moment_bytes
-    accumulated = cfg.train.grad_accum > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
+    accumulated = cfg.part_micro > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
     accumulated |= cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule == "1f1b"  # carried
     grads_stage = local / rts * pb * (2 if accumulated else 1)
     grads_update = local / rts * pb
@@ -87,9 +87,12 @@ def device_bytes(
     grads = grads_stage
     optimizer = 0 if "optimizer" in offload else optimizer_all
     activations = acts["total"]
-    inputs = cfg.train.grad_accum * cfg.train.micro_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
+    # a call's batch (with `train.batch_parts`, a part of it)
+    inputs = cfg.part_micro * cfg.train.micro_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
     if cfg.kind.data == "images":
-        inputs = cfg.train.grad_accum * cfg.train.micro_batch * 3 * cfg.model.image_size**2
+        inputs = cfg.part_micro * cfg.train.micro_batch * 3 * cfg.model.image_size**2
+    # in parts, the earlier parts' summed gradients: an argument of every later call
+    grad_sum = local / rts * pb if cfg.train.batch_parts > 1 else 0
     # the loss head's moment: the gradient accumulator only if it carries from an earlier
     # micro-batch or pass; of the gathered weights, the head's table copy (`_head_table`)
     head_grads = local / rts * pb if accumulated else 0
@@ -128,7 +131,7 @@ def device_bytes(
         update_peak = moved_in + grads_update + updates
     moments = {"backward": backward_peak, "head": head_peak, "update": update_peak + gathered}
     peak = max(moments, key=moments.get)  # a tie goes to the first: backward, head, update
-    device_total = weights + optimizer + inputs + moments[peak]
+    device_total = weights + optimizer + inputs + grad_sum + moments[peak]
     # what rests on the host: every weight with params offloaded, the layer stack with phases
     host_weights = weights_all if "params" in offload else 0
     if "params" not in offload and mem.phases > 1:
@@ -148,7 +151,8 @@ def device_bytes(
         "moved_in": int(moved_in),
         "inputs": int(inputs),
         "device_total": int(device_total),
-        "arguments": int(stored + optimizer + inputs),
+        "grad_sum": int(grad_sum),
+        "arguments": int(stored + optimizer + inputs + grad_sum),
         "host_total": int(host_total),
         "peak": peak,
     }

@@ -156,13 +156,26 @@ def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
             option("train.pipeline_schedule=1f1b", trial)
     if mesh.pipeline > 1:  # fewer micro-batches in flight: the largest pipeline pass that fits
         tr = cfg.train
-        smaller = [g for g in _divisors(tr.grad_accum) if g < cfg.pipeline_group]
+        smaller = [g for g in _divisors(cfg.part_micro) if g < cfg.pipeline_group]
         for group in reversed(smaller):
             if cfg.kind.stages == "stacked" and tr.micro_batch * group * md.seq_len % mesh.pipeline:
                 continue  # a pass's tokens must split over the stages
             trial = dataclasses.replace(cfg, train=dataclasses.replace(tr, pipeline_group=group))
             if _device_total(trial, params_override) <= limit:
                 option(f"train.pipeline_group={group}", trial)
+                break
+    if cfg.kind.fixed_denominator:  # the fewest batch parts that fit: one part on the device
+        tr = cfg.train
+        for parts in (k for k in _divisors(tr.grad_accum) if k > tr.batch_parts):
+            micro = tr.grad_accum // parts
+            if micro % (tr.pipeline_group or micro) or (
+                cfg.kind.stages == "stacked" and tr.pipeline_schedule != "1f1b"
+                and tr.micro_batch * micro * md.seq_len % mesh.pipeline
+            ):  # fmt: skip
+                continue  # as config.rules.resolve_batch
+            trial = dataclasses.replace(cfg, train=dataclasses.replace(tr, batch_parts=parts))
+            if _device_total(trial, params_override) <= limit:
+                option(f"train.batch_parts={parts}", trial)
                 break
     p2 = mesh.pipeline * 2
     if mesh.replica % 2 == 0 and md.layers % p2 == 0 and cfg.kind.stages == "stacked":
@@ -218,6 +231,7 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         "tensor": mesh.tensor,
         "micro_batch": tr.micro_batch,
         "grad_accum": tr.grad_accum,
+        "batch_parts": tr.batch_parts,
         "pipeline_group": cfg.pipeline_group,
         "pipeline_schedule": tr.pipeline_schedule if mesh.pipeline > 1 else None,
         "virtual_stages": tr.virtual_stages,

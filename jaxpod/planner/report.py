@@ -45,9 +45,10 @@ def format_plan(p: dict) -> str:
             "global batch",
             f"{p['global_batch']} = micro_batch {p['micro_batch']} x replica {p['replica']} "
             f"x grad_accum {p['grad_accum']}"
+            + (f", fed in {p['batch_parts']} parts" if p["batch_parts"] > 1 else "")
             + (
                 f" (pipeline passes of {p['pipeline_group']})"
-                if p["pipeline"] > 1 and p["pipeline_group"] < p["grad_accum"]
+                if p["pipeline"] > 1 and p["pipeline_group"] < p["grad_accum"] // p["batch_parts"]
                 else ""
             ),
         ),
@@ -78,7 +79,8 @@ def format_plan(p: dict) -> str:
         ("updates", b["updates"], "optimizer update working set"),
         ("gathered", b["gathered"], "RTS all-gathered weights"),
         ("widened", b["widened"], "the step's matrices in float32 for their dots"),
-        ("inputs", b["inputs"], "batch"),
+        ("inputs", b["inputs"], "batch" if p["batch_parts"] == 1 else "a part of the batch"),
+        ("grad sum", b["grad_sum"], "the earlier parts' summed gradients"),
     ]
     width = max(len(k) for k, _ in head)
     lines = [f"{k.ljust(width)}  {v}" for k, v in head]

@@ -23,7 +23,8 @@ from jaxpod.run.mapping import most_on_one_device
 
 
 def abstract_inputs(cfg: Config, mesh: Mesh) -> tuple[Engine, TrainState, tuple]:
-    """`(engine, abstract state, abstract batch)` for `cfg` on `mesh`, nothing allocated."""
+    """`(engine, abstract state, abstract batch)` for `cfg` on `mesh`, nothing allocated; the
+    batch is one call's: a `train.batch_parts` part of the global batch."""
     engine, state = abstract_engine(cfg, mesh)
     dataset_shapes = _batch_shapes(cfg)
     batch = tuple(
@@ -34,12 +35,20 @@ def abstract_inputs(cfg: Config, mesh: Mesh) -> tuple[Engine, TrainState, tuple]
 
 
 def _batch_shapes(cfg: Config) -> list[tuple[tuple[int, ...], object]]:
-    """Shape and dtype of each array of a global batch (what the datasets produce)."""
-    g = cfg.global_batch
+    """Shape and dtype of each array of a call's batch (what the datasets produce)."""
+    g = cfg.part_batch
     if cfg.kind.data == "images":
         size = cfg.model.image_size
         return [((g, size, size, 3), jnp.uint8), ((g,), jnp.int32)]
     return [((g, cfg.model.seq_len + 1), jnp.int32)]
+
+
+def step_arguments(engine: Engine, state: TrainState, batch: tuple) -> tuple:
+    """The arguments of the call that updates: `(state, batch)`, and with `train.batch_parts`
+    > 1 the earlier parts' summed gradients (abstract, with their shardings)."""
+    if engine.accumulate_step is None:
+        return state, batch
+    return state, batch, jax.eval_shape(engine.first_part_step, state, batch)[0]
 
 
 # XLA's LLVM optimization level for a program compiled to be read, never run (CPU only).
@@ -63,11 +72,13 @@ def inspect_options() -> dict:
 
 def compile_step(cfg: Config, mesh: Mesh) -> dict:
     """Lower and compile the train step to read it (`compile_to_inspect`): timings and
-    per-device memory/FLOPs."""
+    per-device memory/FLOPs. With `train.batch_parts` > 1, the call that updates (the last
+    part's: the most the step holds, its summed gradients an argument)."""
     t0 = time.perf_counter()
     engine, state, batch = abstract_inputs(cfg, mesh)
     t1 = time.perf_counter()
-    lowered = engine.train_step.lower(state, batch)
+    args = step_arguments(engine, state, batch)
+    lowered = engine.train_step.lower(*args)
     t2 = time.perf_counter()
     compiled = compile_to_inspect(lowered)
     t3 = time.perf_counter()
@@ -76,13 +87,14 @@ def compile_step(cfg: Config, mesh: Mesh) -> dict:
     if isinstance(cost, list):  # older jax returned one dict per program
         cost = cost[0] if cost else {}
     state_bytes = most_on_one_device(state, kind=None)
-    device_args = most_on_one_device((state, batch))
+    device_args = most_on_one_device(args)
     device_total = device_args + int(mem.temp_size_in_bytes)
     planned = backend_plan(cfg, jax.default_backend())
     return {
         "devices": mesh.size,
         "mesh": dict(mesh.shape),
         "global_batch": cfg.global_batch,
+        "batch_parts": cfg.train.batch_parts,
         "build_s": t1 - t0,
         "lower_s": t2 - t1,
         "compile_s": t3 - t2,
@@ -108,12 +120,15 @@ def compile_step(cfg: Config, mesh: Mesh) -> dict:
 def format_compile(r: dict) -> str:
     """Human-readable summary of `compile_step`'s result."""
     mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    parts = r.get("batch_parts", 1)
+    call = "step" if parts == 1 else "call"
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
     options = " ".join(f"{k}={v}" for k, v in r.get("compile_options", {}).items())
     read_only = f" (to read, not to run: {options})" if options else ""
     return "\n".join(
         [
-            f"mesh           {r['devices']} devices: {mesh}; global batch {r['global_batch']}",
+            f"mesh           {r['devices']} devices: {mesh}; global batch {r['global_batch']}"
+            + (f" in {parts} parts: this is the last part's call" if parts > 1 else ""),
             f"lowered        in {r['lower_s']:.1f} s (engine built in {r['build_s']:.1f} s)",
             f"compiled       in {r['compile_s']:.1f} s{read_only}",
             f"per device     state {mib(r['state_bytes_per_device'])}, arguments "
@@ -126,6 +141,7 @@ def format_compile(r: dict) -> str:
             f"{'device total':15}{mib(r['device_total_bytes']):>14}"
             f"{mib(r['planned_device_total_bytes']):>14}   planned / XLA "
             f"{r['planned_ratio']:.2f}",
-            f"flops          {r['flops_per_device']:.3e} per device per step (loops counted once)",
+            f"flops          {r['flops_per_device']:.3e} per device per {call} (loops counted "
+            "once)",
         ]
     )

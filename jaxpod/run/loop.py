@@ -157,7 +157,7 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
         (logdir / "mapping.json").write_text(json.dumps(mapping_record, indent=2))
 
     t0 = time.perf_counter()
-    engine.train_step.lower(state, task.batch(0)).compile()
+    _compile(engine, state, task.batch(0))
     say(f"compiled       train step in {time.perf_counter() - t0:.1f} s")
 
     losses, val_losses = [], {}
@@ -193,6 +193,19 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
         )
     _say_where(say, logdir)
     return RunResult(logdir, state, losses, val_losses, mapping, profiler.trace)
+
+
+def _compile(engine, state, part) -> None:
+    """Compile the step's programs ahead of the first step (with `train.batch_parts` > 1 the
+    first part's, a middle part's and the last part's)."""
+    if engine.accumulate_step is None:
+        engine.train_step.lower(state, part).compile()
+        return
+    grad_sum = jax.eval_shape(engine.first_part_step, state, part)[0]
+    engine.first_part_step.lower(state, part).compile()
+    if engine.stages.cfg.train.batch_parts > 2:
+        engine.accumulate_step.lower(state, part, grad_sum).compile()
+    engine.train_step.lower(state, part, grad_sum).compile()
 
 
 def _saved_config(logdir: Path) -> dict | None:
@@ -337,10 +350,10 @@ def _nonfinite(cfg: Config, host: dict[str, float]) -> str | None:
 def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, profiler, stop):
     """The step loop proper, from `state.step` + 1. Returns the final state and the losses.
 
-    Batches are assembled `data.prefetch` steps ahead by a background thread (host reads and
-    host->device copies overlap the running step). Before a checkpoint is saved every
-    metric up to its step is read, checked and written; a stop request (`stop.requested`)
-    saves the current step and ends the loop."""
+    Batches (or their `train.batch_parts` parts) are assembled `data.prefetch` items ahead by
+    a background thread (host reads and host->device copies overlap the running step).
+    Before a checkpoint is saved every metric up to its step is read, checked and written; a
+    stop request (`stop.requested`) saves the current step and ends the loop."""
     steps, eval_every, every = cfg.train.steps, cfg.train.eval_every, cfg.train.checkpoint_every
     start = int(state.step)
     hide = quiet or not sys.stderr.isatty()
@@ -349,10 +362,13 @@ def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, p
     log = say if bar.disable else bar.write
     steplog = _StepLog(cfg, task, writer, bar, log, start, ckpt)
     config = config_to_dict(cfg)
-    with Prefetcher(task.batch, start, steps, depth=cfg.data.prefetch) as batches:
-        for step, batch in zip(range(start + 1, steps + 1), batches, strict=True):
+    k = cfg.train.batch_parts  # the prefetcher's items are parts of batches
+    part = lambda i: task.batch(i // k, part=i % k)  # noqa: E731
+    with Prefetcher(part, start * k, steps * k, depth=cfg.data.prefetch) as parts:
+        for step in range(start + 1, steps + 1):
+            batch = [next(parts) for _ in range(k)]
             with profiler.step(step):
-                state, metrics = task.engine.train_step(state, batch)
+                state, metrics = task.engine.run_step(state, batch)
             steplog.push(step, metrics)
             if profiler.stops_after(step):
                 steplog.flush()  # waits for the last traced step: it is whole in the trace

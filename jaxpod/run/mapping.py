@@ -53,6 +53,7 @@ def describe(cfg: Config, mesh: jax.sharding.Mesh, state, per_step: int, unit: s
         "mesh": dict(mesh.shape),
         "micro_batch": cfg.train.micro_batch,
         "grad_accum": cfg.train.grad_accum,
+        "batch_parts": cfg.train.batch_parts,
         "global_batch": cfg.train.global_batch,
         "unit": unit,
         "per_step": per_step,
@@ -74,8 +75,9 @@ def format_mapping(m: dict) -> str:
         [
             f"devices        {m['devices']} ({m['platform']})  mesh: {mesh}",
             f"global batch   {m['global_batch']} = micro_batch {m['micro_batch']} x replica "
-            f"{m['mesh']['replica']} x grad_accum {m['grad_accum']}  "
-            f"({m['per_step']:,} {m['unit']}/step)",
+            f"{m['mesh']['replica']} x grad_accum {m['grad_accum']}"
+            + (f", fed in {m['batch_parts']} parts" if m.get("batch_parts", 1) > 1 else "")
+            + f"  ({m['per_step']:,} {m['unit']}/step)",
             f"parameters     {m['params']:,} ({_mib(m['param_bytes_total'])} as stored)",
             f"per device     params {_mib(m['param_bytes_per_device'])} + optimizer "
             f"{_mib(m['optimizer_bytes_per_device'])}",

@@ -33,6 +33,7 @@ FREE = (
     "model.sequence_parallel",
     "train.micro_batch",
     "train.grad_accum",
+    "train.batch_parts",
     "train.pipeline_group",
     "train.pipeline_schedule",
     "train.virtual_stages",

@@ -1,10 +1,11 @@
 """What the training loop trains: a dataset bound to an engine, behind one interface.
 
-Batches are tuples of global arrays sharded over the batch axes (`(tokens,)` or `(images,
-labels)`), assembled with `jax.make_array_from_callback`: each device's callback reads only
-the rows of its own replica, so in a multi-process run every process reads only the data of
-its own devices. Images cross host->device as uint8 (a quarter of float32's bytes) and are
-normalised on the device inside the step.
+Batches (with `train.batch_parts` > 1, parts of batches) are tuples of global arrays sharded
+over the batch axes (`(tokens,)` or `(images, labels)`), assembled with
+`jax.make_array_from_callback`: each device's callback reads only the rows of its own
+replica, so in a multi-process run every process reads only the data of its own devices.
+Images cross host->device as uint8 (a quarter of float32's bytes) and are normalised on the
+device inside the step.
 """
 
 from __future__ import annotations
@@ -36,19 +37,21 @@ class Task:
     def per_step(self) -> int:
         return self.cfg.global_batch * self.dataset.per_example()
 
-    def batch(self, step: int, val: bool = False) -> tuple:
-        """Global batch of train step `step` (0-based) or of validation batch `step`."""
-        g = self.cfg.global_batch
+    def batch(self, step: int, val: bool = False, part: int = 0) -> tuple:
+        """Part `part` of the global batch of train step `step` (0-based) or of validation
+        batch `step`: its rows `[part * n, (part + 1) * n)`, n = `cfg.part_batch` (the whole
+        batch when `train.batch_parts` is 1)."""
+        g, n = self.cfg.global_batch, self.cfg.part_batch
         split = "val" if val else "train"
         cache: dict[tuple[int, int], tuple] = {}
 
         def rows(idx):  # one read per replica slice, shared by every array of the batch
-            key = (idx[0].start or 0, idx[0].stop or g)
+            key = (part * n + (idx[0].start or 0), part * n + (idx[0].stop or n))
             if key not in cache:
                 cache[key] = self.dataset.read(split, step, *key, g)
             return cache[key]
 
-        shapes = self.dataset.shapes(g)
+        shapes = self.dataset.shapes(n)
         return tuple(
             jax.make_array_from_callback(shape, sharding, lambda idx, i=i: rows(idx)[i])
             for i, (shape, sharding) in enumerate(
@@ -56,16 +59,22 @@ class Task:
             )
         )
 
+    def parts(self, step: int, val: bool = False) -> list[tuple]:
+        """The `train.batch_parts` parts of batch `step` (`batch`), in order."""
+        return [self.batch(step, val, part) for part in range(self.cfg.train.batch_parts)]
+
     def evaluate(self, params) -> dict[str, float]:
         """`val_loss` (and `val_accuracy` for classifiers): the mean over `train.eval_batches`
-        validation batches (fewer if the validation set is smaller)."""
+        validation batches (fewer if the validation set is smaller), each the sum of its
+        parts' (every part's loss is divided by the whole batch's count)."""
         n = self.cfg.train.eval_batches
         limit = self.dataset.val_batches(self.cfg.global_batch)
         n = n if limit is None else min(n, limit)
         results = jax.device_get(
-            [self.engine.eval_step(params, self.batch(b, True)) for b in range(n)]
+            [[self.engine.eval_step(params, p) for p in self.parts(b, True)] for b in range(n)]
         )
-        return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+        sums = [{k: sum(p[k] for p in parts) for k in parts[0]} for parts in results]
+        return {k: float(np.mean([r[k] for r in sums])) for k in sums[0]}
 
 
 def load_data(cfg: Config):

@@ -370,6 +370,27 @@ BAD_OVERRIDES = [
         ["devices=3", "mesh.pipeline=3", "model.layers=3", "train.micro_batch=1"],
         ("train.micro_batch*train.grad_accum*model.seq_len", "mesh.pipeline=3"),
     ),
+    (
+        ["train.grad_accum=4", "train.batch_parts=3"],
+        ("train.batch_parts=3 does not divide train.grad_accum=4 micro-batches; use a divisor",),
+    ),
+    (
+        ["train.batch_parts=0"],
+        ("train.batch_parts=0 must be >= 1",),
+    ),
+    (
+        ["train.grad_accum=4", "train.batch_parts=2", "model.name=bert", "model.vocab=264"],
+        ("train.batch_parts=2 sums the parts' losses, but model.name=bert", "batch_parts=1"),
+    ),
+    (
+        ["train.grad_accum=8", "train.batch_parts=2", "train.pipeline_group=3"],
+        ("train.pipeline_group=3 does not divide train.grad_accum/train.batch_parts=4",),
+    ),
+    (
+        ["devices=3", "mesh.pipeline=3", "model.layers=3", "train.micro_batch=1"]
+        + ["train.grad_accum=6", "train.batch_parts=3", "model.seq_len=64"],
+        ("train.micro_batch*train.grad_accum/train.batch_parts*model.seq_len = 1*2*64",),
+    ),
     # data
     (["data.name=text-files"], ("data.name=text-files needs data.path=DIR",)),
     (["data.name=text-files", "data.path="], ("data.name=text-files needs data.path=DIR",)),
@@ -551,6 +572,8 @@ def test_config_properties_ask_the_model_kind():
         "devices_per_process",
         "total_devices",
         "global_batch",
+        "part_micro",
+        "part_batch",
         "pipeline_group",
         "pipeline_passes",
         "tokens_per_step",

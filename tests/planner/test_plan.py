@@ -197,6 +197,25 @@ def test_efficientnet_takes_an_injected_param_count():
     assert not p["activations_breakdown"]["estimated"]
 
 
+def test_a_batch_in_parts_holds_one_part_and_the_summed_gradients():
+    """`train.batch_parts`=k: the inputs are a k-th of the batch's, and the earlier parts'
+    summed gradients (one gradient copy, in the gradients' dtype) are an argument beside them;
+    nothing else changes. EfficientNet-B4 G16 on a POD16 in one call does not fit a GC200
+    (the whole 333 MB batch is an argument); the planner suggests the fewest parts that fit."""
+    path = ROOT / "configs" / "efficientnet_b4_g16_pod16.yaml"
+    whole = plan(load_config(path, ["train.batch_parts=1"]))
+    b1 = whole["bytes_per_device"]
+    assert b1["inputs"] == 256 * 3 * 380 * 380 * 3 and b1["grad_sum"] == 0
+    assert not whole["fits"] and "train.batch_parts=4 (894.25 MB)" in whole["suggestion"]
+    parts = plan(load_config(path))  # the preset: 8 parts
+    b8 = parts["bytes_per_device"]
+    assert parts["fits"] and parts["batch_parts"] == 8 and parts["pipeline_group"] == 32
+    assert b8["inputs"] * 8 == b1["inputs"]
+    assert b8["grad_sum"] == b1["weights"] == 2 * parts["params_per_device"]  # float16 rows
+    assert b8["device_total"] == b1["device_total"] - b1["inputs"] + b8["inputs"] + b8["grad_sum"]
+    assert b8["arguments"] == b1["arguments"] - b1["inputs"] + b8["inputs"] + b8["grad_sum"]
+
+
 PODS = [(16, 8, 256), (64, 32, 64), (128, 64, 32), (256, 128, 16)]
 
 
@@ -217,15 +236,15 @@ def test_efficientnet_b4_g16_pod_presets(pod, replica, grad_accum):
 
 
 def test_a_smaller_gpipe_pass_shrinks_the_carries():
-    """EfficientNet-B4 G16 on a POD16 in one GPipe pass (the preset runs 1F1B): 256
-    micro-batches, 257 ticks of saved stage inputs, do not fit a GC200 (the planner suggests
-    1F1B). A smaller
-    `train.pipeline_group` shrinks the GPipe carries (every tick's input and its output's
-    cotangent, and with replicas the collected tick outputs: 3 (M + 1) of them, plus the two
-    slices of the tick being differentiated) by (3·17 + 2) / (3·257 + 2)."""
+    """EfficientNet-B4 G16 on a POD16 in one call and one GPipe pass (the preset runs 1F1B in
+    8 parts): 256 micro-batches, 257 ticks of saved stage inputs, do not fit a GC200 (the
+    planner suggests 1F1B). A smaller `train.pipeline_group` shrinks the GPipe carries (every
+    tick's input and its output's cotangent, and with replicas the collected tick outputs:
+    3 (M + 1) of them, plus the two slices of the tick being differentiated) by
+    (3·17 + 2) / (3·257 + 2)."""
 
     path = ROOT / "configs" / "efficientnet_b4_g16_pod16.yaml"
-    gpipe = ["train.pipeline_schedule=gpipe"]
+    gpipe = ["train.pipeline_schedule=gpipe", "train.batch_parts=1"]
     p = plan(load_config(path, gpipe))
     assert not p["fits"] and "train.pipeline_schedule=1f1b" in p["suggestion"]
     q = plan(load_config(path, [*gpipe, "train.pipeline_group=16"]))

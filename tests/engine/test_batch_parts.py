@@ -1,0 +1,74 @@
+"""A batch fed in parts (`train.batch_parts`) trains like the whole batch in one call.
+
+One optimizer step of `run_step` on k parts against one `train_step` on the whole batch, the
+same data and init: the summed loss, the accuracy and every updated parameter agree (the
+same sums, associated per part; the replicas' gradients are reduced once per part). Cases:
+the tiny GPT unpipelined (micro-batches accumulated in a scan within a call) and on 2x2x1
+(GPipe, replicas), the tiny EfficientNet's packed stages on 2x2x1 under 1F1B.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from helpers import TINY_VISION, grouped_cases
+
+from jaxpod.engine import build_engine
+
+LOSS_RTOL = 1e-6
+PARAM_ATOL = 1e-7  # one SGD step of ~1e-3 (as test_schedules_engine.py)
+LARS_ATOL = 2e-7  # one LARS step: the trust ratio divides the summed gradient's norm
+GPT = ("train.global_batch=16", "train.grad_accum=null", "optim.warmup_steps=0")
+GPT += ("optim.name=sgd", "optim.grad_clip=0", "model.layers=4", "model.seq_len=32")
+CASES = {
+    "gpt-1x1x1-parts4": (GPT, (1, 1, 1), 4),
+    "gpt-2x2x1-parts2": (GPT, (2, 2, 1), 2),
+    "effnet-2x2x1-1f1b-parts2": (
+        (*TINY_VISION, "model.pipeline_splits=[4a]", "train.pipeline_schedule=1f1b"),
+        (2, 2, 1),
+        2,
+    ),
+}
+
+
+def _batch(cfg) -> tuple:
+    """The whole step's batch as host arrays, the same for every `batch_parts`."""
+    g = cfg.global_batch
+    if cfg.kind.data == "images":
+        from jaxpod.run.images import load_images
+
+        digits = load_images("digits", image_size=cfg.model.image_size, seed=0)
+        return digits.train_batch(0, 0, g, g)
+    rng = np.random.default_rng(3)
+    return (rng.integers(0, 256, (g, cfg.model.seq_len + 1), np.int32),)
+
+
+def _step(tiny_cfg, mesh_for, overrides, mesh, parts):
+    cfg = tiny_cfg(*overrides, f"train.batch_parts={parts}", mesh=mesh)
+    engine, state = build_engine(cfg, mesh_for(cfg))
+    whole, n = _batch(cfg), cfg.part_batch
+    batches = [
+        jax.device_put(tuple(a[i * n : (i + 1) * n] for a in whole), engine.batch_sharding)
+        for i in range(parts)
+    ]
+    init = jax.device_get(state.params)
+    state, metrics = engine.run_step(state, batches)
+    return init, jax.device_get((state.params, metrics))
+
+
+@pytest.mark.parametrize("case", grouped_cases(CASES))
+def test_parts_train_like_the_whole_batch(tiny_cfg, mesh_for, case):
+    overrides, mesh, parts = CASES[case]
+    init, (params, metrics) = _step(tiny_cfg, mesh_for, overrides, mesh, parts)
+    _, (want_params, want) = _step(tiny_cfg, mesh_for, overrides, mesh, 1)
+    assert abs(metrics["loss"] - want["loss"]) <= LOSS_RTOL * abs(want["loss"])
+    if "accuracy" in want:
+        assert metrics["accuracy"] == pytest.approx(want["accuracy"], abs=1e-7)
+    assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    atol = LARS_ATOL if case.startswith("effnet") else PARAM_ATOL
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
+    leaves = zip(jax.tree.leaves(params), jax.tree.leaves(init), strict=True)
+    moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in leaves)
+    assert moved > 100 * atol  # the step moved the parameters far more than the tolerance
