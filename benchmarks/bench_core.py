@@ -19,13 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    ROOT,
     loss_and_grads_flops,
     options,
     run_parts,
     run_worker,
     serve_worker,
     table,
+    tiny_on_mesh,
     write_report,
 )
 
@@ -41,9 +41,7 @@ def _worker(job: dict) -> dict:
     import jax
     import numpy as np
 
-    from jaxpod.config import load_config
     from jaxpod.engine import abstract_engine, build_engine
-    from jaxpod.parallel.mesh import make_mesh, select_devices
 
     if job["kind"] == "matmul":
         n = job["n"]
@@ -57,11 +55,7 @@ def _worker(job: dict) -> dict:
             times.append(time.perf_counter() - t0)
         return {"flops_per_s": 2 * n**3 / float(np.median(times))}
 
-    r, p, t = job["mesh"]
-    overrides = [f"devices={r * p * t}", f"mesh.replica={r}", f"mesh.pipeline={p}"]
-    overrides += [f"mesh.tensor={t}", "optim.warmup_steps=0", *job["overrides"]]
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
-    mesh = make_mesh(cfg.mesh, select_devices(cfg.devices))
+    cfg, mesh = tiny_on_mesh(job["mesh"], ["optim.warmup_steps=0", *job["overrides"]])
     shape = (cfg.train.global_batch, cfg.model.seq_len + 1)
     out = {"global_batch": cfg.train.global_batch, "grad_accum": cfg.train.grad_accum}
 

@@ -21,7 +21,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, options, run_parts, run_worker, serve_worker, table, write_report  # noqa: E402
+from common import (  # noqa: E402
+    options,
+    run_parts,
+    run_worker,
+    serve_worker,
+    table,
+    tiny_on_mesh,
+    write_report,
+)
 
 MODEL = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
 MODEL += ["model.seq_len=128", "model.remat=full", "train.micro_batch=2", "optim.warmup_steps=0"]
@@ -38,17 +46,11 @@ def _worker(job: dict) -> dict:
     import jax
     import numpy as np
 
-    from jaxpod.config import load_config
     from jaxpod.engine import build_engine
-    from jaxpod.parallel.mesh import make_mesh, select_devices
     from jaxpod.planner import plan
     from jaxpod.run.aot import compile_step
 
-    r, p, t = job["mesh"]
-    overrides = [f"devices={r * p * t}", f"mesh.replica={r}", f"mesh.pipeline={p}"]
-    overrides += [f"mesh.tensor={t}", *MODEL, *job["overrides"]]
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
-    mesh = make_mesh(cfg.mesh, select_devices(cfg.devices))
+    cfg, mesh = tiny_on_mesh(job["mesh"], [*MODEL, *job["overrides"]])
     if job["kind"] == "memory":
         compiled = compile_step(cfg, mesh)
         planned = plan(cfg)["bytes_per_device"]

@@ -22,7 +22,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    ROOT,
     loss_and_grads_flops,
     options,
     run_parts,
@@ -30,6 +29,7 @@ from common import (  # noqa: E402
     serve_worker,
     table,
     time_steps,
+    tiny_on_mesh,
     write_report,
 )
 
@@ -49,17 +49,11 @@ def _worker(job: dict) -> dict:
     import jax
     import numpy as np
 
-    from jaxpod.config import load_config
     from jaxpod.engine import abstract_engine, build_engine
-    from jaxpod.parallel.mesh import make_mesh, select_devices
     from jaxpod.planner import plan
     from jaxpod.run.aot import compile_step
 
-    r, p, t = job["mesh"]
-    overrides = [f"devices={r * p * t}", f"mesh.replica={r}", f"mesh.pipeline={p}"]
-    overrides += [f"mesh.tensor={t}", *MODEL, *job["overrides"]]
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
-    mesh = make_mesh(cfg.mesh, select_devices(cfg.devices))
+    cfg, mesh = tiny_on_mesh(job["mesh"], [*MODEL, *job["overrides"]])
     shape = (cfg.global_batch, cfg.model.seq_len + 1)
     if job["kind"] == "flops":
         engine, state = abstract_engine(cfg, mesh, unroll=True)

@@ -90,6 +90,18 @@ def run_worker(script: str, job: dict, devices: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def tiny_on_mesh(mesh: list[int] | tuple[int, int, int], overrides: list[str]) -> tuple:
+    """`(cfg, mesh)` in a `run_worker` subprocess: configs/tiny.yaml with `overrides` on a
+    (replica, pipeline, tensor) `mesh` of its virtual devices."""
+    from jaxpod.config import load_config
+    from jaxpod.parallel.mesh import make_mesh, select_devices
+
+    r, p, t = mesh
+    axes = [f"devices={r * p * t}", f"mesh.replica={r}", f"mesh.pipeline={p}", f"mesh.tensor={t}"]
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [*axes, *overrides])
+    return cfg, make_mesh(cfg.mesh, select_devices(cfg.devices))
+
+
 def time_steps(step, state, batch, repeats: int, warmup: int = 2):
     """Run `state, metrics = step(state, batch)` `warmup` times, then time `repeats` steps
     (each waited for). Returns `(state, the last metrics, seconds per step)`."""
