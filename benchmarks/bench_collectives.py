@@ -26,13 +26,22 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, options, run_worker, serve_worker, table, time_steps, write_report  # noqa: E402
+from common import (  # noqa: E402
+    GPT_D256,
+    ROOT,
+    machine,
+    options,
+    run_worker,
+    serve_worker,
+    table,
+    time_steps,
+    write_report,
+)
 
 from jaxpod.platform import virtual_cpu_flags  # noqa: E402  (jax-free)
 
-MODEL = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
-MODEL += ["model.seq_len=128", "model.remat=none", "train.micro_batch=2", "train.grad_accum=1"]
-MODEL += ["optim.warmup_steps=0", "mesh.replica=8", "mesh.pipeline=1", "mesh.tensor=1"]
+MODEL = [*GPT_D256, "model.remat=none", "train.grad_accum=1"]
+MODEL += ["mesh.replica=8", "mesh.pipeline=1", "mesh.tensor=1"]
 BUCKET = 4 * 2**20
 OPTIONS = {
     "psum per leaf": [],

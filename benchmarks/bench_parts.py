@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    GPT_D256,
     options,
     run_parts,
     run_worker,
@@ -31,9 +32,7 @@ from common import (  # noqa: E402
     write_report,
 )
 
-MODEL = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
-MODEL += ["model.seq_len=128", "model.remat=full", "train.micro_batch=2", "optim.warmup_steps=0"]
-MODEL += ["train.grad_accum=16"]
+MODEL = [*GPT_D256, "model.remat=full", "train.grad_accum=16"]
 CASES = {
     "1x4x1 1f1b": ((1, 4, 1), ["train.pipeline_schedule=1f1b"]),
     "2x2x1 gpipe": ((2, 2, 1), []),

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    GPT_D256,
     loss_and_grads_flops,
     options,
     run_parts,
@@ -33,8 +34,7 @@ from common import (  # noqa: E402
     write_report,
 )
 
-MODEL = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
-MODEL += ["model.seq_len=128", "model.remat=full", "train.micro_batch=2", "optim.warmup_steps=0"]
+MODEL = [*GPT_D256, "model.remat=full"]
 SCHEDULES = {
     "gpipe": [],
     "circular": ["train.pipeline_schedule=circular", "train.virtual_stages=2"],

@@ -90,6 +90,11 @@ def run_worker(script: str, job: dict, devices: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# The benchmarks' mid-size GPT (on configs/tiny.yaml): 8 layers, d 256, 4 heads, seq 128.
+GPT_D256 = ["model.layers=8", "model.d_model=256", "model.heads=4", "model.d_ff=1024"]
+GPT_D256 += ["model.seq_len=128", "train.micro_batch=2", "optim.warmup_steps=0"]
+
+
 def tiny_on_mesh(mesh: list[int] | tuple[int, int, int], overrides: list[str]) -> tuple:
     """`(cfg, mesh)` in a `run_worker` subprocess: configs/tiny.yaml with `overrides` on a
     (replica, pipeline, tensor) `mesh` of its virtual devices."""
