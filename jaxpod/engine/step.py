@@ -52,6 +52,13 @@ class Engine(NamedTuple):
     def schedule(self):
         return self.stages.schedule
 
+    def updating_arguments(self, state: TrainState, batch: tuple) -> tuple:
+        """The arguments of the call that updates, to lower it: `(state, batch)`, and in parts
+        the earlier parts' summed gradients (abstract, with their shardings)."""
+        if self.first_part_step is None:
+            return state, batch
+        return state, batch, jax.eval_shape(self.first_part_step, state, batch)[0]
+
     def run_step(self, state: TrainState, parts) -> tuple[TrainState, dict]:
         """One optimizer step on `parts`, the batch's `train.batch_parts` parts in order: the
         earlier parts' gradients summed by `accumulate_step`, the last part's `train_step`

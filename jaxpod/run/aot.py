@@ -43,14 +43,6 @@ def _batch_shapes(cfg: Config) -> list[tuple[tuple[int, ...], object]]:
     return [((g, cfg.model.seq_len + 1), jnp.int32)]
 
 
-def step_arguments(engine: Engine, state: TrainState, batch: tuple) -> tuple:
-    """The arguments of the call that updates: `(state, batch)`, and with `train.batch_parts`
-    > 1 the earlier parts' summed gradients (abstract, with their shardings)."""
-    if engine.accumulate_step is None:
-        return state, batch
-    return state, batch, jax.eval_shape(engine.first_part_step, state, batch)[0]
-
-
 # XLA's LLVM optimization level for a program compiled to be read, never run (CPU only).
 INSPECT_OPTIONS = {"xla_backend_optimization_level": 0}
 
@@ -77,7 +69,7 @@ def compile_step(cfg: Config, mesh: Mesh) -> dict:
     t0 = time.perf_counter()
     engine, state, batch = abstract_inputs(cfg, mesh)
     t1 = time.perf_counter()
-    args = step_arguments(engine, state, batch)
+    args = engine.updating_arguments(state, batch)
     lowered = engine.train_step.lower(*args)
     t2 = time.perf_counter()
     compiled = compile_to_inspect(lowered)

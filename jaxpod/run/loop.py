@@ -198,14 +198,12 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
 def _compile(engine, state, part) -> None:
     """Compile the step's programs ahead of the first step (with `train.batch_parts` > 1 the
     first part's, a middle part's and the last part's)."""
-    if engine.accumulate_step is None:
-        engine.train_step.lower(state, part).compile()
-        return
-    grad_sum = jax.eval_shape(engine.first_part_step, state, part)[0]
-    engine.first_part_step.lower(state, part).compile()
-    if engine.stages.cfg.train.batch_parts > 2:
-        engine.accumulate_step.lower(state, part, grad_sum).compile()
-    engine.train_step.lower(state, part, grad_sum).compile()
+    args = engine.updating_arguments(state, part)
+    if engine.first_part_step is not None:
+        engine.first_part_step.lower(state, part).compile()
+        if engine.stages.cfg.train.batch_parts > 2:
+            engine.accumulate_step.lower(*args).compile()  # the same arguments
+    engine.train_step.lower(*args).compile()
 
 
 def _saved_config(logdir: Path) -> dict | None:
@@ -366,9 +364,9 @@ def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, p
     part = lambda i: task.batch(i // k, part=i % k)  # noqa: E731
     with Prefetcher(part, start * k, steps * k, depth=cfg.data.prefetch) as parts:
         for step in range(start + 1, steps + 1):
-            batch = [next(parts) for _ in range(k)]
+            step_parts = [next(parts) for _ in range(k)]
             with profiler.step(step):
-                state, metrics = task.engine.run_step(state, batch)
+                state, metrics = task.engine.run_step(state, step_parts)
             steplog.push(step, metrics)
             if profiler.stops_after(step):
                 steplog.flush()  # waits for the last traced step: it is whole in the trace
