@@ -128,7 +128,8 @@ def format_compile(r: dict) -> str:
             f"{'':15}{'XLA':>14}{'planned':>14}   (planner: device profile "
             f"{r['planned_profile']!r})",
             f"{'arguments':15}{mib(r['device_argument_bytes']):>14}"
-            f"{mib(r['planned_device_argument_bytes']):>14}   device-resident state + batch",
+            f"{mib(r['planned_device_argument_bytes']):>14}   device-resident state + batch"
+            + (" part + summed gradients" if parts > 1 else ""),
             f"{'temporaries':15}{mib(r['temp_bytes']):>14}{mib(r['planned_temp_bytes']):>14}",
             f"{'device total':15}{mib(r['device_total_bytes']):>14}"
             f"{mib(r['planned_device_total_bytes']):>14}   planned / XLA "
