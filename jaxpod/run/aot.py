@@ -65,7 +65,8 @@ def inspect_options() -> dict:
 def compile_step(cfg: Config, mesh: Mesh) -> dict:
     """Lower and compile the train step to read it (`compile_to_inspect`): timings and
     per-device memory/FLOPs. With `train.batch_parts` > 1, the call that updates (the last
-    part's: the most the step holds, its summed gradients an argument)."""
+    part's, its summed gradients an argument): the most a call holds but for the other
+    calls' scalars (tests/engine/test_batch_parts.py)."""
     t0 = time.perf_counter()
     engine, state, batch = abstract_inputs(cfg, mesh)
     t1 = time.perf_counter()
