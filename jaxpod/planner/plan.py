@@ -27,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpod.config import Config, parse_bytes
-from jaxpod.errors import UserError
+from jaxpod.config.rules import resolve_batch
+from jaxpod.errors import ConfigError, UserError
 from jaxpod.planner.activations import DTYPE_BYTES, activation_bytes
 from jaxpod.planner.bytes import device_bytes
 from jaxpod.planner.counts import (
@@ -112,6 +113,15 @@ def _finer_vocab(cfg: Config, limit: int, params_override: int | None) -> dict:
     return _fewest(cfg, limit, params_override, counts, changes, fit_only=True)
 
 
+def _batch_ok(trial: Config) -> bool:
+    """Whether `trial`'s batch settings pass the config's own rules (`resolve_batch`)."""
+    try:
+        resolve_batch(trial, trial.mesh.replica)
+    except ConfigError:
+        return False
+    return True
+
+
 def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
     """Changes that would make the mapping fit, with the resulting device bytes."""
     mem, mesh, md = cfg.memory, cfg.mesh, cfg.model
@@ -158,23 +168,15 @@ def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
         tr = cfg.train
         smaller = [g for g in _divisors(cfg.part_micro) if g < cfg.pipeline_group]
         for group in reversed(smaller):
-            if cfg.kind.stages == "stacked" and tr.micro_batch * group * md.seq_len % mesh.pipeline:
-                continue  # a pass's tokens must split over the stages
             trial = dataclasses.replace(cfg, train=dataclasses.replace(tr, pipeline_group=group))
-            if _device_total(trial, params_override) <= limit:
+            if _batch_ok(trial) and _device_total(trial, params_override) <= limit:
                 option(f"train.pipeline_group={group}", trial)
                 break
     if cfg.kind.fixed_denominator:  # the fewest batch parts that fit: one part on the device
         tr = cfg.train
         for parts in (k for k in _divisors(tr.grad_accum) if k > tr.batch_parts):
-            micro = tr.grad_accum // parts
-            if micro % (tr.pipeline_group or micro) or (
-                cfg.kind.stages == "stacked" and tr.pipeline_schedule != "1f1b"
-                and tr.micro_batch * micro * md.seq_len % mesh.pipeline
-            ):  # fmt: skip
-                continue  # as config.rules.resolve_batch
             trial = dataclasses.replace(cfg, train=dataclasses.replace(tr, batch_parts=parts))
-            if _device_total(trial, params_override) <= limit:
+            if _batch_ok(trial) and _device_total(trial, params_override) <= limit:
                 option(f"train.batch_parts={parts}", trial)
                 break
     p2 = mesh.pipeline * 2
