@@ -140,7 +140,7 @@ class DataConfig:
     name: DataName = "stdlib-code"
     path: str | None = None
     val_fraction: float = 0.05
-    prefetch: int = 3  # batches (parts) prepared ahead by a background thread (0: synchronous)
+    prefetch: int = 3  # batches (parts) read ahead into host memory by a thread (0: synchronous)
 
 
 @dataclass(frozen=True)

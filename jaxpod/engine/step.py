@@ -20,7 +20,7 @@ loss and gradients; only the summed gradients (one gradient copy) live between c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -59,19 +59,28 @@ class Engine(NamedTuple):
             return state, batch
         return state, batch, jax.eval_shape(self.first_part_step, state, batch)[0]
 
-    def run_step(self, state: TrainState, parts) -> tuple[TrainState, dict]:
+    def run_step(
+        self, state: TrainState, parts: Iterable, dispatched: Callable | None = None
+    ) -> tuple[TrainState, dict]:
         """One optimizer step on `parts`, the batch's `train.batch_parts` parts in order: the
         earlier parts' gradients summed by `accumulate_step`, the last part's `train_step`
-        adding them and updating; loss and accuracy are the parts' sums."""
+        adding them and updating; loss and accuracy are the parts' sums. A part is taken from
+        `parts` just before its call and not held after it; `dispatched(outputs)` is told each
+        call's small outputs (never donated) once it is dispatched (`jaxpod.run.feed`)."""
+        parts, told = iter(parts), dispatched or (lambda outputs: None)
         if self.accumulate_step is None:
-            (batch,) = parts
-            return self.train_step(state, batch)
-        grad_sum, out = self.first_part_step(state, parts[0])
+            state, metrics = self.train_step(state, next(parts))
+            told(metrics)
+            return state, metrics
+        grad_sum, out = self.first_part_step(state, next(parts))
+        told(out)
         sums = [out]
-        for part in parts[1:-1]:
-            grad_sum, out = self.accumulate_step(state, part, grad_sum)
+        for _ in range(self.stages.cfg.train.batch_parts - 2):
+            grad_sum, out = self.accumulate_step(state, next(parts), grad_sum)
+            told(out)
             sums.append(out)
-        state, metrics = self.train_step(state, parts[-1], grad_sum)
+        state, metrics = self.train_step(state, next(parts), grad_sum)
+        told(metrics)
         metrics = {**metrics, "loss": metrics["loss"] + sum(o["loss"] for o in sums)}
         if "accuracy" in metrics:
             metrics["accuracy"] += sum(o["correct"] for o in sums) / self.stages.cfg.global_batch

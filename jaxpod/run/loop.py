@@ -33,6 +33,7 @@ from jaxpod.errors import UserError
 from jaxpod.parallel.mesh import make_mesh, select_devices
 from jaxpod.planner.plan import check_budget
 from jaxpod.run.checkpoint import Checkpointer
+from jaxpod.run.feed import DeviceFeed
 from jaxpod.run.hostmem import check_host_ram, is_oom, oom_error
 from jaxpod.run.interrupt import Interrupted, StopRequests
 from jaxpod.run.logdir import hold
@@ -348,8 +349,9 @@ def _nonfinite(cfg: Config, host: dict[str, float]) -> str | None:
 def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, profiler, stop):
     """The step loop proper, from `state.step` + 1. Returns the final state and the losses.
 
-    Batches (or their `train.batch_parts` parts) are assembled `data.prefetch` items ahead by
-    a background thread (host reads and host->device copies overlap the running step).
+    Batches (or their `train.batch_parts` parts) are read into host memory `data.prefetch`
+    items ahead by a background thread (the reads overlap the running step); each is copied to
+    the device once the call before it is done (`DeviceFeed`: one part on the device).
     Before a checkpoint is saved every metric up to its step is read, checked and written; a
     stop request (`stop.requested`) saves the current step and ends the loop."""
     steps, eval_every, every = cfg.train.steps, cfg.train.eval_every, cfg.train.checkpoint_every
@@ -361,12 +363,12 @@ def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, p
     steplog = _StepLog(cfg, task, writer, bar, log, start, ckpt)
     config = config_to_dict(cfg)
     k = cfg.train.batch_parts  # the prefetcher's items are parts of batches
-    part = lambda i: task.batch(i // k, part=i % k)  # noqa: E731
+    part = lambda i: task.read(i // k, part=i % k)  # noqa: E731
     with Prefetcher(part, start * k, steps * k, depth=cfg.data.prefetch) as parts:
+        feed = DeviceFeed(parts)
         for step in range(start + 1, steps + 1):
-            step_parts = [next(parts) for _ in range(k)]
             with profiler.step(step):
-                state, metrics = task.engine.run_step(state, step_parts)
+                state, metrics = task.engine.run_step(state, feed, feed.dispatched)
             steplog.push(step, metrics)
             if profiler.stops_after(step):
                 steplog.flush()  # waits for the last traced step: it is whole in the trace

@@ -1,7 +1,8 @@
 """`Prefetcher`: the next few items of a sequence computed ahead in a background thread.
 
-The training loop wraps its batch function in one (`data.prefetch` batches ahead), so host
-reads and host->device copies of step N+1.. overlap the device's work on step N.
+The training loop wraps its host reads in one (`data.prefetch` batches or parts ahead, in
+host memory), so reading step N+1.. overlaps the device's work on step N
+(`jaxpod.run.feed.DeviceFeed` copies each to the device when its call comes).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """What the training loop trains: a dataset bound to an engine, behind one interface.
 
 Batches (with `train.batch_parts` > 1, parts of batches) are tuples of global arrays sharded
-over the batch axes (`(tokens,)` or `(images, labels)`), assembled with
-`jax.make_array_from_callback`: each device's callback reads only the rows of its own
-replica, so in a multi-process run every process reads only the data of its own devices.
-Images cross host->device as uint8 (a quarter of float32's bytes) and are normalised on the
-device inside the step.
+over the batch axes (`(tokens,)` or `(images, labels)`). They are read in two steps:
+`Task.read` reads each device's rows into host memory (a `HostBatch`; every process reads only
+the rows of its own devices), `HostBatch.put` copies them to the devices
+(`jax.make_array_from_callback`). Images cross host->device as uint8 (a quarter of float32's
+bytes) and are normalised on the device inside the step.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxpod.config import Config
 from jaxpod.engine import Engine, TrainState, build_engine
+from jaxpod.run.feed import DeviceFeed, HostBatch, index_key
 
 
 @dataclass
@@ -37,27 +38,31 @@ class Task:
     def per_step(self) -> int:
         return self.cfg.global_batch * self.dataset.per_example()
 
-    def batch(self, step: int, val: bool = False, part: int = 0) -> tuple:
+    def read(self, step: int, val: bool = False, part: int = 0) -> HostBatch:
         """Part `part` of the global batch of train step `step` (0-based) or of validation
-        batch `step`: its rows `[part * n, (part + 1) * n)`, n = `cfg.part_batch` (the whole
-        batch when `train.batch_parts` is 1)."""
+        batch `step`, in host memory: its rows `[part * n, (part + 1) * n)`, n =
+        `cfg.part_batch` (the whole batch when `train.batch_parts` is 1)."""
         g, n = self.cfg.global_batch, self.cfg.part_batch
         split = "val" if val else "train"
         cache: dict[tuple[int, int], tuple] = {}
 
-        def rows(idx):  # one read per replica slice, shared by every array of the batch
-            key = (part * n + (idx[0].start or 0), part * n + (idx[0].stop or n))
+        def rows(index):  # one read per replica slice, shared by every array of the batch
+            key = (part * n + (index[0].start or 0), part * n + (index[0].stop or n))
             if key not in cache:
                 cache[key] = self.dataset.read(split, step, *key, g)
             return cache[key]
 
-        shapes = self.dataset.shapes(n)
-        return tuple(
-            jax.make_array_from_callback(shape, sharding, lambda idx, i=i: rows(idx)[i])
-            for i, (shape, sharding) in enumerate(
-                zip(shapes, self.engine.batch_sharding, strict=True)
-            )
-        )
+        arrays = []
+        for i, (shape, sharding) in enumerate(
+            zip(self.dataset.shapes(n), self.engine.batch_sharding, strict=True)
+        ):
+            indices = sharding.addressable_devices_indices_map(shape).values()
+            arrays.append((shape, sharding, {index_key(ix): rows(ix)[i] for ix in indices}))
+        return HostBatch(tuple(arrays))
+
+    def batch(self, step: int, val: bool = False, part: int = 0) -> tuple:
+        """`read(step, val, part)` copied to the devices."""
+        return self.read(step, val, part).put()
 
     def parts(self, step: int, val: bool = False) -> list[tuple]:
         """The `train.batch_parts` parts of batch `step` (`batch`), in order."""
@@ -70,11 +75,17 @@ class Task:
         n = self.cfg.train.eval_batches
         limit = self.dataset.val_batches(self.cfg.global_batch)
         n = n if limit is None else min(n, limit)
-        results = jax.device_get(
-            [[self.engine.eval_step(params, p) for p in self.parts(b, True)] for b in range(n)]
-        )
-        sums = [{k: sum(p[k] for p in parts) for k in parts[0]} for parts in results]
-        return {k: float(np.mean([r[k] for r in sums])) for k in sums[0]}
+        k = self.cfg.train.batch_parts
+        feed = DeviceFeed(self.read(b, True, part) for b in range(n) for part in range(k))
+        outs = []
+        for _ in range(n * k):
+            outs.append(self.engine.eval_step(params, next(feed)))
+            feed.dispatched(outs[-1])
+        parts = jax.device_get(outs)
+        sums = [
+            {m: sum(p[m] for p in parts[b * k : (b + 1) * k]) for m in parts[0]} for b in range(n)
+        ]
+        return {m: float(np.mean([r[m] for r in sums])) for m in sums[0]}
 
 
 def load_data(cfg: Config):
