@@ -64,10 +64,6 @@ class Task:
         """`read(step, val, part)` copied to the devices."""
         return self.read(step, val, part).put()
 
-    def parts(self, step: int, val: bool = False) -> list[tuple]:
-        """The `train.batch_parts` parts of batch `step` (`batch`), in order."""
-        return [self.batch(step, val, part) for part in range(self.cfg.train.batch_parts)]
-
     def evaluate(self, params) -> dict[str, float]:
         """`val_loss` (and `val_accuracy` for classifiers): the mean over `train.eval_batches`
         validation batches (fewer if the validation set is smaller), each the sum of its

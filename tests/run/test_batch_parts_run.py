@@ -16,7 +16,8 @@ RUN += ("optim.warmup_steps=0", "optim.name=sgd", "optim.grad_clip=0", "data.pre
 
 
 def test_the_parts_of_a_batch_are_its_rows_in_order(tiny_cfg, mesh_for):
-    """`Task.parts` of a train and a validation batch, put together, are the whole batch."""
+    """The 4 parts of a train and a validation batch (`Task.batch`), put together, are the
+    whole batch."""
     import jax
 
     from jaxpod.run.tasks import build_task
@@ -27,7 +28,7 @@ def test_the_parts_of_a_batch_are_its_rows_in_order(tiny_cfg, mesh_for):
     parts, _ = build_task(parts_cfg, mesh_for(parts_cfg))
     for step, val in [(0, False), (5, False), (1, True)]:
         (want,) = whole.batch(step, val)
-        got = [p[0] for p in parts.parts(step, val)]
+        got = [parts.batch(step, val, part)[0] for part in range(4)]
         assert [g.shape for g in got] == [(2, want.shape[1])] * 4
         np.testing.assert_array_equal(np.concatenate(jax.device_get(got)), np.asarray(want))
 
