@@ -13,7 +13,8 @@ the pieces: `examples` (the local batch as micro-batches), `forward` (this devic
                    1f1b: `train_ticks`, which differentiates stage by stage itself
                    gradients summed over the passes
     the loss is multiplied by the loss scale before differentiation; then one psum of the
-    loss and of each gradient over its reduction axes.
+    loss and of each gradient over its reduction axes (with `train.batch_parts`, of the
+    gradients only in the last part's call, after the earlier parts' unreduced sum is added).
 
 Parameters are `pcast` to varying over their reduction axes once, before the loss, so no
 reduction happens inside the micro-batch loop.
@@ -132,7 +133,10 @@ def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: 
         table = make_schedule(forward_kind, n_stages, cfg.part_micro, virtual)
         return summed(pipeline_loss(params, *micro, ex.denominator, table=table))
 
-    def loss_and_grads(params, batch, scale, step):
+    def loss_and_grads(params, batch, scale, step, partial=None, reduce=True):
+        """(loss, aux, grads). `partial`: this device's unreduced gradient sum of the batch's
+        earlier parts, added before the reduction; `reduce=False` returns the unreduced sum
+        (`train.batch_parts`: the replicas reduce once a step, in the last part's call)."""
         ex = stages.examples(params, batch, step, mlm.TRAIN_STREAM)
         params = vary_params(params, stages.stored_specs, stages.data_axes)
         batches = (ex.inputs, ex.targets, ex.weights)
@@ -145,6 +149,10 @@ def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: 
             batches = jax.tree.map(lambda a: a.reshape(passes, -1, *a.shape[1:]), batches)
             out, grads = accumulate(per_pass, params, scale, batches, ex.denominator)
         loss, aux = summed(out)
+        if partial is not None:
+            grads = jax.tree.map(jnp.add, partial, grads)
+        if not reduce:
+            return loss, aux, grads
         allreduce, bucket = cfg.parallel.grad_allreduce, cfg.parallel.grad_bucket_bytes
         grads = reduce_grads(
             grads, stages.stored_specs, stages.data_axes, allreduce=allreduce, bucket_bytes=bucket

@@ -15,11 +15,14 @@ With `train.batch_parts` = k > 1 a step is k calls, each on 1/k of the batch (`r
     train_step(state, last part, grad_sum) -> (state, metrics)   the state donated
 
 The parts' losses are divided by the whole batch's count, so their sums are the batch's
-loss and gradients; only the summed gradients (one gradient copy) live between calls.
+loss and gradients. Between calls only `grad_sum` lives: each device's own sum of its parts'
+gradients, not yet reduced over the replicas (one gradient copy, the stored layout with a
+leading axis of one entry a device); the last call adds it and reduces once.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -31,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpod.config import Config
 from jaxpod.engine.loss import local_functions
 from jaxpod.engine.state import OptState, TrainState
+from jaxpod.parallel.replica import reduction_axes
 
 F32 = jnp.float32
 
@@ -106,18 +110,50 @@ def make_engine(stages, cfg: Config, *, bubble_fill: float = 0.0, unroll: bool =
         step = jnp.zeros((), jnp.int32) if step is None else step
         return loss_and_grads_map(params, batch, scale, step)
 
+    # In parts, the earlier parts' gradient sum stays unreduced: each device keeps its own,
+    # laid out as stored with a leading axis over the gradient's reduction axes (one entry a
+    # device); the last part's call adds it and reduces once.
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    sum_specs = jax.tree.map(
+        lambda s: P(reduction_axes(s, stages.data_axes) or None, *s),
+        stages.stored_specs,
+        is_leaf=is_spec,
+    )
+
+    def part_local(params, batch, scale, step, grad_sum=None, reduce=False):
+        grad_sum = None if grad_sum is None else jax.tree.map(lambda g: g[0], grad_sum)
+        loss, aux, grads = train_local(params, batch, scale, step, grad_sum, reduce)
+        return loss, aux, grads if reduce else jax.tree.map(lambda g: g[None], grads)
+
+    def part_map(with_sum: bool, reduce: bool):
+        out = stages.stored_specs if reduce else sum_specs
+        return jax.shard_map(
+            functools.partial(part_local, reduce=reduce),
+            mesh=stages.mesh,
+            in_specs=(*in_specs, sum_specs) if with_sum else in_specs,
+            out_specs=(P(), P(), out),
+        )
+
+    first_map, accumulate_map, last_map = (part_map(False, False), part_map(True, False),
+                                           part_map(True, True))  # fmt: skip
+
     def accumulate_step(state: TrainState, batch, grad_sum=None):
-        """A part's (grad_sum + its gradients, {"loss"[, "correct"]}), both sums."""
+        """A part's (grad_sum + its gradients unreduced, {"loss"[, "correct"]}), both sums."""
         ls = state.opt_state.loss_scale
-        loss, aux, grads = loss_and_grads_map(state.params, batch, ls.scale, state.step)
-        grads = grads if grad_sum is None else jax.tree.map(jnp.add, grad_sum, grads)
+        args = (state.params, batch, ls.scale, state.step)
+        if grad_sum is None:
+            loss, aux, grads = first_map(*args)
+        else:
+            loss, aux, grads = accumulate_map(*args, grad_sum)
         return grads, {"loss": loss, **({"correct": aux["correct"]} if "correct" in aux else {})}
 
     def train_step(state: TrainState, batch, grad_sum=None):
         ls = state.opt_state.loss_scale
-        loss, aux, grads = loss_and_grads_map(state.params, batch, ls.scale, state.step)
-        if grad_sum is not None:  # the earlier parts' gradients
-            grads = jax.tree.map(jnp.add, grad_sum, grads)
+        args = (state.params, batch, ls.scale, state.step)
+        if grad_sum is None:
+            loss, aux, grads = loss_and_grads_map(*args)
+        else:  # the earlier parts' unreduced gradients, added before the one reduction
+            loss, aux, grads = last_map(*args, grad_sum)
         key = jax.random.fold_in(jax.random.key(cfg.train.seed), state.step)
         params, tx, new_ls, info = stages.update(grads, state.opt_state.tx, state.params, ls, key)
         metrics = {
@@ -150,11 +186,8 @@ def make_engine(stages, cfg: Config, *, bubble_fill: float = 0.0, unroll: bool =
             out_shardings=(sharding, None),
             donate_argnums=0,
         )
-    else:  # the summed gradients: sharded as stored (loss_and_grads' out_specs), on device
-        is_spec = lambda x: isinstance(x, P)  # noqa: E731
-        sums = jax.tree.map(
-            lambda s: NamedSharding(stages.mesh, s), stages.stored_specs, is_leaf=is_spec
-        )
+    else:  # the unreduced gradient sum: one entry a device (`sum_specs`)
+        sums = jax.tree.map(lambda s: NamedSharding(stages.mesh, s), sum_specs, is_leaf=is_spec)
         train = jax.jit(
             train_step,
             in_shardings=(sharding, batch_sharding, sums),

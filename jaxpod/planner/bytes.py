@@ -91,7 +91,8 @@ def device_bytes(
     inputs = cfg.part_micro * cfg.train.micro_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
     if cfg.kind.data == "images":
         inputs = cfg.part_micro * cfg.train.micro_batch * 3 * cfg.model.image_size**2
-    # in parts, the earlier parts' summed gradients: an argument of every later call
+    # in parts, the earlier parts' gradients summed on each device (unreduced, as stored): an
+    # argument of every later call
     grad_sum = local / rts * pb if cfg.train.batch_parts > 1 else 0
     # the loss head's moment: the gradient accumulator only if it carries from an earlier
     # micro-batch or pass; of the gathered weights, the head's table copy (`_head_table`)

@@ -80,7 +80,7 @@ def format_plan(p: dict) -> str:
         ("gathered", b["gathered"], "RTS all-gathered weights"),
         ("widened", b["widened"], "the step's matrices in float32 for their dots"),
         ("inputs", b["inputs"], "batch" if p["batch_parts"] == 1 else "a part of the batch"),
-        ("grad sum", b["grad_sum"], "the earlier parts' summed gradients"),
+        ("grad sum", b["grad_sum"], "the earlier parts' gradients, summed unreduced"),
     ]
     width = max(len(k) for k, _ in head)
     lines = [f"{k.ljust(width)}  {v}" for k, v in head]

@@ -2,12 +2,16 @@
 
 One optimizer step of `run_step` on k parts against one `train_step` on the whole batch, the
 same data and init: the summed loss, the accuracy and every updated parameter agree (the
-same sums, associated per part; the replicas' gradients are reduced once per part). Cases:
+same sums, associated per part; each device sums its parts' gradients unreduced and the
+replicas reduce them once, in the last part's call). Cases:
 the tiny GPT unpipelined (micro-batches accumulated in a scan within a call) and on 2x2x1
 (GPipe, replicas), the tiny EfficientNet's packed stages on 2x2x1 under 1F1B.
 """
 
 from __future__ import annotations
+
+import json
+import re
 
 import jax
 import numpy as np
@@ -102,3 +106,36 @@ def test_the_updating_call_holds_the_most(tiny_cfg, mesh_for, case):
     assert held["first"] < held["last"]
     if "middle" in held:
         assert held["first"] < held["middle"] <= held["last"] + SCALARS
+
+
+# lowered StableHLO: `"stablehlo.all_reduce"(%x) <{..., replica_groups = dense<[[0, 2], [1, 3]]>
+# ...}> ({...}) : (tensor<2x64xf32>) -> ...`
+ALL_REDUCE = re.compile(
+    r'"stablehlo\.all_reduce"\(.*?replica_groups = dense<(\[\[[\d, \[\]]*\]\])>.*?\}\) : '
+    r"\(([^)]*)\) ->",
+    re.S,
+)
+
+
+def _all_reduces(lowered) -> list[tuple[str, str]]:
+    """(groups, operand types) of the all-reduces among more than one device."""
+    found = ALL_REDUCE.findall(lowered.as_text())
+    return [(groups, types) for groups, types in found if len(json.loads(groups)[0]) > 1]
+
+
+def test_the_replicas_reduce_the_gradients_once_a_step(tiny_cfg, mesh_for):
+    """On 2x2x1 in 4 parts, the first and middle calls all-reduce only the loss (a scalar);
+    the last call reduces exactly the gradients one whole-batch call reduces."""
+    from jaxpod.run.aot import abstract_inputs
+
+    cfg = tiny_cfg(*GPT, "train.batch_parts=4", mesh=(2, 2, 1))
+    engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
+    args = engine.updating_arguments(state, batch)
+    whole_cfg = tiny_cfg(*GPT, mesh=(2, 2, 1))
+    whole, whole_state, whole_batch = abstract_inputs(whole_cfg, mesh_for(whole_cfg))
+    want = _all_reduces(whole.train_step.lower(whole_state, whole_batch))
+    assert len([t for _, t in want if t != "tensor<f32>"]) >= 10  # the gradients
+    loss_only = [("[[0, 1, 2, 3]]", "tensor<f32>")]
+    assert _all_reduces(engine.first_part_step.lower(state, batch)) == loss_only
+    assert _all_reduces(engine.accumulate_step.lower(*args)) == loss_only
+    assert _all_reduces(engine.train_step.lower(*args)) == want
