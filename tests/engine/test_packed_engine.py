@@ -4,9 +4,10 @@ tests/parallel/test_stages.py).
 
 The reference is computed the plain way on one device: the same stage modules applied one
 after another to the whole global batch, `jax.grad` of the mean cross-entropy, and the optax
-chain (with its own global-norm clip) on the list of stage trees. The sharded engine instead
-runs GPipe over micro-batches with `lax.switch` per stage, psums over replicas, clips with a
-norm psum'd over stages and updates each stage's packed row on its own devices.
+chain (with its own global-norm clip) on the network's pieces in order (stem, blocks, head).
+The sharded engine instead runs GPipe over micro-batches with `lax.switch` per stage, psums
+over replicas, clips with a norm psum'd over stages and updates each stage's packed row on
+its own devices.
 """
 
 from __future__ import annotations
@@ -39,6 +40,27 @@ def global_batch(engine, cfg, digits, step=0):
     return jax.device_put(digits.train_batch(step, 0, g, g), engine.batch_sharding)
 
 
+def network_pieces(trees: list[dict]) -> list:
+    """Stage trees (or masks shaped like them) -> the network's pieces in order: stem, blocks,
+    head. One list whatever the split, so every mesh's reference is one program."""
+    out = []
+    for t in trees:
+        out += [t["stem"]] if "stem" in t else []
+        out += [t["blocks"][i] for i in sorted(t["blocks"])]
+        out += [t["head"]] if "head" in t else []
+    return out
+
+
+def stage_trees(pieces: list, like: list[dict]) -> list[dict]:
+    """`network_pieces`' inverse: `pieces` grouped as the stage trees `like`."""
+    it, out = iter(pieces), []
+    for t in like:
+        stage = {"stem": next(it)} if "stem" in t else {}
+        stage["blocks"] = {i: next(it) for i in sorted(t["blocks"])}
+        out.append({**stage, **({"head": next(it)} if "head" in t else {})})
+    return out
+
+
 def reference_step(cfg, engine, trees, batch):
     """Plain single-device loss and updated stage trees."""
     from jaxpod.models.efficientnet import normalize
@@ -47,23 +69,23 @@ def reference_step(cfg, engine, trees, batch):
     images, labels = (np.asarray(a) for a in batch)
     graphdefs = engine.stages.graphdefs
 
-    def loss_fn(trees):
+    def loss_fn(pieces):
         x = normalize(jnp.asarray(images), jnp.float32)
-        for g, t in zip(graphdefs, trees, strict=True):
+        for g, t in zip(graphdefs, stage_trees(pieces, trees), strict=True):
             x = nnx.merge(g, t)(x)
         return optax.softmax_cross_entropy_with_integer_labels(x, jnp.asarray(labels)).mean()
 
-    decay = [m.decay for m in engine.stages.masks]  # each stage's parameter roles
+    decay = network_pieces([m.decay for m in engine.stages.masks])  # the pieces' roles
     tx, _ = make_optimizer(cfg.optim, cfg.train.steps, decay_mask=decay)
 
     @jax.jit
-    def step(trees):  # one device, no mesh: the plain gradient and the optax chain
-        loss, grads = jax.value_and_grad(loss_fn)(trees)
-        updates, _ = tx.update(grads, tx.init(trees), trees)
-        return loss, optax.apply_updates(trees, updates)
+    def step(pieces):  # one device, no mesh: the plain gradient and the optax chain
+        loss, grads = jax.value_and_grad(loss_fn)(pieces)
+        updates, _ = tx.update(grads, tx.init(pieces), pieces)
+        return loss, optax.apply_updates(pieces, updates)
 
-    loss, updated = step(trees)
-    return float(loss), updated
+    loss, updated = step(network_pieces(trees))
+    return float(loss), stage_trees(updated, trees)
 
 
 def host_trees(engine, params):
@@ -86,7 +108,8 @@ def test_stage_rows_live_on_their_stage(tiny_cfg, mesh_for):
 
 
 # Each distinct config is one XLA compile (10-30 s for a CNN on 2 cores): the meshes and the
-# config are test_pinned's effnet-421 and effnet-111, whose programs the compilation cache serves.
+# config are test_pinned's effnet-421 and effnet-111, whose programs the compilation cache serves;
+# the reference, on the network's pieces, is one program for both meshes.
 @pytest.mark.parametrize("shape", [(4, 2, 1), (1, 1, 1)], ids=["4x2x1", "1x1x1"])
 def test_step_matches_single_device_reference(tiny_cfg, mesh_for, digits, shape):
     from jaxpod.engine import build_engine
