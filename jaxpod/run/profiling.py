@@ -68,7 +68,8 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
-        """Context for dispatching `step`: starts the trace if needed, annotates the step."""
+        """Context for feeding and dispatching `step` (the feed first waits for the call
+        before it): starts the trace if needed, annotates the step."""
         if not self._traced(step):
             yield
             return
