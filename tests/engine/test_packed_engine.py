@@ -55,9 +55,13 @@ def stage_trees(pieces: list, like: list[dict]) -> list[dict]:
     """`network_pieces`' inverse: `pieces` grouped as the stage trees `like`."""
     it, out = iter(pieces), []
     for t in like:
-        stage = {"stem": next(it)} if "stem" in t else {}
+        stage = {}
+        if "stem" in t:
+            stage["stem"] = next(it)
         stage["blocks"] = {i: next(it) for i in sorted(t["blocks"])}
-        out.append({**stage, **({"head": next(it)} if "head" in t else {})})
+        if "head" in t:
+            stage["head"] = next(it)
+        out.append(stage)
     return out
 
 
