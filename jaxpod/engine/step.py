@@ -134,8 +134,9 @@ def make_engine(stages, cfg: Config, *, bubble_fill: float = 0.0, unroll: bool =
             out_specs=(P(), P(), out),
         )
 
-    first_map, accumulate_map, last_map = (part_map(False, False), part_map(True, False),
-                                           part_map(True, True))  # fmt: skip
+    first_map = part_map(with_sum=False, reduce=False)
+    accumulate_map = part_map(with_sum=True, reduce=False)
+    last_map = part_map(with_sum=True, reduce=True)
 
     def accumulate_step(state: TrainState, batch, grad_sum=None):
         """A part's (grad_sum + its gradients unreduced, {"loss"[, "correct"]}), both sums."""
