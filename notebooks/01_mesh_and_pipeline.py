@@ -245,10 +245,10 @@ for dev, n in per_device.items():
 # With `S` stages and `M` micro-batches, GPipe runs `M + S − 1` **ticks**. On tick `t`,
 # stage `s` works on micro-batch `t − s` if `0 ≤ t − s < M`; otherwise it has nothing to do: a
 # **bubble**. jaxpod keeps every schedule as a table, `jaxpod.parallel.schedules.make_schedule`
-# (kind, S, M, V), with `op`, `micro_index` and `chunk` arrays of shape `[ticks, stages]`; the
-# executor in `jaxpod.parallel.pipeline` runs that table as one `lax.scan` over its ticks (a
-# `ppermute` passes each stage's output one stage down the pipe between ticks). Here is the table
-# the tiny config runs (`S = 2`, `M = grad_accum = 4`):
+# (kind, S, M, V), with `op`, `micro_index` and `virtual_stage` arrays of shape
+# `[ticks, stages]`; the executor in `jaxpod.parallel.pipeline` runs that table as one
+# `lax.scan` over its ticks (a `ppermute` passes each stage's output one stage down the pipe
+# between ticks). Here is the table the tiny config runs (`S = 2`, `M = grad_accum = 4`):
 
 # %%
 from jaxpod.parallel.schedules import FORWARD, make_schedule
@@ -269,9 +269,10 @@ for t in range(table.ticks):
 #   autodiff: the table run right to left, gradients flowing up the pipe. Bubble
 #   `(S − 1) / (M + S − 1)`; every micro-batch's activations wait for its backward, so memory
 #   grows with `M`.
-# * **circular**, `V = 2`: each stage holds two chunks of layers (chunk 1 marked by the dark
-#   band, its micro-batches primed: `0'`), the micro-batches go twice round the ring, and a tick
-#   runs one chunk, half a stage's work. Bubble `(S − 1) / (V·M + S − 1)`.
+# * **circular**, `V = 2`: each stage holds two virtual stages of layers (virtual stage 1
+#   marked by the dark band, its micro-batches primed: `0'`), the micro-batches go twice round
+#   the ring, and a tick runs one virtual stage, half a stage's work. Bubble
+#   `(S − 1) / (V·M + S − 1)`.
 # * **1f1b**: the table holds the backward ops too: after a few warm-up forwards each stage
 #   alternates one backward and one forward, so stage `s` holds at most `S − s` micro-batches'
 #   inputs, whatever `M`. Same bubble as GPipe.

@@ -22,7 +22,7 @@
 #
 # 1. **Data parallelism.** Every device holds the whole model and a slice of the batch; the
 #    gradients are summed across devices with an **all-reduce**. We build the all-reduce
-#    itself, as a **ring** of `ppermute`s, draw which chunk moves where at each step, and
+#    itself, as a **ring** of `ppermute`s, draw which segment moves where at each step, and
 #    count its bytes in the compiled program: every device sends 2(n−1)/n of the gradient,
 #    whatever n is.
 # 2. **Tensor (model) parallelism.** One MLP's weights are split across devices: the first
@@ -70,10 +70,10 @@ def put(x, mesh, spec):
 # ## 1. The ring all-reduce
 #
 # Device *i* of *n* holds `x_i` (B numbers) and wants `x_0 + … + x_{n−1}`. Cut each `x_i` into
-# n chunks. **Reduce-scatter**, n−1 steps: in each step every device sends one chunk's
-# running sum to its right-hand neighbour and adds its own copy of the chunk it receives;
-# after n−1 steps device *i* holds chunk *i* summed over all devices. **All-gather**, n−1
-# more steps: the finished chunks go round the ring once. Each step every device sends B/n
+# n segments. **Reduce-scatter**, n−1 steps: in each step every device sends one segment's
+# running sum to its right-hand neighbour and adds its own copy of the segment it receives;
+# after n−1 steps device *i* holds segment *i* summed over all devices. **All-gather**, n−1
+# more steps: the finished segments go round the ring once. Each step every device sends B/n
 # numbers, so 2(n−1)·B/n in all: no device is a hot spot, and the cost per device barely grows
 # with n.
 #
@@ -85,15 +85,15 @@ def put(x, mesh, spec):
 def my_ring_all_reduce(x, axis):
     """Inside shard_map: (sum of x over `axis`, what each step sent)."""
     n, i = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    chunks = x.reshape(n, -1)
-    chunk = lambda j: jax.lax.dynamic_index_in_dim(chunks, j % n, keepdims=False)
+    segments = x.reshape(n, -1)
+    segment = lambda j: jax.lax.dynamic_index_in_dim(segments, j % n, keepdims=False)
     to_right = [(k, (k + 1) % n) for k in range(n)]
-    sent, acc = [], chunk(i - 1)
+    sent, acc = [], segment(i - 1)
     for s in range(n - 1):  # reduce-scatter: receive a running sum, add my copy, pass it on
         sent.append(acc)
-        acc = jax.lax.ppermute(acc, axis, to_right) + chunk(i - s - 2)
-    out = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(chunks), acc, i, 0)
-    for s in range(n - 1):  # all-gather: pass the finished chunks round once
+        acc = jax.lax.ppermute(acc, axis, to_right) + segment(i - s - 2)
+    out = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(segments), acc, i, 0)
+    for s in range(n - 1):  # all-gather: pass the finished segments round once
         sent.append(acc)
         acc = jax.lax.ppermute(acc, axis, to_right)
         out = jax.lax.dynamic_update_index_in_dim(out, acc, (i - s - 1) % n, 0)
@@ -120,17 +120,18 @@ np.testing.assert_allclose(ring, psum, rtol=1e-5, atol=1e-5)
 print("ring == psum == numpy sum on all", n, "devices; max |ring - psum| =", abs(ring - psum).max())
 
 # %% [markdown]
-# ### Which chunk moves where
+# ### Which segment moves where
 #
-# Give device *k* the number 2^k in every element of every chunk, plus the chunk's index in a
-# second column: a running sum then spells out *which devices* it contains (its bits) and
-# *which chunk* it is. Each cell is one device at one step: the chunk it sends to the right
-# and whose contributions that message carries, read from what `ppermute` actually moved.
+# Give device *k* the number 2^k in every element of every segment, plus the segment's index
+# in a second column: a running sum then spells out *which devices* it contains (its bits) and
+# *which segment* it is. Each cell is one device at one step: the segment it sends to the
+# right and whose contributions that message carries, read from what `ppermute` actually
+# moved.
 
 # %%
 n = 4
 mesh4 = mesh_of(n, "data")
-tags = np.zeros((n, n, 2), np.float32)  # [device, chunk, (2^device, chunk index)]
+tags = np.zeros((n, n, 2), np.float32)  # [device, segment, (2^device, segment index)]
 tags[:, :, 0] = 2.0 ** np.arange(n)[:, None]
 tags[:, :, 1] = np.arange(n)[None, :]
 
@@ -144,7 +145,7 @@ sent = np.asarray(
     jax.jit(jax.shard_map(traced, mesh=mesh4, in_specs=P("data"), out_specs=P("data")))(
         put(tags.reshape(n, -1), mesh4, P("data"))
     )
-).reshape(n, 2 * (n - 1), 2)  # [device, step, (bits, count * chunk)]
+).reshape(n, 2 * (n - 1), 2)  # [device, step, (bits, count * segment)]
 
 fig, ax = plt.subplots(figsize=(8, 5.5))
 colors = plt.cm.Set2(np.arange(n))
@@ -152,10 +153,10 @@ for d in range(n):
     for s in range(2 * (n - 1)):
         bits, weighted = sent[d, s]
         members = [k for k in range(n) if int(bits) >> k & 1]
-        j = int(round(weighted / len(members)))  # every member added the chunk index once
+        j = int(round(weighted / len(members)))  # every member added the segment index once
         ax.add_patch(plt.Rectangle((d, -s - 1), 0.92, 0.88, color=colors[j]))
         label = "+".join(f"x{k}" for k in members) if len(members) < n else "sum"
-        ax.text(d + 0.46, -s - 0.55, f"chunk {j}\n{label}", ha="center", va="center", fontsize=8)
+        ax.text(d + 0.46, -s - 0.55, f"segment {j}\n{label}", ha="center", va="center", fontsize=8)
         ax.annotate("", (d + 1.0, -s - 0.3), (d + 0.8, -s - 0.3),
                     arrowprops=dict(arrowstyle="->", lw=1.2))  # fmt: skip
 ax.axhline(-(n - 1) - 0.04, color="k", lw=1, ls="--")
@@ -167,7 +168,7 @@ ax.set_yticks(-np.arange(2 * (n - 1)) - 0.55, [f"step {s + 1}" for s in range(2 
 ax.set_title(f"Ring all-reduce on {n} devices: what each sends to its right ({n - 1} → 0)")
 plt.show()
 
-# the picture's facts: after n-1 steps device d received the full sum of chunk d; every
+# the picture's facts: after n-1 steps device d received the full sum of segment d; every
 # all-gather message is a complete sum
 for d in range(n):
     last_in = sent[(d - 1) % n, n - 2]  # what the left neighbour sent in the last RS step

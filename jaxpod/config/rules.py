@@ -259,7 +259,7 @@ def check_schedule(cfg: Config, group: int) -> None:
     kind, v = t.pipeline_schedule, t.virtual_stages
     if v > 1 and kind != "circular":
         fail(
-            f"train.virtual_stages={v} gives each stage several layer chunks, which only "
+            f"train.virtual_stages={v} gives each stage several virtual stages, which only "
             "train.pipeline_schedule=circular runs; set train.virtual_stages=1 or the schedule"
         )
     if kind == "gpipe":
@@ -273,18 +273,18 @@ def check_schedule(cfg: Config, group: int) -> None:
         return
     if cfg.kind.stages != "stacked":
         fail(
-            f"train.pipeline_schedule=circular cuts a stack of identical layers into chunks; "
-            f"model.name={md.name} has heterogeneous stages: use gpipe or 1f1b"
+            "train.pipeline_schedule=circular cuts a stack of identical layers into virtual "
+            f"stages; model.name={md.name} has heterogeneous stages: use gpipe or 1f1b"
         )
     if v < 2:
         fail(
-            "train.pipeline_schedule=circular needs train.virtual_stages >= 2 (layer chunks "
-            "per stage; with 1 it is gpipe)"
+            "train.pipeline_schedule=circular needs train.virtual_stages >= 2 (virtual "
+            "stages per stage; with 1 it is gpipe)"
         )
     if md.layers % (stages * v):
         fail(
             f"model.layers={md.layers} does not divide into mesh.pipeline*train.virtual_stages"
-            f" = {stages}*{v} = {stages * v} chunks; use a multiple of {stages * v}"
+            f" = {stages}*{v} = {stages * v} virtual stages; use a multiple of {stages * v}"
         )
     if group % stages:
         name = _group_name(t)
@@ -293,11 +293,12 @@ def check_schedule(cfg: Config, group: int) -> None:
             f"{stages}: train.pipeline_schedule=circular sends them around the ring in groups "
             f"of {stages}; use a multiple of {stages}"
         )
-    chunk = md.layers // (stages * v)
-    if chunk % cfg.memory.phases:
+    per_virtual = md.layers // (stages * v)
+    if per_virtual % cfg.memory.phases:
         fail(
-            f"memory.phases={cfg.memory.phases} does not divide the {chunk} layers of a chunk "
-            f"(model.layers/(mesh.pipeline*train.virtual_stages)); use a divisor of {chunk}"
+            f"memory.phases={cfg.memory.phases} does not divide the {per_virtual} layers of a "
+            f"virtual stage (model.layers/(mesh.pipeline*train.virtual_stages)); use a divisor "
+            f"of {per_virtual}"
         )
 
 

@@ -60,7 +60,7 @@ def check_memory(cfg: Config, replica: int) -> None:
         fail(f"memory.phases={mem.phases} is more than model.layers={md.layers}; use fewer")
     if mem.mlp_panels > 1 and mem.stream != "matrix":
         fail(
-            f"memory.mlp_panels={mem.mlp_panels} streams the MLP's matrices in blocks, which "
+            f"memory.mlp_panels={mem.mlp_panels} streams the MLP's matrices in panels, which "
             "only memory.stream=matrix does; set memory.stream=matrix or memory.mlp_panels=1"
         )
     local_ff = md.d_ff // cfg.mesh.tensor
@@ -71,7 +71,7 @@ def check_memory(cfg: Config, replica: int) -> None:
         )
     if mem.vocab_slices > 1 and md.name != "gpt":
         fail(
-            f"memory.vocab_slices={mem.vocab_slices} blocks GPT's token table; model.name="
+            f"memory.vocab_slices={mem.vocab_slices} slices GPT's token table; model.name="
             f"{md.name} uses its table whole: set memory.vocab_slices=1"
         )
     local_vocab = md.vocab // cfg.mesh.tensor

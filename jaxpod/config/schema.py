@@ -68,7 +68,7 @@ class ModelConfig:
     seq_len: int = 64
     vocab: int = 256
     remat: Remat = "none"
-    sequence_chunks: int = 1  # query blocks attended one at a time (divides seq_len)
+    sequence_chunks: int = 1  # query chunks attended one at a time (divides seq_len)
     sequence_parallel: bool = False  # residual stream split over tensor along the sequence
     tie_embeddings: bool = True
     norm: Norm = "pre"  # bert: pre- or post-LayerNorm blocks
@@ -97,10 +97,11 @@ class TrainConfig:
     # micro-batches per GPipe pass (pipeline > 1): a call runs part_micro / pipeline_group
     # pipeline passes and sums their gradients; null: one pass of a call's micro-batches
     pipeline_group: int | None = None
-    # the pipeline schedule (mesh.pipeline > 1): gpipe, circular (virtual_stages chunks per
-    # stage, layers round-robin) or 1f1b (backward interleaved: memory independent of M)
+    # the pipeline schedule (mesh.pipeline > 1): gpipe, circular (virtual_stages virtual
+    # stages per stage, layers round-robin) or 1f1b (backward interleaved: memory
+    # independent of M)
     pipeline_schedule: PipelineSchedule = "gpipe"
-    virtual_stages: int = 1  # circular: layer chunks per pipeline stage
+    virtual_stages: int = 1  # circular: virtual stages per pipeline stage
     skip_bubbles: bool = False  # gpipe/circular: a bubble tick skips its stage (lax.cond)
     seed: int = 0
     logdir: str = "runs/default"
@@ -169,7 +170,7 @@ class MemoryConfig:
     offload: tuple[Offload, ...] = ()
     phases: int = 1  # the layers of a stage run in this many phases, streamed from host
     stream: Stream = "layer"  # unit a weight is prepared (fetched/gathered) in
-    mlp_panels: int = 1  # with stream=matrix: the MLP's matrices in this many blocks
+    mlp_panels: int = 1  # with stream=matrix: the MLP's matrices in this many panels
     vocab_slices: int = 1  # GPT: the token table used (and RTS-gathered) this many rows at a time
     device_budget: str | None = None  # e.g. 900MB, 16GiB: refuse mappings that exceed it
 

@@ -185,7 +185,7 @@ class PackedStages:
         switched = jax.checkpoint(
             lambda a: jax.lax.switch(stage, branches, a), policy=_NOTHING, prevent_cse=False
         )
-        tick = lambda a, chunk=0: switched(a)  # noqa: E731 (one chunk per stage)
+        tick = lambda a, r=0: switched(a)  # noqa: E731 (no virtual stages)
         last = stage == self.packing.num_stages - 1
 
         def pipelined_head(ys, labels, weights, denominator):

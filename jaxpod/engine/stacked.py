@@ -122,7 +122,7 @@ class StackedStages:
 
         def make():
             params = nnx.to_pure_dict(nnx.split(build_model(cfg.model, cfg.train.seed))[1])
-            if order is not None:  # circular: each stage's slice holds its chunks in order
+            if order is not None:  # circular: each stage's part holds its virtual stages in order
                 stack = jax.tree.map(lambda a: a[order], params[STACK])
                 params = {**params, STACK: stack}
             return _cast(params, master)
@@ -161,7 +161,7 @@ class StackedStages:
     @property
     def layer_order(self) -> np.ndarray | None:
         """Where each stored layer comes from (`stored[i] = logical[order[i]]`) when the
-        schedule assigns layer chunks round-robin (circular); None: the logical order."""
+        schedule assigns virtual stages round-robin (circular); None: the logical order."""
         t, stages = self.cfg.train, self.cfg.mesh.pipeline
         if t.virtual_stages == 1:
             return None
@@ -207,8 +207,10 @@ class StackedStages:
                 ready.append(self._prepare(leaf, dim))
         return nnx.merge(self.graphdef, jax.tree.unflatten(treedef, ready))
 
-    def _run_layers(self, model: nnx.Module, x: jax.Array, fetched: bool, chunk=0) -> jax.Array:
-        """This stage's layers over `x` (with V virtual stages, its `chunk`-th chunk of them);
+    def _run_layers(
+        self, model: nnx.Module, x: jax.Array, fetched: bool, virtual_stage=0
+    ) -> jax.Array:
+        """This stage's layers over `x` (with V virtual stages, those of its `virtual_stage`-th);
         `fetched`: the stack is already on the device."""
         layout, cfg = self.layout, self.cfg
         dims = layout.rts_dims[STACK]
@@ -223,7 +225,7 @@ class StackedStages:
         if cfg.memory.stream != "layer":
             hooks.update(stream=cfg.memory.stream, mlp_panels=cfg.memory.mlp_panels)
         if cfg.train.virtual_stages > 1:
-            hooks["chunk"] = (chunk, cfg.train.virtual_stages)
+            hooks["virtual_stage"] = (virtual_stage, cfg.train.virtual_stages)
         return run_stack(
             model.layers, x, tp=TP, remat_policy=cfg.model.remat, unroll=self.unroll, **hooks
         )
@@ -247,7 +249,7 @@ class StackedStages:
         model = self._model(params, fetched_layers=pipelined)
         sp = self.cfg.model.sequence_parallel
         embed = lambda tokens: model.embed(tokens, TP)
-        stage = lambda x, chunk=0: self._run_layers(model, x, fetched=pipelined, chunk=chunk)
+        stage = lambda x, r=0: self._run_layers(model, x, fetched=pipelined, virtual_stage=r)
         if not pipelined:
             return embed, stage, lambda *a: self._micro_head(model, *a)
         stages = self.mesh.shape["pipeline"]

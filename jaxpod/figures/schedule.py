@@ -4,8 +4,8 @@ executor scans over, and the measured memory and step time of each schedule agai
 A chart has one row per stage and one cell per tick: the micro-batch the stage runs, forward
 (solid) or backward (pale). gpipe and circular tables hold forwards only; autodiff runs the
 same scan transposed, so their backward half is the table's ticks in reverse order, each stage
-running the backward of what it ran forward. A circular tick runs one chunk (1/V of a stage's
-layers), so its cells are 1/V wide: the x axis is in units of one stage's forward.
+running the backward of what it ran forward. A circular tick runs one virtual stage (1/V of a
+stage's layers), so its cells are 1/V wide: the x axis is in units of one stage's forward.
 """
 
 from __future__ import annotations
@@ -32,35 +32,36 @@ MICRO_COLOURS = [
 
 
 def full_step(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`(op, micro, chunk)`, each `[ticks, stages]`, of the whole step: the table itself when
-    it holds the backward ops (1f1b), else the table followed by its reverse as backward."""
+    """`(op, micro, virtual_stage)`, each `[ticks, stages]`, of the whole step: the table
+    itself when it holds the backward ops (1f1b), else the table followed by its reverse as
+    backward."""
     if schedule.explicit_backward:
-        return schedule.op, schedule.micro_index, schedule.chunk
+        return schedule.op, schedule.micro_index, schedule.virtual_stage
     back = np.where(schedule.op[::-1] == FORWARD, BACKWARD, IDLE)
     op = np.concatenate([schedule.op, back])
     micro = np.concatenate([schedule.micro_index, schedule.micro_index[::-1]])
-    chunk = np.concatenate([schedule.chunk, schedule.chunk[::-1]])
-    return op, micro, chunk
+    virtual = np.concatenate([schedule.virtual_stage, schedule.virtual_stage[::-1]])
+    return op, micro, virtual
 
 
 def draw_schedule(ax, schedule: Schedule, xmax: float | None = None) -> None:
     """One schedule's tick chart on `ax`: stages top to bottom, time left to right."""
     from matplotlib.ticker import MultipleLocator
 
-    op, micro, chunk = full_step(schedule)
+    op, micro, virtual = full_step(schedule)
     width = 1.0 / schedule.virtual
     for (t, s), o in np.ndenumerate(op):
         x = t * width
         if o == IDLE:
             ax.add_patch(_cell(x, s, width, "0.92", "0.75", hatch="///"))
             continue
-        m, c = int(micro[t, s]), int(chunk[t, s])
+        m, r = int(micro[t, s]), int(virtual[t, s])
         colour = MICRO_COLOURS[m % len(MICRO_COLOURS)]
         alpha = 1.0 if o == FORWARD else 0.45
         ax.add_patch(_cell(x, s, width, colour, "k", alpha=alpha))
-        if c:  # a later chunk: a dark band along the cell's top
-            ax.add_patch(_cell(x, s, width, "0.2", "0.2", height=0.12 * c))
-        label = f"{m}" + ("'" * c)
+        if r:  # a later virtual stage: a dark band along the cell's top
+            ax.add_patch(_cell(x, s, width, "0.2", "0.2", height=0.12 * r))
+        label = f"{m}" + ("'" * r)
         ax.text(x + width / 2, s + 0.5, label, ha="center", va="center", fontsize=7)
     held = ", ".join(str(int(k)) for k in schedule.in_flight)
     virtual = f", V={schedule.virtual}" if schedule.kind == "circular" else ""
@@ -104,7 +105,7 @@ def schedules_figure(stages: int = 4, micro: int = 8):
     legend = [
         Patch(facecolor=MICRO_COLOURS[0], edgecolor="k", label="forward of micro-batch 0"),
         Patch(facecolor=MICRO_COLOURS[0], alpha=0.45, edgecolor="k", label="backward"),
-        Patch(facecolor="0.2", edgecolor="0.2", label="top band: chunk 1 (label 0')"),
+        Patch(facecolor="0.2", edgecolor="0.2", label="top band: virtual stage 1 (label 0')"),
         Patch(facecolor="0.92", edgecolor="0.75", hatch="///", label="bubble"),
     ]
     fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)

@@ -48,7 +48,7 @@ def _resolve(mask: MaskOrFn, params) -> Any:
 
 def _layer_sum_squares(x: jax.Array, stacked: bool) -> jax.Array:
     """Sum of squares over all axes (a scalar), or over all but the leading one
-    (`[L, 1, ..., 1]`): partial sums over blocks of a tensor add up."""
+    (`[L, 1, ..., 1]`): partial sums over strips of a tensor add up."""
     if stacked and x.ndim >= 1:
         return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)), keepdims=True)
     return jnp.sum(jnp.square(x))
@@ -74,7 +74,7 @@ def scale_by_layerwise_trust_ratio(
     equals applying the unstacked transform to each slice. Leaves where `mask` is False pass
     through. `mask`/`stacked`: bool, pytree of bools, or a function of the params.
 
-    Two extra arguments (passed through `optax.chain`) let a caller update a leaf in blocks
+    Two extra arguments (passed through `optax.chain`) let a caller update a leaf in strips
     (`jaxpod.optim.per_layer`), whose ratio needs the norms of the whole leaf: `trust_probe`, a
     dict the transform fills with `{leaf index: (|p|², |u|²)}` of this call's leaves (flat
     order of `jax.tree.leaves(params)`, masked leaves only; updates pass through unscaled),

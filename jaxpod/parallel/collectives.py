@@ -1,16 +1,16 @@
 """Ring collectives from `jax.lax.ppermute`, for the inside of `shard_map`.
 
 A ring all-reduce of `x[B]` over n devices is a reduce-scatter then an all-gather, each n-1
-steps of one `ppermute` to the ring neighbour: cut `x` into n chunks `x[n, B/n]`; in step s
-device i adds the partial sum it receives to its own chunk and passes it on, so after n-1
-steps device i holds chunk i summed over the ring; the all-gather then passes the finished
-chunks round once more. Every device sends 2(n-1)/n of `x`'s bytes, whatever n is.
+steps of one `ppermute` to the ring neighbour: cut `x` into n segments `x[n, B/n]`; in step s
+device i adds the partial sum it receives to its own segment and passes it on, so after n-1
+steps device i holds segment i summed over the ring; the all-gather then passes the finished
+segments round once more. Every device sends 2(n-1)/n of `x`'s bytes, whatever n is.
 
 - `axis` is a mesh axis or a tuple of them: the ring runs over their flattened product
   (row-major, as `lax.axis_index(axes)` numbers devices); axes of size 1 are skipped.
 - `bidirectional=True`: two half-size rings in opposite directions (both links of a ring).
 - `hosts=h`: two levels for a (hosts, devices-per-host) split of the ring: reduce-scatter
-  among the n/h devices of each host, all-reduce each 1/(n/h) chunk over the h hosts, then
+  among the n/h devices of each host, all-reduce each 1/(n/h) segment over the h hosts, then
   all-gather within the host. The same 2(n-1)/n bytes per device, but only 2(h-1)/n of them
   cross between hosts.
 - Leaves of any shape are flattened and zero-padded to a multiple of n.
@@ -92,39 +92,40 @@ class Ring:
         return jax.lax.ppermute(x, _mesh_order(self.axes), self.perm())
 
 
-def ring_reduce_scatter(chunks: jax.Array, ring: Ring) -> jax.Array:
-    """`chunks[size, c]` -> this device's chunk `[c]`, summed over the ring, in size-1 steps.
+def ring_reduce_scatter(segments: jax.Array, ring: Ring) -> jax.Array:
+    """`segments[size, c]` -> this device's segment `[c]`, summed over the ring, in size-1
+    steps.
 
-    In step s device i receives the partial sum of chunk i - d(s+2) from device i - d, adds
-    its own and passes it on in step s+1; chunk j starts at device j + d and ends at j."""
+    In step s device i receives the partial sum of segment i - d(s+2) from device i - d, adds
+    its own and passes it on in step s+1; segment j starts at device j + d and ends at j."""
     i, d, n = ring.position(), ring.direction, ring.size
-    own = lambda j: jax.lax.dynamic_index_in_dim(chunks, j % n, keepdims=False)
+    own = lambda j: jax.lax.dynamic_index_in_dim(segments, j % n, keepdims=False)
     acc = own(i - d)
     for s in range(n - 1):
         acc = ring.shift(acc) + own(i - d * (s + 2))
     return acc
 
 
-def ring_all_gather(chunk: jax.Array, ring: Ring) -> jax.Array:
-    """This device's `chunk[c]` -> every device's `[size, c]` (row j from position j), in
-    size-1 steps: in step s each device passes on the chunk it received in step s-1."""
+def ring_all_gather(segment: jax.Array, ring: Ring) -> jax.Array:
+    """This device's `segment[c]` -> every device's `[size, c]` (row j from position j), in
+    size-1 steps: in step s each device passes on the segment it received in step s-1."""
     i, d, n = ring.position(), ring.direction, ring.size
-    out = jnp.zeros((n, *chunk.shape), chunk.dtype)
-    out = jax.lax.dynamic_update_index_in_dim(out, chunk, i, 0)
+    out = jnp.zeros((n, *segment.shape), segment.dtype)
+    out = jax.lax.dynamic_update_index_in_dim(out, segment, i, 0)
     for s in range(n - 1):
-        chunk = ring.shift(chunk)
-        out = jax.lax.dynamic_update_index_in_dim(out, chunk, (i - d * (s + 1)) % n, 0)
+        segment = ring.shift(segment)
+        out = jax.lax.dynamic_update_index_in_dim(out, segment, (i - d * (s + 1)) % n, 0)
     return out
 
 
 def _ring_all_reduce(flat: jax.Array, ring: Ring, dtype) -> jax.Array:
     """`flat[size * c]` (in the summation dtype) -> the sum over the ring, rounded to `dtype`."""
-    chunk = ring_reduce_scatter(flat.reshape(ring.size, -1), ring).astype(dtype)
-    return ring_all_gather(chunk, ring).reshape(-1)
+    segment = ring_reduce_scatter(flat.reshape(ring.size, -1), ring).astype(dtype)
+    return ring_all_gather(segment, ring).reshape(-1)
 
 
 def _hierarchical(flat: jax.Array, axes, n: int, hosts: int, dtype) -> jax.Array:
-    """Reduce-scatter within each host, all-reduce each chunk across the hosts, all-gather
+    """Reduce-scatter within each host, all-reduce each segment across the hosts, all-gather
     within the host. Device k is local device k % (n/hosts) of host k // (n/hosts)."""
     local = n // hosts
     inside, across = Ring(axes, local), Ring(axes, hosts, stride=local)

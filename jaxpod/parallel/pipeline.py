@@ -9,7 +9,7 @@ ticks / (V·M). Bubble ticks never reach gradients or statistics: their inputs a
 by zeros before the stage runs (whatever the carry holds, NaN included) and their outputs
 are masked out.
 
-    gpipe, S = 2, M = 4          circular, S = 2, M = 2, V = 2 (r: the chunk)
+    gpipe, S = 2, M = 4          circular, S = 2, M = 2, V = 2 (r: virtual stage)
     tick:    0  1  2  3  4       tick:    0    1    2    3    4
     stage 0: m0 m1 m2 m3 --      stage 0: m0r0 m1r0 m0r1 m1r1 --
     stage 1: -- m0 m1 m2 m3      stage 1: --   m0r0 m1r0 m0r1 m1r1
@@ -44,11 +44,11 @@ def forward_ticks(
     unroll: bool = False,
     skip_bubbles: bool = False,
 ) -> jax.Array:
-    """Run `stage_fn(x, chunk)` (this device's stage; `chunk` its virtual stage, traced)
+    """Run `stage_fn(x, r)` (this device's stage; `r` which of its virtual stages, traced)
     over the micro-batches `xs[M, *act]` on the ticks of a forward-only `schedule`.
 
-    `xs` is read on stage 0 for a micro-batch's first chunk; later chunks of the circular
-    schedule take the last stage's output, passed around the ring. Returns `ys[M, *act]`:
+    `xs` is read on stage 0 for a micro-batch's first virtual stage; its later virtual stages
+    (circular schedule) take the last stage's output, passed around the ring. Returns `ys[M, *act]`:
     the last stage's final outputs in micro-batch order on the last stage, zeros elsewhere.
     `bubble_fill` is what the carry holds before the first activation arrives (any value,
     tests use NaN, leaves the result and its gradients unchanged); `unroll` unrolls the tick
@@ -62,25 +62,27 @@ def forward_ticks(
     last = stages - 1
 
     def tick(carry, row):
-        op, mb, chunk = (mine(r, axis) for r in row)
+        op, mb, r = (mine(a, axis) for a in row)
         live = op == FORWARD
-        first = (stage == 0) & (chunk == 0)
+        first = (stage == 0) & (r == 0)
         x = jnp.where(first, xs[jnp.clip(mb, 0, micro - 1)], carry)
         if skip_bubbles:
             idle = lambda a: vary_like(jnp.zeros(probe.shape, probe.dtype), probe)  # noqa: E731
-            y = jax.lax.cond(live, lambda a: stage_fn(a, chunk), idle, jnp.where(live, x, 0.0))
+            y = jax.lax.cond(live, lambda a: stage_fn(a, r), idle, jnp.where(live, x, 0.0))
         else:
-            y = stage_fn(jnp.where(live, x, 0.0), chunk)
-        out = jnp.where(live & (stage == last) & (chunk == virtual - 1), y, 0.0)
+            y = stage_fn(jnp.where(live, x, 0.0), r)
+        out = jnp.where(live & (stage == last) & (r == virtual - 1), y, 0.0)
         return jax.lax.ppermute(y, axis, ring), out
 
     probe = jax.eval_shape(stage_fn, xs[0], jnp.int32(0))
     carry = jnp.full(xs.shape[1:], bubble_fill, xs.dtype)
     carry = vary_like(vary_like(carry, xs), probe)
-    rows = tuple(jnp.asarray(a) for a in (schedule.op, schedule.micro_index, schedule.chunk))
+    rows = tuple(
+        jnp.asarray(a) for a in (schedule.op, schedule.micro_index, schedule.virtual_stage)
+    )
     _, outs = jax.lax.scan(tick, carry, rows, unroll=unroll)
     # the tick on which the last stage finishes each micro-batch (static: from the table)
-    final = (schedule.op[:, last] == FORWARD) & (schedule.chunk[:, last] == virtual - 1)
+    final = (schedule.op[:, last] == FORWARD) & (schedule.virtual_stage[:, last] == virtual - 1)
     ticks = np.nonzero(final)[0][np.argsort(schedule.micro_index[final, last], kind="stable")]
     if np.array_equal(ticks, np.arange(stages - 1, stages - 1 + micro)):
         return outs[stages - 1 :]  # GPipe: the last M ticks, in order
@@ -105,7 +107,8 @@ def gpipe_ticks(
     bubble_fill: float = 0.0,
     unroll: bool = False,
 ) -> jax.Array:
-    """GPipe of a one-chunk `stage_fn(x)` over `xs[M, *act]` (`forward_ticks` of `gpipe`)."""
+    """GPipe of `stage_fn(x)` (no virtual stages) over `xs[M, *act]` (`forward_ticks` of
+    `gpipe`)."""
     schedule = gpipe(jax.lax.axis_size(axis), xs.shape[0])
     return forward_ticks(
         lambda x, _: stage_fn(x), xs, schedule, axis=axis, bubble_fill=bubble_fill, unroll=unroll

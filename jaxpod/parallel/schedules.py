@@ -6,16 +6,16 @@ over its ticks, and that the planner and the notebook's charts read. On tick t, 
 
     op[t, s]         IDLE, FORWARD or BACKWARD
     micro[t, s]      the micro-batch it runs (-1 when idle)
-    chunk[t, s]      which of its V layer chunks (its virtual stage r: global stage r·S + s)
+    virtual_stage[t, s]  which of its V virtual stages r (global stage r·S + s) it runs
 
 Kinds (bubble = idle fraction of the stage-ticks, `Schedule.bubble`):
 
 - `gpipe`: all forwards, M + S - 1 ticks; the backward is the same scan transposed by
   autodiff. Bubble (S - 1) / (M + S - 1); every micro-batch's activations live until its
   backward, so memory grows with M.
-- `circular`: V chunks per device, layers assigned round-robin (chunk r of stage s is the
-  global stage r·S + s); micro-batches go V times around the ring in groups of S, V·M + S - 1
-  ticks; bubble (S - 1) / (V·M + S - 1). M must be a multiple of S.
+- `circular`: V virtual stages per device, layers assigned round-robin (virtual stage r of
+  stage s is the global stage r·S + s); micro-batches go V times around the ring in groups
+  of S, V·M + S - 1 ticks; bubble (S - 1) / (V·M + S - 1). M must be a multiple of S.
 - `1f1b`: forwards and backwards in one table, each tick one op per stage: stage s runs
   min(S - s, M) warm-up forwards, then alternates one backward and one forward, then drains;
   2(M + S - 1) ticks. A stage holds at most S - s micro-batches' inputs, whatever M.
@@ -46,7 +46,7 @@ class Schedule:
     virtual: int
     op: np.ndarray
     micro_index: np.ndarray
-    chunk: np.ndarray
+    virtual_stage: np.ndarray
 
     @property
     def ticks(self) -> int:
@@ -79,8 +79,9 @@ class Schedule:
         return out
 
     def ops(self, stage: int) -> list[tuple[int, int, int, int]]:
-        """`(tick, op, micro-batch, chunk)` of every non-idle entry of `stage`, in order."""
-        col = zip(self.op[:, stage], self.micro_index[:, stage], self.chunk[:, stage], strict=True)
+        """`(tick, op, micro-batch, virtual stage)` of every non-idle entry of `stage`, in order."""
+        rows = (self.op, self.micro_index, self.virtual_stage)
+        col = zip(*(a[:, stage] for a in rows), strict=True)
         return [(t, int(o), int(m), int(c)) for t, (o, m, c) in enumerate(col) if o != IDLE]
 
 
@@ -91,20 +92,20 @@ def _table(ticks: int, stages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def gpipe(stages: int, micro: int) -> Schedule:
     """Fill and drain: on tick t stage s forwards micro-batch t - s."""
-    op, mb, chunk = _table(micro + stages - 1, stages)
+    op, mb, virtual_stage = _table(micro + stages - 1, stages)
     for t in range(op.shape[0]):
         for s in range(stages):
             if 0 <= t - s < micro:
                 op[t, s], mb[t, s] = FORWARD, t - s
-    return Schedule("gpipe", stages, micro, 1, op, mb, chunk)
+    return Schedule("gpipe", stages, micro, 1, op, mb, virtual_stage)
 
 
 def circular(stages: int, micro: int, virtual: int) -> Schedule:
     """V laps around the ring in groups of S micro-batches: stage s on tick t, with
-    u = t - s, runs micro-batch (u // (S·V))·S + u % S on its chunk (u % (S·V)) // S."""
+    u = t - s, runs micro-batch (u // (S·V))·S + u % S on its virtual stage (u % (S·V)) // S."""
     if micro % stages:
         raise ValueError(f"circular: {micro} micro-batches are not a multiple of {stages} stages")
-    op, mb, chunk = _table(virtual * micro + stages - 1, stages)
+    op, mb, virtual_stage = _table(virtual * micro + stages - 1, stages)
     lap = stages * virtual
     for t in range(op.shape[0]):
         for s in range(stages):
@@ -113,8 +114,8 @@ def circular(stages: int, micro: int, virtual: int) -> Schedule:
                 continue
             op[t, s] = FORWARD
             mb[t, s] = (u // lap) * stages + u % stages
-            chunk[t, s] = (u % lap) // stages
-    return Schedule("circular", stages, micro, virtual, op, mb, chunk)
+            virtual_stage[t, s] = (u % lap) // stages
+    return Schedule("circular", stages, micro, virtual, op, mb, virtual_stage)
 
 
 def one_f_one_b(stages: int, micro: int) -> Schedule:
@@ -155,11 +156,11 @@ def one_f_one_b(stages: int, micro: int) -> Schedule:
                 done[(o, m, s)] = t
         rows.append(row)
         t += 1
-    op, mb, chunk = _table(len(rows), stages)
+    op, mb, virtual_stage = _table(len(rows), stages)
     for t, row in enumerate(rows):
         for s, (o, m) in enumerate(row):
             op[t, s], mb[t, s] = o, m
-    return Schedule("1f1b", stages, micro, 1, op, mb, chunk)
+    return Schedule("1f1b", stages, micro, 1, op, mb, virtual_stage)
 
 
 def make_schedule(kind: str, stages: int, micro: int, virtual: int = 1) -> Schedule:
@@ -174,14 +175,15 @@ def make_schedule(kind: str, stages: int, micro: int, virtual: int = 1) -> Sched
 
 
 def layer_order(layers: int, stages: int, virtual: int) -> np.ndarray:
-    """Where each stored layer comes from: with V chunks per stage assigned round-robin,
-    stage s's contiguous slice of the stored stack holds its chunks r = 0..V-1, i.e. the
-    global stages r·S + s, in that order. `stored[i] = logical[order[i]]`; V = 1: identity."""
-    chunk = layers // (stages * virtual)
+    """Where each stored layer comes from: with V virtual stages per stage assigned
+    round-robin, stage s's contiguous part of the stored stack holds its virtual stages
+    r = 0..V-1, i.e. the global stages r·S + s, in that order. `stored[i] =
+    logical[order[i]]`; V = 1: identity."""
+    per_virtual = layers // (stages * virtual)  # the layers of one virtual stage
     order = [
-        (r * stages + s) * chunk + j
+        (r * stages + s) * per_virtual + j
         for s in range(stages)
         for r in range(virtual)
-        for j in range(chunk)
+        for j in range(per_virtual)
     ]
     return np.asarray(order, np.int32)

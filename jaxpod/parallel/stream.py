@@ -61,10 +61,11 @@ def scan_phases(
     if fetch is not None and remat_policy != "none":
         step = lambda x, p: layer_fn(checkpoint_name(x, LAYER_INPUT), p)  # noqa: E731
 
-    def phase(x, chunk):
+    def phase(x, phase_layers):
         if fetch is not None:
-            chunk = jax.tree.map(lambda a: checkpoint_name(a, PHASE_WEIGHTS), fetch(chunk))
-        return scan_layers(step, x, chunk, unroll)
+            fetched = fetch(phase_layers)
+            phase_layers = jax.tree.map(lambda a: checkpoint_name(a, PHASE_WEIGHTS), fetched)
+        return scan_layers(step, x, phase_layers, unroll)
 
     if fetch is not None:
         phase = jax.checkpoint(phase, policy=phase_policy(remat_policy), prevent_cse=False)
@@ -97,10 +98,10 @@ def depend_on(weights, x: jax.Array):
     vma = lambda a: getattr(jax.typeof(a), "vma", frozenset())
     zero = jnp.nan_to_num(token) * 0  # finite, so the sum is exact
 
-    def tied(w):
+    def depending_on_x(w):
         return w + zero.astype(w.dtype) if vma(token) <= vma(w) else w
 
-    return jax.tree.map(tied, weights)
+    return jax.tree.map(depending_on_x, weights)
 
 
 def _select(tree: dict, reads: tuple[str | Panel, ...]) -> tuple[dict, dict]:
@@ -140,10 +141,11 @@ def run_stack(
     mlp_panels: int = 1,
     offload_activations: bool = False,
     unroll: bool = False,
-    chunk: tuple[jax.Array | int, int] | None = None,
+    virtual_stage: tuple[jax.Array | int, int] | None = None,
 ) -> jax.Array:
     """Run a stacked `Layer` (`[L, ...]` params) over `x[B, T, D]`, one layer at a time;
-    `chunk=(r, V)`: only the r-th of V equal chunks of the stack (r may be traced).
+    `virtual_stage=(r, V)`: only the layers of the r-th of V virtual stages, an equal part of
+    the stack each (r may be traced).
 
     `prepare(params, panels)` turns stored params into computed ones right before use
     (`panels`: the `Panel` to take of each leaf, or None): with `stream="layer"` a layer's
@@ -236,11 +238,11 @@ def run_stack(
     layer_fn = remat(layer, remat_policy, offload=offload_activations)
     stacked = nnx.to_pure_dict(stacked)
     phase_fetch = None if step_fetch else fetch
-    if chunk is not None:
-        index, count = chunk
+    if virtual_stage is not None:
+        index, count = virtual_stage
         size = jax.tree.leaves(stacked)[0].shape[0] // count
         if phases == 1 and phase_fetch is None:  # each layer indexed inside its remat unit:
-            # the backward pass indexes it again, instead of every tick saving its chunk
+            # the backward pass indexes it again, instead of every tick saving its layers
             pick = lambda i: jax.tree.map(  # noqa: E731
                 lambda a: jax.lax.dynamic_index_in_dim(a, index * size + i, 0, False), stacked
             )

@@ -13,7 +13,7 @@ import math
 
 from jaxpod.config import Config
 from jaxpod.planner import efficientnet
-from jaxpod.planner.counts import block_params
+from jaxpod.planner.counts import layer_params
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -23,7 +23,7 @@ HEAD_LOGIT_COPIES = 3  # float32 logits, shifted logits, exp: live together in t
 # cotangent are the two alive at the head's peak (read on BERT-Large POD16 and a float16
 # GPT, benchmarks/xla_peak.py: docs/memory.md)
 ROUNDED_HEAD_LOGIT_COPIES = 2
-# with memory.vocab_slices > 1 the head's online softmax keeps a block's logits and its exp
+# with memory.vocab_slices > 1 the head's online softmax keeps a slice's logits and its exp
 # (calibrated on bench_planner's vocab-slices row, docs/memory.md)
 SLICED_HEAD_LOGIT_COPIES = 2
 
@@ -52,17 +52,17 @@ def _layer_sets(cfg: Config, cb: int, sb: int) -> dict:
     md, t = cfg.model, cfg.mesh.tensor
     b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
     btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
-    # With sequence_chunks = C > 1 each query block and each MLP token block is a checkpoint:
-    # scores and MLP hidden activations are never saved, one query block's scores are alive.
-    # The MLP's token blocks earn credit in the backward working set only with RTS (the
+    # With sequence_chunks = C > 1 each query chunk and each MLP token chunk is a checkpoint:
+    # scores and MLP hidden activations are never saved, one query chunk's scores are alive.
+    # The MLP's token chunks earn credit in the backward working set only with RTS (the
     # layer's weights all-gathered inside its remat unit): without it XLA holds the whole
     # sequence's hidden units anyway (measured: docs/benchmarks.md, "MLP token blocks").
-    # The loss head's logits shrink by C. The blocks are sliced from their input and their
+    # The loss head's logits shrink by C. The chunks are sliced from their input and their
     # outputs written in place (`map_chunks`): no stacked copies.
     chunked = md.sequence_chunks > 1
     kept_scores = 0 if chunked else scores
-    block = scores // md.sequence_chunks
-    attention_work = (5 * cb + 1) * block if chunked else 0  # masked, exp, probs, 2 grads
+    chunk = scores // md.sequence_chunks
+    attention_work = (5 * cb + 1) * chunk if chunked else 0  # masked, exp, probs, 2 grads
     # Sequence parallelism: residual-stream tensors are [b, T/t, D]; attention and the MLP
     # each all-gather their input to [b, T, D] (and the row-parallel matmul output is
     # full-length before its reduce-scatter).
@@ -89,8 +89,8 @@ def _layer_sets(cfg: Config, cb: int, sb: int) -> dict:
     saved = every if md.remat == "none" else kept_scalars[md.remat] * sb
     # Recomputing one layer: everything it would have saved (`every`, split into its attention
     # and MLP halves), less what the policy keeps. memory.stream=matrix recomputes one step
-    # at a time: the attention half, or one of the k MLP blocks (1/k of the hidden units, and
-    # the block's partial sums [b, T, D]), plus the steps' inputs (x, q, k, v, o, x1, y).
+    # at a time: the attention half, or one of the k MLP panels (1/k of the hidden units, and
+    # the panel's partial sums [b, T, D]), plus the steps' inputs (x, q, k, v, o, x1, y).
     # XLA realises that smaller working set without tensor parallelism only: with t > 1 it
     # holds the layer's working set plus the steps' inputs (measured on 1x2x4 and 1x1x4, with
     # and without sequence parallelism and chunks: docs/benchmarks.md), so that is counted.
@@ -103,7 +103,7 @@ def _layer_sets(cfg: Config, cb: int, sb: int) -> dict:
     attention += attention_work
     mlp_in = (4 * res + gathered // 2) * cb
     # the recomputed MLP's hidden units: the whole sequence's, or with RTS (the weights
-    # gathered inside the layer) one token block's (measured)
+    # gathered inside the layer) one token chunk's (measured)
     hidden = btf // md.sequence_chunks if chunked and cfg.memory.rts > 1 else btf
     mlp = mlp_in + 4 * hidden * cb
     kept = saved - res * cb if md.remat == "none" else (kept_scalars[md.remat] - res) * cb
@@ -112,8 +112,8 @@ def _layer_sets(cfg: Config, cb: int, sb: int) -> dict:
         work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
     elif cfg.memory.stream == "matrix" and t == 1:
         k = cfg.memory.mlp_panels
-        mlp_block = mlp_in + btd * cb + 6 * btf // k * cb
-        work = max(max(attention, mlp_block) + step_inputs - kept, 0)
+        mlp_panel = mlp_in + btd * cb + 6 * btf // k * cb
+        work = max(max(attention, mlp_panel) + step_inputs - kept, 0)
     else:
         work = max(attention + mlp - attention_work - kept, 0) + attention_work
         if cfg.memory.stream == "matrix":  # no credit under tensor parallelism (measured)
@@ -128,8 +128,8 @@ def _head_kept(cfg: Config, tokens: int, sb: int) -> int:
     keeps its input and its output's cotangent: GPT the final LN's input, its output (the
     logits' input) and that output's cotangent; BERT also the dense layer's input and its
     output's cotangent, the head LN's input, its output (with the constant-1 column) and that
-    output's cotangent; both the float32 logits' cotangent. A head in blocks
-    (`sequence_chunks`) computes them inside its block loop and keeps none (measured);
+    output's cotangent; both the float32 logits' cotangent. A head in chunks
+    (`sequence_chunks`) computes them inside its chunk loop and keeps none (measured);
     `memory.vocab_slices` is taken to be the same (not read)."""
     md = cfg.model
     if math.gcd(md.sequence_chunks, tokens) > 1 or cfg.memory.vocab_slices > 1:
@@ -157,8 +157,9 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     - `saved`: residuals kept for the backward pass. pipeline == 1: the micro-batches run one
       after another (forward and backward inside the accumulation loop), so one micro-batch's
       layers are in flight. gpipe and circular (one forward scan, differentiated as a whole):
-      every one of the V·M + S - 1 ticks saves its chunk's layers, bubble ticks included, where
-      M is the micro-batches of one pass (`train.pipeline_group`; the passes run in turn).
+      every one of the V·M + S - 1 ticks saves its virtual stage's layers, bubble ticks included,
+      where M is the micro-batches of one pass (`train.pipeline_group`; the passes run in
+      turn).
       1f1b: the stage inputs of at most S micro-batches.
     - `pipeline_buffers`: what the backward tick scan holds besides (gpipe, circular: the
       cotangent of every tick's collected output, the embedded micro-batches' cotangent, the
@@ -166,11 +167,11 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     - `tick_grads`: the gradient of the stage's layer stack that a tick's layer scan carries.
     - `head`: the loss head: float32 logits over this device's tokens (mb·T; M·mb·T/S when the
       pipeline spreads the head over the stages) x V/t (/ `memory.vocab_slices`), x 3 live
-      copies, plus the final LN; the tokens in `sequence_chunks` blocks.
+      copies, plus the final LN; the tokens in `sequence_chunks` chunks.
     - `head_kept`: the head's operands for its weight gradients, alive through the layers'
       backward (`_head_kept`).
     - `layer_work`: one layer's backward working set (recomputation under remat).
-    Two moments: `head_moment` (saved, the forward's embedded rows, the head; a head in blocks
+    Two moments: `head_moment` (saved, the forward's embedded rows, the head; a head in chunks
     also its table gradient) and `backward_moment` (saved + pipeline_buffers + tick_grads +
     head_kept + layer_work); `total` is the larger. `head_table` is the head's table copy.
     """
@@ -197,10 +198,10 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     stages, micro, per_stage = mesh.pipeline, cfg.pipeline_group, md.layers // mesh.pipeline
     kind, virtual = tr.pipeline_schedule, tr.virtual_stages
     ticks = 1 if stages == 1 else virtual * micro + stages - 1
-    chunk = per_stage // virtual  # the layers one tick runs
-    saved = ticks * chunk * sets["saved"]  # the forward tick scan's stacked residuals
+    per_tick = per_stage // virtual  # the layers one tick runs (one virtual stage's)
+    saved = ticks * per_tick * sets["saved"]  # the forward tick scan's stacked residuals
     head_tokens = tr.micro_batch * md.seq_len * (1 if stages == 1 else micro) // stages
-    vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_slices  # logits of a row block
+    vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_slices  # logits of a slice of rows
     buffers = tick_grads = head_kept = 0
     if stages == 1 and md.remat != "none":
         # the head's operands through the layers' backward, as pipelined below (read on 1x1x1
@@ -216,16 +217,16 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         #   also its embedding LayerNorm's input and centred input, [M, mb, T, D] each, saved
         #   for the embedding's backward after the ticks;
         # - one row: the carry, the activation cotangent sent up the pipe;
-        # - the tick's own slice of the saved residuals (`chunk` layers);
+        # - the tick's own part of the saved residuals (`per_tick` layers);
         # - `tick_grads`: with more than one layer a tick (a layer scan inside the tick), the
-        #   transposed layer scan's gradient of the stage's whole stack (the chunk is a
-        #   dynamic slice of it), before it is added into the stage's accumulator;
+        #   transposed layer scan's gradient of the stage's whole stack (the tick's layers
+        #   are a dynamic slice of it), before it is added into the stage's accumulator;
         # - `head_kept`: the head's operands for its weight gradients, computed after the
         #   backward ticks (`_head_kept`).
         rows = ticks + micro + 1 + (2 * micro if md.name == "bert" else 0)
-        buffers = rows * sets["btd"] + chunk * sets["saved"]
-        if chunk > 1:
-            sharded, replicated = block_params(md.d_model, md.d_ff)
+        buffers = rows * sets["btd"] + per_tick * sets["saved"]
+        if per_tick > 1:
+            sharded, replicated = layer_params(md.d_model, md.d_ff)
             layer = (sharded // mesh.tensor + replicated) * DTYPE_BYTES[cfg.precision.params]
             tick_grads = per_stage * layer // cfg.memory.rts
         head_kept = _head_kept(cfg, head_tokens, sb)
@@ -238,7 +239,7 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         saved = (2 * stages + 2) * sets["btd"]
         buffers = per_stage * sets["saved"]
         head_tokens = tr.micro_batch * md.seq_len
-    head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head blocks (as the engine)
+    head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head chunks (as the engine)
     copies = SLICED_HEAD_LOGIT_COPIES if cfg.memory.vocab_slices > 1 else HEAD_LOGIT_COPIES
     if cfg.precision.compute != "float32":
         copies = min(copies, ROUNDED_HEAD_LOGIT_COPIES)
@@ -258,14 +259,14 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         head_moment = on_device_saved + buffers + tick_grads
     pb = DTYPE_BYTES[cfg.precision.params]
     if cfg.memory.vocab_slices > 1:
-        # the head's loop over blocks of table rows carries the table's gradient, reduce-
-        # scattered block by block (RTS): the carry and its update (read on
+        # the head's loop over slices of table rows carries the table's gradient, reduce-
+        # scattered slice by slice (RTS): the carry and its update (read on
         # test_plan_vs_xla's vocab-slices config, 4x2x1, benchmarks/xla_peak.py)
         table = md.vocab // mesh.tensor * md.d_model * pb // cfg.memory.rts
         head_moment += head + 2 * table
     elif head_chunks > 1:
-        # in blocks, the head's table gradient is summed inside its block loop: the loop's
-        # accumulator, and at a block's backward its term beside the block's logits'
+        # in chunks, the head's table gradient is summed inside its chunk loop: the loop's
+        # accumulator, and at a chunk's backward its term beside the chunk's logits'
         # cotangent (read on bench_planner's vocab row)
         logits = head_tokens * vocab_rows * 4 // head_chunks
         table = vocab_rows * md.d_model * pb

@@ -21,7 +21,7 @@ import math
 from jaxpod.config import Config
 from jaxpod.optim.strips import strips
 from jaxpod.planner.activations import DTYPE_BYTES, MOMENTS, compute_bytes
-from jaxpod.planner.counts import block_params
+from jaxpod.planner.counts import layer_params
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 
 TOKEN_BYTES = 4  # int32 token ids
@@ -29,9 +29,9 @@ TOKEN_BYTES = 4  # int32 token ids
 
 def _step_share(cfg: Config) -> float:
     """With `memory.stream=matrix`: the largest step's share of a layer's parameters (a third
-    of `W_qkv`, `W_o`, or one of the `mlp_panels` blocks of `W_in` and `W_out`)."""
+    of `W_qkv`, `W_o`, or one of the `mlp_panels` panels of `W_in` and `W_out`)."""
     d, f = cfg.model.d_model, cfg.model.d_ff
-    return max(d * d, 2 * d * f / cfg.memory.mlp_panels) / sum(block_params(d, f))
+    return max(d * d, 2 * d * f / cfg.memory.mlp_panels) / sum(layer_params(d, f))
 
 
 def device_bytes(
@@ -72,7 +72,7 @@ def device_bytes(
         gathered = local * pb  # every layer's gathered copy is saved
     elif rts > 1:  # the non-layer weights, and one layer's step at a time (recomputed)
         other = layout["local_other"]
-        if mem.vocab_slices > 1:  # GPT's tables: one block of rows and its gradient at a time
+        if mem.vocab_slices > 1:  # GPT's tables: one slice of rows and its gradient at a time
             table = cfg.model.vocab // cfg.mesh.tensor * cfg.model.d_model
             tables = table * (1 if cfg.model.tie_embeddings else 2)
             other += 2 * table / mem.vocab_slices - tables
@@ -118,17 +118,17 @@ def device_bytes(
     if mb < 4 and cfg.kind.stages == "stacked":
         md, mesh, devices = cfg.model, cfg.mesh, cfg.total_devices
         # the largest stacked tensor (one layer of every stage: `jaxpod.optim.strips`) and
-        # the token embedding, each updated in blocks
+        # the token embedding, each updated in strips
         layer = (mesh.pipeline, md.d_model, max(3 * md.d_model, md.d_ff))
         table = (md.vocab, md.d_model)
-        block = max(
+        strip = max(
             math.prod(layer[1:]) / mesh.tensor / rts / strips(layer, devices, True)[1],
             math.prod(table) / mesh.tensor / rts / strips(table, devices, False)[1],
         )
         # the grads, a 16-bit copy of the stacked layer weights (XLA's loop carries), and the
-        # working set of the largest block: float32 upcasts, moments, update and threefry's
+        # working set of the largest strip: float32 upcasts, moments, update and threefry's
         # random-bit temporaries, ~8 float32 copies (measured)
-        updates = layout["local_layers"] / rts * mb + block * 4 * 8
+        updates = layout["local_layers"] / rts * mb + strip * 4 * 8
         update_peak = moved_in + grads_update + updates
     moments = {"backward": backward_peak, "head": head_peak, "update": update_peak + gathered}
     peak = max(moments, key=moments.get)  # a tie goes to the first: backward, head, update

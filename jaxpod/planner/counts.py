@@ -42,16 +42,16 @@ def efficientnet_stage_params(cfg: Config) -> list[int]:
     )  # fmt: skip
 
 
-def block_params(d: int, f: int) -> tuple[int, int]:
-    """(tensor-sharded, replicated) parameter counts of one transformer block."""
+def layer_params(d: int, f: int) -> tuple[int, int]:
+    """(tensor-sharded, replicated) parameter counts of one transformer layer."""
     sharded = 3 * d * d + 3 * d + d * d + d * f + f + f * d  # qkv, W_o, MLP weights/in-bias
     replicated = 4 * d + d + d  # two LNs, W_o bias, MLP out bias
     return sharded, replicated
 
 
 def param_layout(cfg: Config, params_override: int | None = None) -> dict:
-    """Parameter counts: `total`, `layers` (all blocks), and per device before RTS:
-    `local` = `local_layers` (this stage's blocks) + `local_other` (embeddings, head)."""
+    """Parameter counts: `total`, `layers` (all layers), and per device before RTS:
+    `local` = `local_layers` (this stage's layers) + `local_other` (embeddings, head)."""
     md, t, p = cfg.model, cfg.mesh.tensor, cfg.mesh.pipeline
     if md.name == "efficientnet":
         stages = [params_override] if params_override else efficientnet_stage_params(cfg)
@@ -66,7 +66,7 @@ def param_layout(cfg: Config, params_override: int | None = None) -> dict:
             "estimated": False,
         }
     d, v, s = md.d_model, md.vocab, md.seq_len
-    sharded, replicated = block_params(d, md.d_ff)
+    sharded, replicated = layer_params(d, md.d_ff)
     vocab_sharded = v * d  # token embedding (vocab-parallel)
     other_replicated = 2 * d  # final (gpt) / embedding (bert) LN
     if md.sequence_parallel:  # positions split over tensor along T
@@ -105,6 +105,6 @@ def flops_per_example(cfg: Config) -> int:
             md.variant, md.image_size, md.num_classes, g16=md.g16,
             width_mult=md.width_mult, depth_mult=md.depth_mult,
         )  # fmt: skip
-    sharded, _ = block_params(md.d_model, md.d_ff)
+    sharded, _ = layer_params(md.d_model, md.d_ff)
     matmul = md.layers * (sharded - 3 * md.d_model - md.d_ff) + md.vocab * md.d_model
     return 2 * matmul + 4 * md.layers * md.seq_len * md.d_model

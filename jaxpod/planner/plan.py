@@ -7,13 +7,13 @@ against XLA's `memory_analysis()` of the compiled step in `tests/planner/test_pl
 
 Parameter counts (D = d_model, F = d_ff, V = vocab, T = seq_len, L = layers):
 
-    one block   4·D² + 2·D·F + 9·D + F
+    one layer   4·D² + 2·D·F + 9·D + F
                 (LNs 2·2D; qkv D·3D + 3D; out D·D + D; MLP D·F + F + F·D + D)
-    gpt         L·block + V·D (tokens) + T·D (positions) + 2D (final LN) [+ V·D if untied]
-    bert        L·block + V·D + T·D + 2·D (token types) + 2D (embedding or final LN)
+    gpt         L·layer + V·D (tokens) + T·D (positions) + 2D (final LN) [+ V·D if untied]
+    bert        L·layer + V·D + T·D + 2·D (token types) + 2D (embedding or final LN)
                 + MLM head D·D + D (dense) + 2D (LN) + V (output bias; output weights tied)
 
-Pre- or post-LN blocks have the same parameters. Per device, the block weights split over
+Pre- or post-LN layers have the same parameters. Per device, the layer weights split over
 `pipeline` (layers) and `tensor` (heads/MLP columns; LN and the D-sized biases are
 replicated), the vocabulary-sized tables over `tensor` only, positions and LNs are replicated
 (positions split over `tensor` along T with sequence parallelism).
@@ -32,9 +32,9 @@ from jaxpod.errors import ConfigError, UserError
 from jaxpod.planner.activations import DTYPE_BYTES, activation_bytes
 from jaxpod.planner.bytes import device_bytes
 from jaxpod.planner.counts import (
-    block_params,
     efficientnet_stage_params,
     flops_per_example,
+    layer_params,
     param_layout,
 )
 from jaxpod.planner.profiles import PROFILES, DeviceProfile, get_profile
@@ -43,12 +43,12 @@ from jaxpod.planner.report import format_bytes, format_plan
 __all__ = [  # profiles, parameter counts and the report are re-exported from their modules
     "PROFILES",
     "DeviceProfile",
-    "block_params",
     "check_budget",
     "efficientnet_stage_params",
     "format_bytes",
     "format_plan",
     "get_profile",
+    "layer_params",
     "param_layout",
     "plan",
 ]
@@ -94,7 +94,7 @@ def _fewest(
 
 
 def _finer_stream(cfg: Config, limit: int, params_override: int | None) -> dict:
-    """Streaming matrix by matrix with the fewest MLP blocks (of those that divide the
+    """Streaming matrix by matrix with the fewest MLP panels (of those that divide the
     device's hidden units, up to 64) that fits, or gives the smallest total (`_fewest`)."""
     counts = [k for k in _divisors(cfg.model.d_ff // cfg.mesh.tensor) if k <= 64]
     if cfg.memory.stream == "matrix":
@@ -105,7 +105,7 @@ def _finer_stream(cfg: Config, limit: int, params_override: int | None) -> dict:
 
 
 def _finer_vocab(cfg: Config, limit: int, params_override: int | None) -> dict:
-    """GPT's token table in the fewest blocks of rows (dividing the device's rows, up to 64,
+    """GPT's token table in the fewest slices of rows (dividing the device's rows, up to 64,
     more than now) that fits (`_fewest`), or {}."""
     rows = cfg.model.vocab // cfg.mesh.tensor
     counts = [k for k in _divisors(rows) if cfg.memory.vocab_slices < k <= 64]
@@ -137,7 +137,7 @@ def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
             option(
                 " ".join(f"memory.{k}={v}" for k, v in stream.items()), _with_memory(cfg, **stream)
             )
-    if md.name == "gpt" and mem.rts > 1:  # the token table gathered a block at a time
+    if md.name == "gpt" and mem.rts > 1:  # the token table gathered a slice at a time
         vocab = _finer_vocab(cfg, limit, params_override)
         if vocab:
             option(f"memory.vocab_slices={vocab['vocab_slices']}", _with_memory(cfg, **vocab))

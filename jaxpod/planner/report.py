@@ -31,7 +31,7 @@ def format_plan(p: dict) -> str:
     b = p["bytes_per_device"]
     offload = ",".join(p["offload"]) or "none"
     matrix = p["configured_stream"] == "matrix"
-    fetched = ", each step gathering its blocks" if p["rts"] > 1 else ""
+    fetched = ", each step gathering its weights" if p["rts"] > 1 else ""
     unit = "image" if p["model"] == "efficientnet" else "token"
     head = [
         ("model", f"{p['model']}  ({p['params']:,} params{' ~est.' * p['params_estimated']})"),
@@ -64,7 +64,7 @@ def format_plan(p: dict) -> str:
             f"{p['device_profile']}: remat {p['remat']}, offload {offload}, "
             f"phases {p['configured_phases']}, stream {p['configured_stream']}"
             + (f" (mlp_panels {p['mlp_panels']}{fetched})" if matrix else "")
-            + (f", token table in {p['vocab_slices']} blocks" if p["vocab_slices"] > 1 else ""),
+            + (f", token table in {p['vocab_slices']} slices" if p["vocab_slices"] > 1 else ""),
         ),
     ]
     weights = "master (+16-bit working copy)"

@@ -134,9 +134,9 @@ def decode(tokens: np.ndarray) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def _join(chunks: list[bytes], max_bytes: int) -> tuple[np.ndarray, bool]:
+def _join(texts: list[bytes], max_bytes: int) -> tuple[np.ndarray, bool]:
     """Join file contents with SEPARATOR, capped at max_bytes: (read-only uint8[n], truncated)."""
-    data = SEPARATOR.join(chunks)
+    data = SEPARATOR.join(texts)
     truncated = len(data) > max_bytes
     arr = np.frombuffer(data[:max_bytes], dtype=np.uint8)
     return arr, truncated
@@ -150,7 +150,7 @@ def _stdlib_corpus(root: str, max_bytes: int) -> tuple[np.ndarray, int]:
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
         paths += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
     paths.sort(key=lambda p: os.path.relpath(p, root).split(os.sep))
-    chunks: list[bytes] = []
+    texts: list[bytes] = []
     total = 0
     for p in paths:
         if total >= max_bytes:
@@ -160,9 +160,9 @@ def _stdlib_corpus(root: str, max_bytes: int) -> tuple[np.ndarray, int]:
                 data = f.read(max_bytes - total)  # never more than the cap leaves room for
         except OSError:
             continue
-        chunks.append(data)
+        texts.append(data)
         total += len(data) + len(SEPARATOR)
-    return _join(chunks, max_bytes)[0], len(chunks)
+    return _join(texts, max_bytes)[0], len(texts)
 
 
 def _text_corpus(path: str, max_bytes: int) -> tuple[np.ndarray, int, int, bool]:
@@ -180,7 +180,7 @@ def _text_corpus(path: str, max_bytes: int) -> tuple[np.ndarray, int, int, bool]
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             files += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
         files = sorted((f for f in files if f.is_file()), key=lambda f: f.relative_to(root).parts)
-    chunks: list[bytes] = []
+    texts: list[bytes] = []
     skipped = 0
     total = 0
     for f in files:
@@ -196,15 +196,15 @@ def _text_corpus(path: str, max_bytes: int) -> tuple[np.ndarray, int, int, bool]
         except (OSError, UnicodeDecodeError):
             skipped += 1
             continue
-        chunks.append(data)
+        texts.append(data)
         total += len(data) + len(SEPARATOR)
-    if not chunks:
+    if not texts:
         raise DataError(
             f"data.path={path!r} holds no UTF-8 text files ({skipped} binary or unreadable "
             "skipped); point data.path at a directory of text files"
         )
-    corpus, truncated = _join(chunks, max_bytes)
-    return corpus, len(chunks), skipped, truncated
+    corpus, truncated = _join(texts, max_bytes)
+    return corpus, len(texts), skipped, truncated
 
 
 def _bytes_needed(window: int, val_fraction: float) -> int:

@@ -257,7 +257,7 @@ BAD_OVERRIDES = [
         ("memory.stream=matrix", "it needs a remat policy: set model.remat=full"),
     ),
     (["memory.stream=tensor"], ("memory.stream='tensor' is not one of layer, matrix",)),
-    (["memory.mlp_panels=2"], ("memory.mlp_panels=2 streams the MLP's matrices in blocks",)),
+    (["memory.mlp_panels=2"], ("memory.mlp_panels=2 streams the MLP's matrices in panels",)),
     (
         ["memory.stream=matrix", "model.remat=full", "memory.mlp_panels=3"],
         ("memory.mlp_panels=3 does not divide the 256 hidden units per tensor shard",),
@@ -266,7 +266,7 @@ BAD_OVERRIDES = [
     (["memory.vocab_slices=0"], ("memory.vocab_slices=0 must be >= 1",)),
     (
         ["model.name=bert", "model.vocab=264", "memory.vocab_slices=2"],
-        ("memory.vocab_slices=2 blocks GPT's token table; model.name=bert uses its table whole",),
+        ("memory.vocab_slices=2 slices GPT's token table; model.name=bert uses its table whole",),
     ),
     (["train.profile_steps=[5]"], ("train.profile_steps=[5] must be [start, stop] with",)),
     (["train.profile_steps=[5,2]"], ("train.profile_steps=[5, 2] must be [start, stop]",)),

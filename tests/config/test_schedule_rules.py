@@ -38,7 +38,7 @@ def test_valid_schedules_load():
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (["train.virtual_stages=2"], "train.virtual_stages=2 gives each stage several layer"),
+        (["train.virtual_stages=2"], "train.virtual_stages=2 gives each stage several virtual"),
         (["train.pipeline_schedule=circular"], "needs train.virtual_stages >= 2"),
         (
             ["train.pipeline_schedule=circular", "train.virtual_stages=4"],
@@ -60,7 +60,7 @@ def test_valid_schedules_load():
         (
             ["model.layers=8", "memory.phases=2", "memory.offload=[params]",
              "train.pipeline_schedule=circular", "train.virtual_stages=4"],
-            "memory.phases=2 does not divide the 1 layers of a chunk",
+            "memory.phases=2 does not divide the 1 layers of a virtual stage",
         ),
         (["train.pipeline_schedule=zigzag"], "train.pipeline_schedule='zigzag' is not one of"),
         (["train.virtual_stages=0"], "train.virtual_stages=0 must be >= 1"),

@@ -177,23 +177,23 @@ def test_several_axes_and_their_order():
 
 @pytest.mark.parametrize("direction", [1, -1])
 def test_reduce_scatter_and_all_gather_alone(direction):
-    """The two halves: device i ends the reduce-scatter with chunk i summed over the ring
-    (`psum_scatter`), and the all-gather gives every device every chunk (`all_gather`)."""
+    """The two halves: device i ends the reduce-scatter with segment i summed over the ring
+    (`psum_scatter`), and the all-gather gives every device every segment (`all_gather`)."""
     n, c = 4, 3
     mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
     x = np.random.default_rng(2).integers(-8, 9, (n, n, c)).astype(np.float32)
     ring = Ring(("x",), n, direction=direction)
 
     def local(v):
-        chunk = ring_reduce_scatter(v[0], ring)
+        segment = ring_reduce_scatter(v[0], ring)
         want = jax.lax.psum_scatter(v[0], "x", scatter_dimension=0, tiled=True)
-        gathered = ring_all_gather(chunk, ring)
-        return chunk[None], want, gathered[None], jax.lax.all_gather(chunk, "x")[None]
+        gathered = ring_all_gather(segment, ring)
+        return segment[None], want, gathered[None], jax.lax.all_gather(segment, "x")[None]
 
     specs = (P("x"), P("x"), P("x"), P("x"))
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=specs))
-    chunk, want, gathered, want_gathered = fn(jax.device_put(x, NamedSharding(mesh, P("x"))))
-    np.testing.assert_array_equal(np.asarray(chunk).reshape(n * c), np.asarray(want).ravel())
+    segment, want, gathered, want_gathered = fn(jax.device_put(x, NamedSharding(mesh, P("x"))))
+    np.testing.assert_array_equal(np.asarray(segment).reshape(n * c), np.asarray(want).ravel())
     np.testing.assert_array_equal(np.asarray(gathered), np.asarray(want_gathered))
     np.testing.assert_array_equal(np.asarray(gathered)[0], x.sum(0))
 

@@ -42,7 +42,7 @@ def cases(kind):
 
 
 def forward_ticks_of(sched) -> dict[tuple[int, int, int], int]:
-    """{(micro-batch, chunk, stage): tick} of every forward; each exactly once."""
+    """{(micro-batch, virtual stage, stage): tick} of every forward; each exactly once."""
     out = {}
     for s in range(sched.stages):
         for t, op, m, r in sched.ops(s):
@@ -127,16 +127,17 @@ def test_1f1b_buffers_never_collide():
 
 
 def test_layer_order_is_round_robin():
-    """Stage s's contiguous slice of the stored stack holds the global stages s, S + s, ...
+    """Stage s's contiguous part of the stored stack holds the global stages s, S + s, ...
     in order; a permutation; the identity for V = 1."""
     assert list(layer_order(8, 2, 2)) == [0, 1, 4, 5, 2, 3, 6, 7]
     assert list(layer_order(8, 2, 1)) == list(range(8))
     order = layer_order(24, 4, 3)
     assert sorted(order) == list(range(24))
-    chunk = 24 // (4 * 3)
+    per_virtual = 24 // (4 * 3)
     for s in range(4):
         local = order[s * 6 : (s + 1) * 6]
-        assert [int(x) // chunk for x in local[::chunk]] == [r * 4 + s for r in range(3)]
+        firsts = local[::per_virtual]  # each virtual stage's first layer
+        assert [int(x) // per_virtual for x in firsts] == [r * 4 + s for r in range(3)]
 
 
 def test_unknown_schedule_is_refused():
@@ -186,12 +187,12 @@ def _pipelined(kind: str, stages: int, micro: int, virtual: int):
     order = layer_order(layers, stages, virtual)
     stored = {**params, "layers": params["layers"][order]}
     mesh = jax.make_mesh((stages,), ("pipeline",), axis_types=(jax.sharding.AxisType.Auto,))
-    chunk_layers = 2
+    per_virtual = 2  # layers
     denominator = targets.size
 
-    def stage_of(p, x, chunk):
-        local = jax.lax.dynamic_slice_in_dim(p["layers"], chunk * chunk_layers, chunk_layers)
-        for i in range(chunk_layers):
+    def stage_of(p, x, r):
+        local = jax.lax.dynamic_slice_in_dim(p["layers"], r * per_virtual, per_virtual)
+        for i in range(per_virtual):
             x = jnp.tanh(x @ local[i])
         return x
 

@@ -8,7 +8,7 @@ import pytest
 
 from jaxpod.config import load_config
 from jaxpod.planner.activations import activation_bytes
-from jaxpod.planner.counts import block_params
+from jaxpod.planner.counts import layer_params
 from jaxpod.planner.profiles import get_profile
 
 CPU = get_profile("cpu")  # float32 activations: 4 bytes a scalar
@@ -28,8 +28,8 @@ def acts(*overrides, layers=8, stages=4, micro=4):
 
 
 def test_circular_grows_per_micro_batch_by_what_its_backward_ticks_hold():
-    """Circular with V = 2 on 4 stages, one-layer chunks (remat full: a layer saves its input):
-    each micro-batch adds V ticks, each a saved layer input and a row of the collected
+    """Circular with V = 2 on 4 stages, one-layer virtual stages (remat full: a layer saves
+    its input): each micro-batch adds V ticks, each a saved layer input and a row of the collected
     outputs' cotangent; a row of the embedded micro-batches' cotangent; and mb·T/S tokens of
     the head's kept operands (the final LN's input, output and output's cotangent, and the
     float32 logits' cotangent): 1.57 MB per micro-batch. XLA:CPU's cells grow by 1.64 MB
@@ -58,16 +58,17 @@ def test_gpipe_holds_one_row_of_output_cotangent_per_tick():
     [(8, [], 2), (8, CIRCULAR, 0), (16, CIRCULAR, 4), (4, [], 0)],
     ids=[
         "gpipe-2-layer-stage",
-        "circular-1-layer-chunks",
-        "circular-2-layer-chunks",
+        "circular-1-layer-virtual-stages",
+        "circular-2-layer-virtual-stages",
         "gpipe-1-layer-stage",
     ],
 )
 def test_a_layer_scan_in_the_tick_carries_the_whole_stage_gradient(layers, extra, stack):
     """With more than one layer a tick, the transposed layer scan carries the gradient of
-    the stage's whole stack (the chunk is a dynamic slice of it): circular with 2-layer
-    chunks of a 4-layer stage holds 4 layers' gradients, one-layer ticks hold none."""
-    sharded, replicated = block_params(D, F)
+    the stage's whole stack (the tick's layers are a dynamic slice of it): circular with
+    2-layer virtual stages of a 4-layer stage holds 4 layers' gradients, one-layer ticks hold
+    none."""
+    sharded, replicated = layer_params(D, F)
     assert acts(*extra, layers=layers)["tick_grads"] == stack * (sharded + replicated) * 4
 
 
