@@ -81,7 +81,7 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _profile(args: argparse.Namespace) -> None:
-    from jaxpod.run.distributed import check_spec, load_run_config
+    from jaxpod.run.distributed import check_spec, is_main_process, load_run_config
     from jaxpod.run.profiling import profile_overrides
 
     config, overrides = _split_config_and_overrides(args.items, "profile")
@@ -94,14 +94,8 @@ def _profile(args: argparse.Namespace) -> None:
     from jaxpod.run.profiling import how_to_open
 
     result = run_training(cfg)
-    if _is_main():
+    if is_main_process():
         print(how_to_open(result.trace, cfg.train.logdir), flush=True)
-
-
-def _is_main() -> bool:
-    import jax
-
-    return jax.process_index() == 0
 
 
 def _plan(args: argparse.Namespace) -> None:

@@ -120,12 +120,12 @@ class PackedStages:
         """Params (and optimizer state) initialised straight into their stage rows."""
         sharding = self.state_shardings()
 
-        def make():
+        def init_params():
             trees = [nnx.to_pure_dict(nnx.split(s)[1]) for s in _stage_modules(self.cfg)]
             opt = [o.init(t) for o, t in zip(self.optimizers, trees, strict=True)]
             return self.packing.pack(trees), self.opt_packing.pack(opt)
 
-        params, tx = compile_once(make, (sharding.params, sharding.opt_state.tx))()
+        params, tx = compile_once(init_params, (sharding.params, sharding.opt_state.tx))()
         ls = jax.device_put(init_loss_scale(self.cfg.precision), sharding.opt_state.loss_scale)
         step = jax.device_put(jnp.zeros((), jnp.int32), sharding.step)
         return TrainState(step, params, OptState(tx, ls))
@@ -151,13 +151,13 @@ class PackedStages:
         (shape_in, _), graphdef = self.io_shapes[k], self.graphdefs[k]
         work = param_dtype(self.cfg.precision)
 
-        def run(row, carry):
+        def stage(row, carry):
             tree = jax.tree.map(lambda a: a.astype(work), self.packing.unpack(row, k))
             x = carry[:, : math.prod(shape_in)].reshape(carry.shape[0], *shape_in)
             y = nnx.merge(graphdef, tree)(x).astype(jnp.float32).reshape(carry.shape[0], -1)
             return jnp.pad(y, ((0, 0), (0, self.carry_size - y.shape[1])))
 
-        return remat(run, self.cfg.model.remat)
+        return remat(stage, self.cfg.model.remat)
 
     def _embed(self, images):
         """uint8 `[..., H, W, 3]` -> the float32 carry `[..., A]` (normalised, zero padded)."""
@@ -239,7 +239,7 @@ class PackedStages:
             new_opt = select_tree(finite, new_opt, opt_rows)
             return new_rows, new_opt, total(jnp.where(finite, u2, 0.0))
 
-        def local(grads, tx, params, loss_scale, key):
+        def local_update(grads, tx, params, loss_scale, key):
             rows, opt_rows, ls, info = guarded_update(
                 apply, first(grads), first(tx), first(params), loss_scale, key, cfg.precision,
                 max_norm=cfg.optim.grad_clip, grad_sum_squares=unscaled_sum_squares, total=total,
@@ -250,7 +250,7 @@ class PackedStages:
 
         specs = self._specs()
         return jax.shard_map(
-            local,
+            local_update,
             mesh=self.mesh,
             in_specs=(specs.params, specs.opt_state.tx, specs.params, P(), P()),
             out_specs=(specs.params, specs.opt_state.tx, P(), P()),

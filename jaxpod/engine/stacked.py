@@ -120,14 +120,14 @@ class StackedStages:
         master = master_dtype_of(cfg.precision)
         order = self.layer_order
 
-        def make():
+        def init_params():
             params = nnx.to_pure_dict(nnx.split(build_model(cfg.model, cfg.train.seed))[1])
             if order is not None:  # circular: each stage's part holds its virtual stages in order
                 stack = jax.tree.map(lambda a: a[order], params[STACK])
                 params = {**params, STACK: stack}
             return _cast(params, master)
 
-        params = compile_once(make, sharding.params)()
+        params = compile_once(init_params, sharding.params)()
         tx = compile_once(self.optimizer.init, sharding.opt_state.tx, params)(params)
         ls = jax.device_put(init_loss_scale(cfg.precision), sharding.opt_state.loss_scale)
         step = jax.device_put(jnp.zeros((), jnp.int32), sharding.step)
@@ -227,7 +227,12 @@ class StackedStages:
         if cfg.train.virtual_stages > 1:
             hooks["virtual_stage"] = (virtual_stage, cfg.train.virtual_stages)
         return run_stack(
-            model.layers, x, tp=TP, remat_policy=cfg.model.remat, unroll=self.unroll, **hooks
+            getattr(model, STACK),
+            x,
+            tp=TP,
+            remat_policy=cfg.model.remat,
+            unroll=self.unroll,
+            **hooks,
         )
 
     def _micro_head(self, model, h, targets, weights, denominator):
@@ -254,7 +259,7 @@ class StackedStages:
             return embed, stage, lambda *a: self._micro_head(model, *a)
         stages = self.mesh.shape["pipeline"]
 
-        def share(a):  # this stage's targets/weights [M, mb, T], in h's order
+        def stage_share(a):  # this stage's targets/weights [M, mb, T], in h's order
             if a is None:
                 return None
             index = jax.lax.axis_index("pipeline")
@@ -270,7 +275,7 @@ class StackedStages:
             h = spread_over_stages(ys.reshape(-1, ys.shape[-1]))  # [M*mb*T / S, D] (/t: SP)
             if sp:  # every tensor shard needs every token for the vocab-parallel head
                 h = gather_sequence(h, TP, dim=0)
-            return self._head(model, h, share(targets), share(weights), denominator)
+            return self._head(model, h, stage_share(targets), stage_share(weights), denominator)
 
         return embed, stage, pipelined_head
 

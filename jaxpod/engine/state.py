@@ -19,7 +19,8 @@ from jaxpod.optim.precision import LossScaleState
 from jaxpod.platform import cpu_only
 
 # XLA's LLVM optimization level for the init, a program that runs once (CPU only): at -O1 it
-# compiles in ~40 % less time and computes the default compile's bits (tests/engine/test_init.py).
+# compiles faster and computes the default compile's bits (tests/engine/test_init.py; the
+# times: docs/benchmarks.md, "Compile options, the cache and checkpoints").
 INIT_OPTIONS = {"xla_backend_optimization_level": 1}
 
 

@@ -55,14 +55,14 @@ class Masks(NamedTuple):
 def masks(state: nnx.State) -> Masks:
     """The role masks of a model's parameter state (abstract states work: only metadata)."""
 
-    def pick(fn) -> dict:
+    def mask_of(fn) -> dict:
         tree = jax.tree.map(
             lambda v: fn(v.get_metadata()), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
         )
         return nnx.to_pure_dict(tree)
 
     return Masks(
-        decay=pick(lambda m: NO_DECAY not in m.get("roles", ())),
-        stacked=pick(lambda m: tuple(m.get("axes") or ())[:1] == (LAYERS,)),
-        table=pick(lambda m: TABLE in m.get("roles", ())),
+        decay=mask_of(lambda m: NO_DECAY not in m.get("roles", ())),
+        stacked=mask_of(lambda m: tuple(m.get("axes") or ())[:1] == (LAYERS,)),
+        table=mask_of(lambda m: TABLE in m.get("roles", ())),
     )

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpod.config import OptimConfig
-from jaxpod.optim.precision import stochastic_round  # the issue names it jaxpod.optim.chains's
+from jaxpod.optim.precision import to_float32
 
 __all__ = [
     "LAMB_EPS",
@@ -30,7 +30,6 @@ __all__ = [
     "make_optimizer",
     "scale_by_layerwise_trust_ratio",
     "schedule",
-    "stochastic_round",
 ]
 
 LAMB_EPS = 1e-6  # Adam epsilon of LAMB (optax.lamb's default)
@@ -236,13 +235,9 @@ def float32_state(tx: optax.GradientTransformation) -> optax.GradientTransformat
     grads and params, and its updates are cast back to the grads' dtypes. Same math as `tx`
     on 16-bit leaves, without 16-bit moments (`optim.moments=float32`)."""
 
-    def up(tree):
-        return jax.tree.map(
-            lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
-        )
-
     def update(grads, state, params=None):
-        updates, state = tx.update(up(grads), state, None if params is None else up(params))
+        as_f32 = None if params is None else to_float32(params)
+        updates, state = tx.update(to_float32(grads), state, as_f32)
         return jax.tree.map(lambda u, g: u.astype(g.dtype), updates, grads), state
 
-    return optax.GradientTransformation(lambda params: tx.init(up(params)), update)
+    return optax.GradientTransformation(lambda params: tx.init(to_float32(params)), update)

@@ -40,7 +40,6 @@ __all__ = [
     "leaf_key",
     "master_dtype",
     "param_dtype",
-    "scale_loss",
     "select_tree",
     "stochastic_round",
     "sum_squares",
@@ -240,11 +239,6 @@ def update_loss_scale(state: LossScaleState, finite: jax.Array, cfg: PrecisionCo
     grown = jnp.where(grow, jnp.minimum(state.scale * 2.0, MAX_LOSS_SCALE), state.scale)
     scale = jnp.where(finite, grown, jnp.maximum(state.scale * 0.5, MIN_LOSS_SCALE))
     return LossScaleState(scale.astype(F32), jnp.where(grow, 0, good).astype(jnp.int32), skipped)
-
-
-def scale_loss(loss: jax.Array, state: LossScaleState) -> jax.Array:
-    """`loss * scale` (differentiate this one)."""
-    return loss * state.scale.astype(loss.dtype)
 
 
 def unscale_grads(grads, state: LossScaleState):

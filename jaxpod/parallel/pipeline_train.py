@@ -94,8 +94,8 @@ def train_ticks(
 
     def head_and_grads(y, m):
         """(loss, aux, dL/dparams, dL/dy) of micro-batch m's head, the loss scaled."""
-        fn = lambda p, y: head(p, y, at(targets, m), weights_of(m))  # noqa: E731
-        loss, vjp, aux = jax.vjp(fn, params, y, has_aux=True)
+        loss_of = lambda p, y: head(p, y, at(targets, m), weights_of(m))  # noqa: E731
+        loss, vjp, aux = jax.vjp(loss_of, params, y, has_aux=True)
         dp, dy = vjp(vary_like(scale.astype(loss.dtype), loss))
         return loss, aux, dp, as_act(dy)
 
@@ -117,8 +117,8 @@ def train_ticks(
 
     def backward(carry, m):
         acts, grads_in, _, _, acc, loss_sum, aux_sum = carry
-        fn = lambda p, kept: as_act(stage(p, stage_input(p, m, kept)))  # noqa: E731
-        _, vjp = jax.vjp(fn, params, acts[m % k])
+        stage_from_kept = lambda p, kept: as_act(stage(p, stage_input(p, m, kept)))  # noqa: E731
+        _, vjp = jax.vjp(stage_from_kept, params, acts[m % k])
         dp, dx = vjp(grads_in[m % k])
         acc = jax.tree.map(jnp.add, acc, dp)
         return acts, grads_in, _typed_zeros(act), as_act(dx), acc, loss_sum, aux_sum

@@ -81,16 +81,6 @@ def gather_sequence(x: jax.Array, axis: str | None, dim: int = -2) -> jax.Array:
     return jax.lax.all_gather(x, axis, axis=dim % x.ndim, tiled=True)
 
 
-def local_sequence(x: jax.Array, axis: str | None, dim: int = -2) -> jax.Array:
-    """This shard's range of positions of a full-length `x` (along `dim`), in the layout
-    `row_dense(..., scatter=True)` produces."""
-    if axis is None:
-        return x
-    dim %= x.ndim
-    n = x.shape[dim] // jax.lax.axis_size(axis)
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * n, n, dim)
-
-
 def position_rows(table: jax.Array, t: int, axis: str | None, sequence_parallel: bool):
     """The rows of the position table `table[T, D]` that this shard adds to a `t`-token
     sequence: `table[:t]`; sequence-parallel inside `shard_map`, this shard's range

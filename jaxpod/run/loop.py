@@ -33,6 +33,7 @@ from jaxpod.errors import UserError
 from jaxpod.parallel.mesh import make_mesh, select_devices
 from jaxpod.planner.plan import check_budget
 from jaxpod.run.checkpoint import Checkpointer
+from jaxpod.run.distributed import is_main_process
 from jaxpod.run.feed import DeviceFeed
 from jaxpod.run.hostmem import check_host_ram, is_oom, oom_error
 from jaxpod.run.interrupt import Interrupted, StopRequests
@@ -96,7 +97,7 @@ def run_training(
     check_budget(cfg)  # a mapping over memory.device_budget is refused before anything runs
     if jax.process_count() == 1:
         check_host_ram(cfg)  # virtual devices share this host's RAM
-    main = jax.process_index() == 0
+    main = is_main_process()
     lock = hold(cfg.train.logdir) if main else None
     try:
         return _run(cfg, quiet or not main, main, allow_changes)

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from jaxpod.config import OptimConfig, PrecisionConfig
+from jaxpod.optim import stochastic_round  # the public name (jaxpod.optim.precision's)
 from jaxpod.optim.chains import make_optimizer
 from jaxpod.optim.guarded import guarded_update, whole_tree
 from jaxpod.optim.precision import (
@@ -25,7 +26,6 @@ from jaxpod.optim.precision import (
     master_dtype,
     param_dtype,
     select_tree,
-    stochastic_round,
     update_loss_scale,
 )
 

@@ -62,12 +62,13 @@ def test_checksums_change_with_any_element_and_not_with_the_sharding(saved):
     replicated = jax.device_put(np.asarray(leaf))  # one device, no sharding
     from jaxpod.run.integrity import _leaf_sums
 
-    def one(x):
+    def checksums(x):
         return np.asarray(_leaf_sums(x)).tolist()
 
-    assert one(replicated) == one(leaf) == sums["params.layers.mlp.w_in"]
-    assert one(changed) != one(leaf)
-    assert one(swapped)[0] == one(leaf)[0] and one(swapped)[1] != one(leaf)[1]
+    assert checksums(replicated) == checksums(leaf) == sums["params.layers.mlp.w_in"]
+    assert checksums(changed) != checksums(leaf)
+    assert checksums(swapped)[0] == checksums(leaf)[0]
+    assert checksums(swapped)[1] != checksums(leaf)[1]
 
 
 def test_restore_verifies_and_returns_the_kept_record(saved, tmp_path):
