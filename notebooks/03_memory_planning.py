@@ -120,7 +120,7 @@ print(format_plan(plans["gpt3_175b_pod256"]))
 # (5.6 GB) is moved in whole for the update. What the gathers do earn: at tensor 8 one layer's
 # weights are `12·d²/8 × 2 B ≈ 453 MB` once all-gathered over the RTS group, so the preset runs
 # each layer matrix by matrix (`memory.stream=matrix`, the MLP in `memory.mlp_panels=8` panels)
-# and gathers one panel at a time, and uses the token table 16 blocks of rows at a time
+# and gathers one panel at a time, and uses the token table in 16 slices of rows, one at a time
 # (`memory.vocab_slices=16`). Fitting a GC200 would take the pod's phased execution (one
 # phase's weights on the device at a time) and an update streamed layer by layer. The same
 # mapping fits an 80 GB H100:
@@ -183,7 +183,7 @@ table({**rts_plans, **phase_plans}, "weights", "optimizer", "gathered", "device_
 # pass recomputes the layer's forward once more, and `k` MLP panels move the MLP's activations
 # over the tensor axis `k` times. Past 8 panels nothing changes: `W_o` and a third of `W_qkv`
 # are as large as an MLP panel. The last unit is the token table's (`memory.vocab_slices`,
-# right): gathered whole, or one block of rows at a time.
+# right): gathered whole, or one slice of rows at a time.
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))

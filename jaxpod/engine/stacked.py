@@ -1,7 +1,7 @@
-"""Stacked stages: models whose pipeline stages are slices of one stack of identical layers.
+"""Stacked stages: models whose pipeline stages are parts of one stack of identical layers.
 
 GPT and BERT keep their layers as one `Layer` with a leading `[L]` axis, split over
-`pipeline`; a stage scans its slice (`jaxpod.parallel.stream.run_stack`). A stacked model
+`pipeline`; a stage scans its part (`jaxpod.parallel.stream.run_stack`). A stacked model
 offers `embed(tokens, tp)`, `layers` (the stack), `token_loss(h, targets, tp)`,
 `inputs_and_targets(tokens, keys)` and `masked`. Around it, from the config:
 

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpod.models.efficientnet_specs import (  # noqa: F401 (re-exported)
-    BASE_BLOCKS,
+    BASE_BLOCK_GROUPS,
     IMAGE_CH,
     VARIANTS,
     BlockSpec,

@@ -23,7 +23,7 @@ VARIANTS: dict[str, tuple[float, float, int]] = {
 }
 
 # B0 block groups: (expand, kernel, stride, in_ch, out_ch, repeats); squeeze-excitation ratio 0.25.
-BASE_BLOCKS: tuple[tuple[int, int, int, int, int, int], ...] = (
+BASE_BLOCK_GROUPS: tuple[tuple[int, int, int, int, int, int], ...] = (
     (1, 3, 1, 32, 16, 1),
     (6, 3, 2, 16, 24, 2),
     (6, 5, 2, 24, 40, 2),
@@ -142,7 +142,9 @@ def block_specs(
     width; its repeats have stride 1 and `in_ch == out_ch`."""
     width, depth = _coefficients(variant, width_mult, depth_mult)
     specs = []
-    for group, (expand, kernel, stride, c_in, c_out, repeats) in enumerate(BASE_BLOCKS, 1):
+    for block_group, (expand, kernel, stride, c_in, c_out, repeats) in enumerate(
+        BASE_BLOCK_GROUPS, 1
+    ):
         c_in, c_out = round_filters(c_in, width), round_filters(c_out, width)
         if g16 and expand == 6:
             expand = G16_EXPAND
@@ -151,7 +153,7 @@ def block_specs(
             group_size = g16_group_size(in_ch * expand) if g16 else 1
             specs.append(
                 BlockSpec(
-                    name=f"{group}{string.ascii_lowercase[i]}",
+                    name=f"{block_group}{string.ascii_lowercase[i]}",
                     in_ch=in_ch,
                     out_ch=c_out,
                     kernel=kernel,

@@ -10,7 +10,7 @@ from typing import Literal
 @dataclass(frozen=True)
 class ModelKind:
     """`data`: what a batch holds (`tokens[G, T+1]`, or `images[G, H, W, 3]` and labels);
-    `stages`: how its pipeline stages are laid out (slices of one stack of identical layers,
+    `stages`: how its pipeline stages are laid out (parts of one stack of identical layers,
     or heterogeneous stages packed into rows); `tensor_parallel`: whether its layers split
     over the `tensor` axis; `fixed_denominator`: whether its loss is divided by a count known
     before the batch is read (tokens or images per step), so a batch fed in parts

@@ -18,7 +18,7 @@ from jaxpod.errors import ConfigError
 AXES = ("replica", "pipeline", "tensor")
 
 LOGICAL_TO_MESH: dict[str, str] = {
-    "layers": "pipeline",  # each pipeline stage holds a contiguous slice of the layer stack
+    "layers": "pipeline",  # each pipeline stage holds a contiguous part of the layer stack
     "vocab": "tensor",  # vocab-parallel embedding / output projection
     "heads": "tensor",  # attention heads
     "mlp": "tensor",  # MLP hidden units

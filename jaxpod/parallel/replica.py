@@ -83,7 +83,7 @@ def reduce_grads(
     keys = [(a, g.dtype, varying_axes(g)) if a else None for a, g in zip(axes, flat, strict=True)]
     sizes = [g.size * g.dtype.itemsize for g in flat]
     out = list(flat)
-    for bucket in plan_buckets(sizes, keys, bucket_bytes):
+    for bucket in group_into_buckets(sizes, keys, bucket_bytes):
         parts = [flat[i] for i in bucket]
         if len(parts) == 1:
             out[bucket[0]] = reduce(parts[0], axes[bucket[0]])
@@ -95,7 +95,7 @@ def reduce_grads(
     return tree.unflatten(out)
 
 
-def plan_buckets(sizes: list[int], keys: list, bucket_bytes: int) -> list[list[int]]:
+def group_into_buckets(sizes: list[int], keys: list, bucket_bytes: int) -> list[list[int]]:
     """Leaf indices grouped into buckets, in order of their first leaf: leaves with equal
     `keys` (None: not reduced, in no bucket) fill a bucket in order while its `sizes` sum
     to at most `bucket_bytes`; 0 puts every leaf in a bucket of its own."""

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpod.parallel.collectives import ring_all_reduce
-from jaxpod.parallel.replica import plan_buckets, reduction_axes
+from jaxpod.parallel.replica import group_into_buckets, reduction_axes
 from jaxpod.run.aot import compile_to_inspect
 
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
@@ -171,7 +171,7 @@ def test_the_engine_step_sends_2_n_minus_1_over_n(tiny_cfg, mesh_for):
     specs = jax.tree.structure(params).flatten_up_to(specs)
     grad_bytes = sum(p.size * p.dtype.itemsize for p in leaves)
     keys = [(reduction_axes(s, data_axes), frozenset(jax.tree.leaves(tuple(s)))) for s in specs]
-    buckets = plan_buckets([p.size * p.dtype.itemsize for p in leaves], keys, bucket)
+    buckets = group_into_buckets([p.size * p.dtype.itemsize for p in leaves], keys, bucket)
     sent = [mlir_bytes(t) for t in MLIR_PERMUTE.findall(ring)]
     print(f"{len(leaves)} leaves, {grad_bytes} bytes, {len(buckets)} buckets: {sum(sent)} sent")
     assert len(sent) == 2 * (n - 1) * len(buckets)

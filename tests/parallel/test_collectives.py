@@ -35,7 +35,7 @@ from jaxpod.parallel.collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
-from jaxpod.parallel.replica import plan_buckets, reduce_grads
+from jaxpod.parallel.replica import group_into_buckets, reduce_grads
 
 SHAPES = [(), (5,), (4, 6), (3, 7, 2)]
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -220,13 +220,13 @@ def test_gradient_through_the_ring_is_psums():
 # ------------------------------------------------------------------ bucketed reduce_grads
 
 
-def test_plan_buckets():
+def test_group_into_buckets():
     keys = ["a", "a", None, "b", "a", "a", "b"]
     sizes = [40, 40, 99, 10, 30, 100, 10]
-    assert plan_buckets(sizes, keys, 0) == [[0], [1], [3], [4], [5], [6]]
-    assert plan_buckets(sizes, keys, 100) == [[0, 1], [3, 6], [4], [5]]
-    assert plan_buckets(sizes, keys, 110) == [[0, 1, 4], [3, 6], [5]]
-    assert plan_buckets(sizes, keys, 10**6) == [[0, 1, 4, 5], [3, 6]]
+    assert group_into_buckets(sizes, keys, 0) == [[0], [1], [3], [4], [5], [6]]
+    assert group_into_buckets(sizes, keys, 100) == [[0, 1], [3, 6], [4], [5]]
+    assert group_into_buckets(sizes, keys, 110) == [[0, 1, 4], [3, 6], [5]]
+    assert group_into_buckets(sizes, keys, 10**6) == [[0, 1, 4, 5], [3, 6]]
 
 
 # The engine's data axes with replicated tensor sharding: (replica, rts_outer, rts_inner,
