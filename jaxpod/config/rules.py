@@ -259,7 +259,7 @@ def check_schedule(cfg: Config, group: int) -> None:
     kind, v = t.pipeline_schedule, t.virtual_stages
     if v > 1 and kind != "circular":
         fail(
-            f"train.virtual_stages={v} gives each stage several virtual stages, which only "
+            f"train.virtual_stages={v} splits each pipeline stage into virtual stages, which only "
             "train.pipeline_schedule=circular runs; set train.virtual_stages=1 or the schedule"
         )
     if kind == "gpipe":

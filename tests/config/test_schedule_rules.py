@@ -38,7 +38,7 @@ def test_valid_schedules_load():
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (["train.virtual_stages=2"], "train.virtual_stages=2 gives each stage several virtual"),
+        (["train.virtual_stages=2"], "train.virtual_stages=2 splits each pipeline stage"),
         (["train.pipeline_schedule=circular"], "needs train.virtual_stages >= 2"),
         (
             ["train.pipeline_schedule=circular", "train.virtual_stages=4"],
