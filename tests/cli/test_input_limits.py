@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import re
 import shlex
-import time
 
 import pytest
 from helpers import ROOT
-from helpers.cli import TINY, assert_user_error, cli_env, jaxpod
+from helpers.cli import TINY, assert_user_error, cli_env, jaxpod, without_jax
 
 from jaxpod.config import load_config
 from jaxpod.errors import ConfigError
@@ -26,12 +25,11 @@ BOMB += "devices: 8\nmodel: {name: gpt, layers: *a8, d_model: 64}\n"
 def test_aliases_are_refused_before_they_expand(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(BOMB)
-    t0 = time.monotonic()
+    # refused at the first alias it meets (expanded, the bomb is 10**9 list items)
     with pytest.raises(ConfigError, match=r"alias \*a0 at line 2: aliases are not supported"):
         load_config(path)
     with pytest.raises(ConfigError, match="aliases are not supported"):
         load_config(None, ["train.logdir=[&a [1,1], *a]"])
-    assert time.monotonic() - t0 < 1
 
 
 def test_an_empty_config_is_refused(tmp_path):
@@ -98,10 +96,9 @@ def test_train_refuses_a_model_the_host_ram_cannot_hold(tmp_path):
 @pytest.mark.parametrize("inside", ["", "/sub"], ids=["is-a-file", "under-a-file"])
 def test_logdir_in_the_way_is_one_line_before_jax(tmp_path, inside):
     (tmp_path / "f").write_text("x")
-    t0 = time.monotonic()
-    proc = jaxpod("train", TINY, f"train.logdir={tmp_path}/f{inside}")
+    env = without_jax(tmp_path)  # jax never starts: importing it would fail the run
+    proc = jaxpod("train", TINY, f"train.logdir={tmp_path}/f{inside}", env=env)
     assert_user_error(proc, "is a file, not a directory; pick another train.logdir")
-    assert time.monotonic() - t0 < 10  # jax never started
     assert (tmp_path / "f").read_text() == "x"
 
 

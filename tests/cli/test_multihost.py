@@ -7,7 +7,6 @@ three processes run at once (each compiles its own program) to keep the wall tim
 from __future__ import annotations
 
 import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -63,7 +62,6 @@ def test_two_processes_train_like_one(tmp_path):
 
 
 def test_unreachable_coordinator_is_a_bounded_one_line_error(tmp_path):
-    start = time.monotonic()
     proc = jaxpod(
         "train",
         TINY,
@@ -80,7 +78,6 @@ def test_unreachable_coordinator_is_a_bounded_one_line_error(tmp_path):
         timeout=60,
     )
     assert_user_error(proc, "coordinator 127.0.0.1:", "not reachable within 3 s", "--init-timeout")
-    assert time.monotonic() - start < 30
     assert not (tmp_path / "run").exists()
 
 

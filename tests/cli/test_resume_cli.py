@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -138,9 +137,7 @@ def test_a_diverging_run_stops_before_saving_and_keeps_the_good_checkpoints(tmp_
 
 def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(tmp_path):
     run = tmp_path / "run"
-    t0 = time.monotonic()
     proc = train(run, "train.eval_every=0", limit_file_bytes=256 * 1024)
     line = user_error(proc, f"checkpoint could not be saved under {run}/checkpoints (")
     assert "File too large" in line and "has free space" in line, line
-    assert time.monotonic() - t0 < 300
     assert not list((run / "checkpoints").glob("[0-9]")), "no checkpoint is listed as complete"

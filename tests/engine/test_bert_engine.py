@@ -96,6 +96,7 @@ def test_bert_engine_trains(tiny_cfg, mesh_for):
     loss of step 0's masks, the weights move, and eval runs."""
     cfg = tiny_cfg(*BERT, "optim.lr=1e-3", mesh=(2, 2, 2))
     engine, state = build_engine(cfg, mesh_for(cfg))
+    before = [np.asarray(p) for p in jax.tree.leaves(state.params)]
     losses = []
     for k in range(2):
         state, metrics = engine.train_step(
@@ -105,6 +106,8 @@ def test_bert_engine_trains(tiny_cfg, mesh_for):
     want = float(reference(cfg, 0)[0])
     assert abs(losses[0] - want) / want <= LOSS_RTOL
     assert all(np.isfinite(losses)) and float(metrics["update_norm"]) > 0
+    after = [np.asarray(p) for p in jax.tree.leaves(state.params)]
+    assert all(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
     val = engine.eval_step(state.params, jax.device_put((batch(9),), engine.batch_sharding))
     val = float(val["val_loss"])
     assert np.isfinite(val) and 3.0 < val < 7.0

@@ -29,6 +29,16 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | CLI_CACHE | extra
 
 
+def without_jax(tmp_path: Path) -> dict[str, str]:
+    """`cli_env()` in which `import jax` fails (a shim package first on `PYTHONPATH`): a run
+    that must end before jax starts ends the same way in it, one that imports jax gets a
+    traceback naming the shim."""
+    shim = tmp_path / "no-jax" / "jax"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "__init__.py").write_text('raise ImportError("jax was imported (the no-jax shim)")\n')
+    return cli_env(PYTHONPATH=str(shim.parent))
+
+
 def cli_cmd(*args: str) -> list[str]:
     """`python -m jaxpod.cli ARGS` with this interpreter (the venv's)."""
     return [sys.executable, "-m", "jaxpod.cli", *args]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import jupytext  # a dev dependency: missing, the pairing check must fail, not skip
+import jupytext  # dev dependencies: missing, the tests must fail, not skip
+import nbclient
 import nbformat
 import pytest
 from helpers import ROOT
@@ -56,7 +57,6 @@ def test_every_ipynb_has_a_source():
 @pytest.mark.notebook
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
 def test_notebook_executes(source: Path, tmp_path: Path) -> None:
-    nbclient = pytest.importorskip("nbclient")
     nb = jupytext.read(source)
     nb.cells.insert(0, nbformat.v4.new_code_cell(KERNEL_CHECK))
     client = nbclient.NotebookClient(

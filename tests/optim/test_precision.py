@@ -172,11 +172,14 @@ def test_apply_updates_and_cast_tree_like():
     new = apply_updates(p16, tiny, k)
     assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(new))
     assert not np.array_equal(_f32(new["w"]), _f32(p16["w"]))  # some rounded up
+    nearest = (_f32(p16["w"]) + 1e-5).astype(np.float16).astype(np.float32)
+    assert not np.array_equal(_f32(new["w"]), nearest)  # not round-to-nearest
     assert np.array_equal(_f32(apply_updates(p16, tiny, k)["w"]), _f32(new["w"]))
     like = {"count": jnp.zeros((), jnp.int32), "mu": jnp.zeros((8,), jnp.bfloat16)}
     newer = {"count": jnp.ones((), jnp.float32), "mu": jnp.full((8,), 1.0 + 2**-10)}
     out = cast_tree_like(newer, like, k)
     assert out["count"].dtype == jnp.int32 and out["mu"].dtype == jnp.bfloat16
+    assert int(out["count"]) == 1  # an int plainly cast, not rounded stochastically
 
 
 def test_stall_demonstration():

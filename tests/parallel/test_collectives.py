@@ -240,6 +240,15 @@ GRAD_SPECS = {
     "norm": P(None),
     "small": P(None, None),
 }
+# read off GRAD_SPECS: the data axes each leaf's spec does not name
+REDUCED_OVER = {
+    "embed": RTS_AXES,
+    "layer_w": ("replica", "rts_outer", "rts_inner"),
+    "layer_b": ("replica", "rts_outer", "rts_inner"),
+    "rts_w": ("replica",),
+    "norm": RTS_AXES,
+    "small": RTS_AXES,
+}
 GRAD_SHAPES = {
     "embed": (6, 4),
     "layer_w": (2, 5, 4),
@@ -259,9 +268,11 @@ TENSOR_LEAVES = ("embed", "layer_w")  # varying over tensor too: never in a buck
     [("ring", 0), ("psum", 64), ("ring", 64), ("ring", 10**6), ("psum", 10**6)],
 )
 def test_bucketed_reduce_grads_equal_psum_per_leaf(mesh_shape, allreduce, bucket_bytes):
-    """On meshes of the RTS data axes and tensor, every option of `reduce_grads` returns the
-    default's gradients bit for bit (integer-valued), with the same varying axes (the
-    out_specs leave tensor off the leaves that do not vary over it)."""
+    """On meshes of the RTS data axes and tensor, the default `reduce_grads` (a psum per
+    leaf) sums each leaf over the data axes its spec does not name (numpy's sum of the
+    integer-valued inputs), and every option returns the default's gradients bit for bit,
+    with the same varying axes (the out_specs leave tensor off the leaves that do not vary
+    over it)."""
     mesh = jax.make_mesh(mesh_shape, (*RTS_AXES, "tensor"))
     data, t = int(np.prod(mesh_shape[:4])), mesh_shape[4]
     specs = {k: P(RTS_AXES, "tensor" if k in TENSOR_LEAVES else None) for k in GRAD_SHAPES}
@@ -284,4 +295,8 @@ def test_bucketed_reduce_grads_equal_psum_per_leaf(mesh_shape, allreduce, bucket
     shardings = {k: NamedSharding(mesh, specs[k]) for k in specs}
     default, option = fn(jax.device_put(grads, shardings))
     for k in GRAD_SHAPES:
+        g = grads[k].reshape(*mesh_shape[:4], *grads[k].shape[1:])
+        summed = g.sum(tuple(RTS_AXES.index(a) for a in REDUCED_OVER[k]), keepdims=True)
+        want = np.broadcast_to(summed, g.shape).reshape(grads[k].shape)
+        np.testing.assert_array_equal(np.asarray(default[k]), want, err_msg=k)
         np.testing.assert_array_equal(np.asarray(option[k]), np.asarray(default[k]), err_msg=k)

@@ -4,6 +4,8 @@ against XLA's compiled memory is tests/planner/test_plan_vs_xla.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from helpers import ROOT
@@ -54,6 +56,20 @@ def cfg_of(*overrides):
 
 
 # ----------------------------------------------------------------------------- analytic
+@pytest.mark.parametrize("preset", ["gpt3_175b_pod256", "bert_large_pod16"])
+def test_a_transformer_plan_imports_no_jax(preset):
+    """The planner answers without starting jax (the CLI checks a budget before it does)."""
+    code = (
+        "import sys\n"
+        "from jaxpod.config import load_config\n"
+        "from jaxpod.planner import format_plan, plan\n"
+        f"format_plan(plan(load_config('configs/{preset}.yaml', [])))\n"
+        "bad = [m for m in ('jax', 'jaxlib', 'flax', 'optax') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
 def test_gpt3_175b_pod256_mapping():
     cfg = cfg_of(
         *GPT3,

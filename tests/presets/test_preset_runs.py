@@ -45,8 +45,9 @@ def test_emulated_preset_trains(name, steps, tmp_path):
 def test_compile_from_abstract_shapes(name, devices):
     """Lower and compile the train step on the preset's virtual devices, no weights. The
     output carries the planner's prediction for this backend beside XLA's: the device-resident
-    arguments agree exactly (the same state in the same memory), and the device total is
-    within 10 % (docs/memory.md, the presets: BERT 0.98, GPT-3 1.02, B4 POD16 1.01)."""
+    arguments agree to a kilobyte (the same state in the same memory; XLA also counts a few
+    scalars the planner leaves out: 24, 24 and 404 bytes on 2026-11-27), and the device total
+    is within 10 % (docs/memory.md, the presets: BERT 0.98, GPT-3 1.02, B4 POD16 1.01)."""
     proc = jaxpod("compile", str(CONFIGS / f"{name}.yaml"), "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -56,9 +57,8 @@ def test_compile_from_abstract_shapes(name, devices):
         out["temp_bytes"] < out["device_total_bytes"] <= out["argument_bytes"] + out["temp_bytes"]
     )
     assert out["planned_profile"] == "cpu"
-    assert out["planned_device_argument_bytes"] == pytest.approx(
-        out["device_argument_bytes"], rel=0.01
-    )
+    unplanned = out["device_argument_bytes"] - out["planned_device_argument_bytes"]
+    assert 0 <= unplanned <= 1024, unplanned
     ratio = out["planned_device_total_bytes"] / out["device_total_bytes"]
     assert out["planned_ratio"] == pytest.approx(ratio)
     assert ratio == pytest.approx(1.0, abs=0.10)

@@ -36,7 +36,7 @@ def test_the_parts_of_a_batch_are_its_rows_in_order(tiny_cfg, mesh_for):
 @pytest.mark.long_run
 def test_a_run_in_parts_logs_the_whole_batch_run(tiny_cfg, tmp_path):
     """Three steps on 2x1x1, whole batches and in 4 parts (1 micro-batch each): the same
-    losses and validation losses step by step, and the parameters of the final checkpoint."""
+    losses and validation losses step by step, and the final parameters (the run's state)."""
     import jax
 
     from jaxpod.run.loop import run_training

@@ -17,17 +17,29 @@ def assert_restored(restored, want, engine) -> None:
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
+def shifted(state):
+    """Every leaf of `state` plus one, in its own sharding (memory kind included): a state no
+    engine initialises, so a restore that returned its template could not pass."""
+    import jax
+
+    return jax.tree.map(lambda a: jax.device_put(np.asarray(a) + 1, a.sharding), state)
+
+
 def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path):
     """In process: saved from 2x2x2, restored on 1x2x4 with exactly the engine's shardings."""
+    import jax
+
     from jaxpod.engine import build_engine
     from jaxpod.run.checkpoint import Checkpointer
 
     batch = ["train.global_batch=16", "train.grad_accum=null"]
     old_cfg, new_cfg = tiny_cfg(*batch, mesh=(2, 2, 2)), tiny_cfg(*batch, mesh=(1, 2, 4))
-    _, saved = build_engine(old_cfg, mesh_for(old_cfg))
+    saved = shifted(build_engine(old_cfg, mesh_for(old_cfg))[1])
     with Checkpointer(tmp_path, keep=1) as ckpt:
         ckpt.save(1, saved, seed=0)
     engine, fresh = build_engine(new_cfg, mesh_for(new_cfg))
+    for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(saved), strict=True):
+        assert not np.array_equal(np.asarray(a), np.asarray(b))  # the template is not the answer
     ckpt = Checkpointer(tmp_path, keep=1)
     assert ckpt.latest_step() == 1
     restored = ckpt.restore(1, engine, fresh, seed=0)
@@ -81,10 +93,11 @@ def test_one_process_writes_each_shard_whole(tiny_cfg, mesh_for, tmp_path, monke
 def test_a_resume_with_another_layer_order_restores_the_same_model(
     tiny_cfg, mesh_for, tmp_path, direction
 ):
-    """A circular schedule stores its layers in chunk order (`StackedStages.layer_order`), which
-    changes with train.virtual_stages and mesh.pipeline, both free to change on resume. Saved
-    in one order and restored into the other, the state is the state a fresh engine of the
-    restoring config initialises (the values depend only on the seed): every layer in place.
+    """A circular schedule stores its layers in virtual-stage order
+    (`StackedStages.layer_order`), which changes with train.virtual_stages and mesh.pipeline,
+    both free to change on resume. The saved state is the init plus one (`shifted`); restored
+    in the other order it is what a fresh engine of the restoring config initialises (the
+    values depend only on the seed) plus one: every layer in place.
     A checkpoint written before the order was recorded has it from its config; layers kept in
     host memory (offloaded, RTS 2) are moved there too."""
     import json
@@ -105,7 +118,7 @@ def test_a_resume_with_another_layer_order_restores_the_same_model(
     assert (saver.stages.layer_order is None) == (direction == "gpipe-to-circular")
     with Checkpointer(tmp_path, keep=1) as ckpt:
         config = config_to_dict(saving)
-        ckpt.save(1, saved, seed=0, config=config, layer_order=saver.stages.layer_order)
+        ckpt.save(1, shifted(saved), seed=0, config=config, layer_order=saver.stages.layer_order)
     if direction == "circular-without-a-recorded-order":
         meta = tmp_path / "checkpoints" / "1" / "meta" / "metadata"
         record = json.loads(meta.read_text())
@@ -115,7 +128,7 @@ def test_a_resume_with_another_layer_order_restores_the_same_model(
         restored = ckpt.restore(1, engine, fresh, seed=0)
     kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(restored)}
     assert ("pinned_host" in kinds) == direction.endswith("on-host")
-    assert_restored(restored, fresh, engine)
+    assert_restored(restored, jax.tree.map(lambda a: np.asarray(a) + 1, fresh), engine)
 
 
 def test_the_optimizer_moments_move_with_their_layers(tiny_cfg, mesh_for, tmp_path):

@@ -14,8 +14,8 @@ from helpers import DIGITS_STEPS, TINY_EFFICIENTNET, digits_cfg
 @pytest.mark.xdist_group(TINY_EFFICIENTNET)
 def test_digits_config_trains(mesh_for, tmp_path):
     """`configs/efficientnet_digits.yaml` through the training loop, shortened to 50 of its 300
-    steps: validation accuracy at least 3x chance (10 %); deterministic (seeded data, init
-    and rounding). The full run reaches >= 90 % (docs/benchmarks.md)."""
+    steps (seeded data, init and rounding): validation accuracy at least 3x chance (10 %).
+    The full run reaches >= 90 % (docs/benchmarks.md)."""
     import json
 
     from jaxpod.run.loop import run_training
