@@ -124,15 +124,22 @@ def test_step_matches_single_device_reference(tiny_cfg, mesh_for, digits, shape)
     batch = global_batch(engine, cfg, digits)
     want_loss, want = reference_step(cfg, engine, trees, batch)
     state, metrics = engine.train_step(state, batch)
-    # f32 sums in a different order (micro-batches, replicas, stages): a few ulps of drift,
-    # amplified by LARS/LAMB's norm ratios -> 2e-5 relative, 1e-6 absolute on tiny values.
-    np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=1e-5)
-    for got_tree, want_tree in zip(host_trees(engine, state.params), want, strict=True):
+    # f32 sums in a different order (micro-batches, replicas, stages), through LARS's norm
+    # ratios: measured (2026-11-27, both meshes) loss 1.2e-7 relative, parameters (all O(1))
+    # at most 1.2e-7 apart; the bounds are about 4x that. The step moves them far more.
+    np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=5e-7)
+    moved = 0.0
+    for got_tree, want_tree, old_tree in zip(
+        host_trees(engine, state.params), want, trees, strict=True
+    ):
         jax.tree.map(
-            lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6),
+            lambda g, w: np.testing.assert_allclose(g, w, rtol=0, atol=5e-7),
             got_tree,
             want_tree,
         )
+        for w, old in zip(jax.tree.leaves(want_tree), jax.tree.leaves(old_tree), strict=True):
+            moved = max(moved, float(np.max(np.abs(np.asarray(w) - np.asarray(old)))))
+    assert moved > 100 * 5e-7, moved
     assert int(metrics["skipped_steps"]) == 0
 
 
@@ -154,7 +161,8 @@ def test_two_stage_losses_equal_one_stage(tiny_cfg, mesh_for, digits):
             state, metrics = engine.train_step(state, global_batch(engine, cfg, digits, step))
             run.append(float(metrics["loss"]))
         losses[shape] = run
-    np.testing.assert_allclose(losses[(4, 2, 1)], losses[(1, 1, 1)], rtol=1e-5)
+    # measured 1.3e-7 relative over the 3 steps (2026-11-27)
+    np.testing.assert_allclose(losses[(4, 2, 1)], losses[(1, 1, 1)], rtol=5e-7)
 
 
 def test_overflow_is_skipped_and_halves_the_scale(mesh_for, digits):
