@@ -210,8 +210,8 @@ class StackedStages:
     def _run_layers(
         self, model: nnx.Module, x: jax.Array, fetched: bool, virtual_stage=0
     ) -> jax.Array:
-        """This stage's layers over `x` (with V virtual stages, those of its `virtual_stage`-th);
-        `fetched`: the stack is already on the device."""
+        """This stage's layers over `x` (with V virtual stages, the layers of virtual stage
+        `virtual_stage` only); `fetched`: the stack is already on the device."""
         layout, cfg = self.layout, self.cfg
         dims = layout.rts_dims[STACK]
         hooks: dict = {}
