@@ -75,7 +75,8 @@ def test_float32_layerwise_equals_whole_tree(tiny_cfg, mesh_for, name):
     np.testing.assert_allclose(float(i2["grad_norm"]), float(i1["grad_norm"]), rtol=1e-6)
     update_norm = lambda info: np.sqrt(float(info["update_sq"]))  # noqa: E731
     # measured (2026-11-27): update norms 9e-8 relative apart, params and moments at most
-    # 6e-8 (lamb), 7.5e-9 (adamw), 4.7e-10 (lars) absolute; the bounds are 2 to 10x that
+    # 6e-8 (lamb), 7.5e-9 (adamw), 4.7e-10 (lars) absolute; the bounds are 11x and 2x the
+    # largest
     np.testing.assert_allclose(update_norm(i2), update_norm(i1), rtol=1e-6)
     for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2)), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and a.sharding == b.sharding

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image  # a dependency of jaxpod (pyproject.toml): missing, this must fail
 
 from jaxpod.errors import DataError
-from jaxpod.run.images import ImageDataset, load_images
+from jaxpod.run.images import SYNTHETIC_POOL, ImageDataset, _synthetic_pool, load_images
 
 
 def _digits(image_size=16, seed=0) -> ImageDataset:
@@ -214,8 +214,6 @@ def test_synthetic_imagenet_shapes_and_determinism():
 def test_synthetic_imagenet_num_classes_and_cheap_at_380():
     ds = load_images("synthetic-imagenet", image_size=380, seed=0, num_classes=7)
     assert ds.num_classes == 7
-    from jaxpod.run.images import SYNTHETIC_POOL, _synthetic_pool
-
     ds.train_batch(0, 0, 1, 1)  # builds the 64-image pool once
     built = _synthetic_pool.cache_info().misses
     x, y = ds.train_batch(10, 0, 32, 32)
