@@ -120,12 +120,12 @@ class PackedStages:
         """Params (and optimizer state) initialised straight into their stage rows."""
         sharding = self.state_shardings()
 
-        def init_params():
+        def init_rows():
             trees = [nnx.to_pure_dict(nnx.split(s)[1]) for s in _stage_modules(self.cfg)]
             opt = [o.init(t) for o, t in zip(self.optimizers, trees, strict=True)]
             return self.packing.pack(trees), self.opt_packing.pack(opt)
 
-        params, tx = compile_once(init_params, (sharding.params, sharding.opt_state.tx))()
+        params, tx = compile_once(init_rows, (sharding.params, sharding.opt_state.tx))()
         ls = jax.device_put(init_loss_scale(self.cfg.precision), sharding.opt_state.loss_scale)
         step = jax.device_put(jnp.zeros((), jnp.int32), sharding.step)
         return TrainState(step, params, OptState(tx, ls))
