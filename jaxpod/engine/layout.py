@@ -56,11 +56,9 @@ class Layout(NamedTuple):
         )
 
 
-def make_layout(
-    cfg: Config, mesh: Mesh, params: dict, specs: dict, masks: Masks, panel_axes: dict
-) -> Layout:
-    """The layout of `cfg.memory` for abstract `params` with model specs `specs`, role
-    `masks`, and `panel_axes` (per leaf, the dimensions streaming cuts panels along)."""
+def make_layout(cfg: Config, mesh: Mesh, params: dict, specs: dict, masks: Masks) -> Layout:
+    """The layout of `cfg.memory` for abstract `params` with model specs `specs` and role
+    `masks` (`masks.panel`: per leaf, the dimensions streaming cuts panels along)."""
     mem = cfg.memory
     k_opt = mem.rts if mem.rts_optimizer is None else mem.rts_optimizer
     emesh, w_axes, o_axes = split_replica(mesh, mem.rts, k_opt)
@@ -76,7 +74,7 @@ def make_layout(
         # each step gathers (and, host-resident, fetches) only its panels, cut from the local
         # shard before the gather: RTS splits another dimension. A leaf with no other (the
         # MLP biases) is gathered whole and then cut, unless its panels are fetched.
-        cut = jax.tree.map(lambda s, a, p: p if s else a, masks.stacked, avoid, panel_axes)
+        cut = jax.tree.map(lambda s, a, p: p if s else a, masks.stacked, avoid, masks.panel)
         panel_dims = rts_dims(params, specs, masks.stacked, emesh.shape, w_axes, cut)
         keep = lambda d, p: d if p == NO_GATHER and not layers_on_host else p  # noqa: E731
         dims = jax.tree.map(keep, dims, panel_dims)

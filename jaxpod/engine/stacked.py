@@ -46,7 +46,7 @@ from jaxpod.parallel.mesh import param_specs, shardings
 from jaxpod.parallel.pipeline import spread_over_stages
 from jaxpod.parallel.replica import gather
 from jaxpod.parallel.schedules import layer_order
-from jaxpod.parallel.stream import panel_axes, run_stack
+from jaxpod.parallel.stream import run_stack
 from jaxpod.parallel.tensor import VocabSlices, gather_sequence
 
 TP = "tensor"  # a size-1 axis costs nothing: XLA drops single-device collectives
@@ -79,9 +79,7 @@ class StackedStages:
         )
         self.abstract_params = params
         self.params_count = sum(leaf.size for leaf in jax.tree.leaves(params))
-        self.layout = layout = make_layout(
-            cfg, mesh, params, self.specs, self.masks, panel_axes(params, self.masks.stacked)
-        )
+        self.layout = layout = make_layout(cfg, mesh, params, self.specs, self.masks)
         self.mesh, self.data_axes = layout.mesh, layout.data_axes
         self.stored_specs = layout.stored_specs
         self.batch_specs = (layout.batch_spec,)

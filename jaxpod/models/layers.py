@@ -25,14 +25,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpod.models.params import LAYERS, NO_DECAY, param
+from jaxpod.models.params import LAYERS, NO_DECAY, panel_axis_of_layer, param
 from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.tensor import column_dense, gather_sequence, reduce_rows, row_dense
 
 INIT_STD = 0.02
 F32 = jnp.float32
-# The axis of one layer's array along which `Layer.steps` cuts its panels.
-PANEL_AXES = {"attn/w_qkv": 1, "attn/b_qkv": 0, "mlp/w_in": 1, "mlp/b_in": 0, "mlp/w_out": 0}
 
 
 class Panel(NamedTuple):
@@ -46,14 +44,25 @@ class Panel(NamedTuple):
     count: int
 
 
-def _param(rngs: nnx.Rngs | None, shape, axes, layers: int | None, fill: float | None = None):
+def _param(
+    rngs: nnx.Rngs | None,
+    shape,
+    axes,
+    layers: int | None,
+    fill: float | None = None,
+    panel_axis: int | None = None,
+):
     """A parameter of `shape` (leading `[layers]` axis if stacked): normal(0.02) weights, or
-    `fill` for biases and norm parameters (role `NO_DECAY`)."""
+    `fill` for biases and norm parameters (role `NO_DECAY`). `panel_axis`: the dimension of
+    `shape` that `Layer.steps` cuts into panels."""
     if layers is not None:
         shape, axes = (layers, *shape), (LAYERS, *axes)
+        panel_axis = None if panel_axis is None else panel_axis + 1
     if fill is None:
-        return param(INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), axes)
-    return param(jnp.full(shape, fill, jnp.float32), axes, NO_DECAY)
+        value, roles = INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), ()
+    else:
+        value, roles = jnp.full(shape, fill, jnp.float32), (NO_DECAY,)
+    return param(value, axes, *roles, panel_axis=panel_axis)
 
 
 def map_chunks(fn: Callable, x: jax.Array, chunks: int, axis: int) -> jax.Array:
@@ -139,8 +148,8 @@ class SelfAttention(nnx.Module):
         self.sequence_parallel = sequence_parallel
         self.head_dim = d_model // heads
         hd = heads * self.head_dim
-        self.w_qkv = _param(rngs, (d_model, 3, hd), ("embed", None, "heads"), layers)
-        self.b_qkv = _param(None, (3, hd), (None, "heads"), layers, fill=0.0)
+        self.w_qkv = _param(rngs, (d_model, 3, hd), ("embed", None, "heads"), layers, panel_axis=1)
+        self.b_qkv = _param(None, (3, hd), (None, "heads"), layers, fill=0.0, panel_axis=0)
         self.w_o = _param(rngs, (hd, d_model), ("heads", "embed"), layers)
         self.b_o = _param(None, (d_model,), ("embed",), layers, fill=0.0)
 
@@ -209,9 +218,9 @@ class Mlp(nnx.Module):
     ):
         self.chunks = chunks
         self.sequence_parallel = sequence_parallel
-        self.w_in = _param(rngs, (d_model, d_ff), ("embed", "mlp"), layers)
-        self.b_in = _param(None, (d_ff,), ("mlp",), layers, fill=0.0)
-        self.w_out = _param(rngs, (d_ff, d_model), ("mlp", "embed"), layers)
+        self.w_in = _param(rngs, (d_model, d_ff), ("embed", "mlp"), layers, panel_axis=1)
+        self.b_in = _param(None, (d_ff,), ("mlp",), layers, fill=0.0, panel_axis=0)
+        self.w_out = _param(rngs, (d_ff, d_model), ("mlp", "embed"), layers, panel_axis=0)
         self.b_out = _param(None, (d_model,), ("embed",), layers, fill=0.0)
 
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
@@ -310,7 +319,12 @@ class Layer(nnx.Module):
         post = lambda m, name, x, u: x + u if pre else getattr(m, name)(x + u)
         ln1, ln2 = (("ln1",), ("ln2",)) if pre else ((), ())
         out: list = []
-        cut = lambda path, index, count: Panel(path, PANEL_AXES[path], index, count)
+
+        def cut(path: str, index: int | None, count: int) -> Panel:  # its declared axis
+            group, name = path.split("/")
+            axis = panel_axis_of_layer(getattr(getattr(self, group), name))
+            return Panel(path, axis, index, count)
+
         for j in range(3):  # carry (x[, q[, k]]) -> + this panel's [B, T, 1, HD_tensor]
             reads = (*ln1, cut("attn/w_qkv", j, 3), cut("attn/b_qkv", j, 3))
             ready = lambda m, x: m.attn.gather_input(norm(m, "ln1", x), tp)

@@ -7,6 +7,8 @@ A model creates every weight with `param(value, axes, *roles)`:
   mesh axes. A leading `"layers"` axis marks a stacked layer parameter `[L, ...]`.
 - roles: `NO_DECAY` (biases, norm scales: no weight decay, no trust ratio) and `TABLE` (a
   token table `[V, D]` that may be used a slice of rows at a time).
+- `panel_axis`: the dimension a layer cuts into panels when it is streamed a matrix at a
+  time (`Layer.steps`), for the weights that have one.
 
 The optimizer masks, the RTS layout and the streaming code read these (`masks`), never a
 parameter's name.
@@ -22,6 +24,7 @@ from flax import nnx
 NO_DECAY = "no_decay"
 TABLE = "table"
 LAYERS = "layers"  # the logical name of the stacked layer axis
+PANEL_AXIS = "panel_axis"  # the metadata key of the dimension panels are cut along
 STACK = "layers"  # the attribute (and params key) of a stacked model's `[L, ...]` layers
 
 
@@ -31,11 +34,22 @@ def in_stack(path: tuple) -> bool:
     return any(getattr(key, "key", None) == STACK for key in path)
 
 
-def param(value: jax.Array, axes: tuple[str | None, ...], *roles: str) -> nnx.Param:
-    """An `nnx.Param` holding `value` with logical `axes` (one per dimension) and `roles`."""
+def param(
+    value: jax.Array, axes: tuple[str | None, ...], *roles: str, panel_axis: int | None = None
+) -> nnx.Param:
+    """An `nnx.Param` holding `value` with logical `axes` (one per dimension), `roles` and,
+    if it has one, the dimension `panel_axis` of `value` that panels are cut along."""
     if len(axes) != value.ndim:
         raise ValueError(f"axes {axes} do not name the {value.ndim} dimensions of {value.shape}")
-    return nnx.Param(value, axes=tuple(axes), roles=frozenset(roles))
+    panel = {} if panel_axis is None else {PANEL_AXIS: panel_axis}
+    return nnx.Param(value, axes=tuple(axes), roles=frozenset(roles), **panel)
+
+
+def panel_axis_of_layer(variable: nnx.Variable) -> int:
+    """The dimension of one layer's array of `variable` that panels are cut along (its
+    `panel_axis`, less the stacked `"layers"` dimension if it has one)."""
+    meta = variable.get_metadata()
+    return meta[PANEL_AXIS] - (tuple(meta["axes"])[:1] == (LAYERS,))
 
 
 def metadata(roles: str | tuple[str, ...] = (), axes: tuple | None = None) -> dict:
@@ -45,11 +59,12 @@ def metadata(roles: str | tuple[str, ...] = (), axes: tuple | None = None) -> di
 
 
 class Masks(NamedTuple):
-    """Pure-dict trees of bools shaped like the parameters."""
+    """Pure-dict trees shaped like the parameters: bools, and `panel`'s dimension tuples."""
 
     decay: dict  # True: weight decay and trust ratios apply
     stacked: dict  # True: a stacked layer leaf `[L, ...]` (trust ratios per layer)
     table: dict  # True: a token table
+    panel: dict  # `(d,)`: panels are cut along dimension d of the stored array; else `()`
 
 
 def masks(state: nnx.State) -> Masks:
@@ -65,4 +80,5 @@ def masks(state: nnx.State) -> Masks:
         decay=mask_of(lambda m: NO_DECAY not in m.get("roles", ())),
         stacked=mask_of(lambda m: tuple(m.get("axes") or ())[:1] == (LAYERS,)),
         table=mask_of(lambda m: TABLE in m.get("roles", ())),
+        panel=mask_of(lambda m: (m[PANEL_AXIS],) if PANEL_AXIS in m else ()),
     )

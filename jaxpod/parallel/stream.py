@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpod.models.layers import PANEL_AXES, Panel, scan_layers
+from jaxpod.models.layers import Panel, scan_layers
 from jaxpod.parallel.remat import REMAT_POLICIES, remat
 from jaxpod.parallel.replica import take_panels
 
@@ -159,7 +159,7 @@ def run_stack(
     `fetch` (e.g. host -> device memory): with `stream="layer"` per phase (`scan_phases`);
     with `stream="matrix"` per step, to the panels the step reads and nothing else, inside the
     step's remat unit (fetched again in the backward pass). The panels are then taken before
-    `prepare` sees them (`panels` None), so its gather must not split a `PANEL_AXES` axis.
+    `prepare` sees them (`panels` None), so its gather must not split a panel axis (`masks.panel`).
     `offload_activations`: the remat policy's saved values go to host memory. `unroll=True`
     unrolls the layer scan (FLOP accounting only).
     """
@@ -260,18 +260,6 @@ def run_stack(
         fetch=phase_fetch,
         remat_policy=remat_policy,
     )
-
-
-def panel_axes(params: dict, stacked: dict) -> dict:
-    """Per leaf of `params`, the dimensions `Layer.steps` cuts panels along: for a stacked
-    layer leaf (`stacked` True, `[L, ...]`) whose path ends like a `PANEL_AXES` entry
-    (`.../mlp/w_in`), that entry's axis shifted by the layer dimension; else `()`."""
-
-    def axes_of(path, _, is_stacked):
-        name = "/".join(str(getattr(k, "key", k)) for k in path[-2:])
-        return (PANEL_AXES[name] + 1,) if is_stacked and name in PANEL_AXES else ()
-
-    return jax.tree_util.tree_map_with_path(axes_of, params, stacked)
 
 
 def _split(a: jax.Array, axis: int, count: int) -> jax.Array:

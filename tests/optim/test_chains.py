@@ -110,8 +110,9 @@ def test_cosine_with_warmup_matches_closed_form():
 
 def test_masks_from_the_models_parameter_roles():
     """GPT declares its biases and norms `NO_DECAY`, its tables `TABLE`, its layers stacked
-    (a leading "layers" axis); an EfficientNet stage's MBConv blocks are not stacked and
-    its biases and GroupNorm parameters are not decayed."""
+    (a leading "layers" axis) and the dimension of the stored `[L, ...]` array its streamed
+    steps cut into panels (W_qkv's q/k/v, the MLP's hidden units); an EfficientNet stage's
+    MBConv blocks are not stacked and its biases and GroupNorm parameters are not decayed."""
     from flax import nnx
 
     from jaxpod.engine.stacked import build_model
@@ -129,12 +130,17 @@ def test_masks_from_the_models_parameter_roles():
     assert all(jax.tree.leaves(sm["layers"]))
     assert not any(jax.tree.leaves({k: v for k, v in sm.items() if k != "layers"}))
     assert {k for k, v in tm.items() if v is True} == {"wte", "unembed"}
+    panels = {"w_qkv": (2,), "b_qkv": (1,), "w_o": (), "b_o": ()}
+    assert m.panel["layers"]["attn"] == panels
+    assert m.panel["layers"]["mlp"] == {"w_in": (2,), "b_in": (1,), "w_out": (1,), "b_out": ()}
+    assert m.panel["layers"]["ln1"] == {"bias": (), "scale": ()}
+    assert all(m.panel[k] == () for k in ("wte", "wpe", "unembed"))
     stage = nnx.eval_shape(
         lambda: build_stages("b0", num_classes=10, width_mult=0.25, depth_mult=0.2,
                              rngs=nnx.Rngs(0))[0]
     )  # fmt: skip
     sm = masks(nnx.state(stage))
-    assert not any(jax.tree.leaves(sm.stacked))
+    assert not any(jax.tree.leaves(sm.stacked)) and not jax.tree.leaves(sm.panel)
     assert sm.decay["blocks"][1]["se_reduce"] == {"kernel": True, "bias": False}
     assert sm.decay["blocks"][1]["spatial"]["norm"] == {"scale": False, "bias": False}
 
