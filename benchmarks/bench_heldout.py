@@ -1,9 +1,10 @@
 """The planner against XLA on mappings it was never tuned on, and on every preset.
 
-    python benchmarks/bench_heldout.py [--set heldout|presets|calibration-efficientnet]
+    python benchmarks/bench_heldout.py [--set heldout|heldout2|presets|calibration-efficientnet]
                                        [--only TEXT] [--out FILE]
 
-(heldout) the rows of benchmarks/heldout.yaml, fixed in a commit before any fitting;
+(heldout) the rows of benchmarks/heldout.yaml, fixed in a commit before any fitting; (heldout2)
+benchmarks/heldout2.yaml, a second set fixed in a commit before it was first compiled;
 (presets) every config in configs/, at its real size; (calibration-efficientnet) the rows of
 benchmarks/calibration_efficientnet.yaml, the configs EfficientNet's byte model was read off.
 Each row is compiled in a fresh subprocess with its own virtual device count
@@ -23,7 +24,11 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, options, run_worker, serve_worker, table, write_report  # noqa: E402
 
-ROW_FILES = {"heldout": "heldout.yaml", "calibration-efficientnet": "calibration_efficientnet.yaml"}
+ROW_FILES = {
+    "heldout": "heldout.yaml",
+    "heldout2": "heldout2.yaml",
+    "calibration-efficientnet": "calibration_efficientnet.yaml",
+}
 
 
 def rows(which: str) -> list[dict]:
