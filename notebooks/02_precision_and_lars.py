@@ -18,7 +18,8 @@
 #
 # The recipe that trained EfficientNet-B4 on IPU pods at global batch 6144 keeps **every weight in
 # float16 — including the master copy the optimizer updates**. That halves weight and optimizer
-# memory, which is what lets B4 fit on 2 pipeline stages with the optimizer state on the device.
+# memory, which, in Graphcore's account of the recipe, is what lets B4 fit on 2 pipeline stages
+# with the optimizer state on the device (jaxpod's planner agrees for the GC200: notebook 03).
 # Three things make it work, and this notebook shows each one:
 #
 # 1. **Stochastic rounding** of the update, so that updates smaller than half a float16 ulp are not
@@ -110,7 +111,8 @@ print({name: round(float(w[-1]), 5) for name, w in trajectories.items()})
 # %% [markdown]
 # ## 3 · Loss scaling and skipped steps
 #
-# Float16's smallest normal number is `6e-5`: many gradients are smaller and would flush to zero.
+# Float16's smallest normal number is `6e-5`: many gradients are smaller, and would keep only a
+# few bits as subnormals or, below about `6e-8`, become zero.
 # The loss is multiplied by a **scale** before the backward pass (so are all gradients), and the
 # gradients are divided by it, in float32, before the update. A **dynamic** scale doubles after
 # `loss_scale_period` finite steps and halves when a gradient overflows; an overflowing step is
@@ -229,7 +231,7 @@ print("final validation accuracy:", val[-1]["val_accuracy"], " skipped steps:",
 # model.pipeline_splits=[] train.grad_accum=8`: the same micro-batch of 8 and global batch of
 # 64) learns the same way: the accuracy over steps, 8 devices against 1 (the one-device record is
 # `docs/figures/data/digits_1device.json`, made by `python -m jaxpod.figures --refresh digits`;
-# the 8-device one was recorded at an earlier commit, 2026-11-22). The two runs part within the
+# the 8-device one, `docs/results/efficientnet_digits_*`, was recorded at 0b8f596, 2026-11-24). The two runs part within the
 # first logged steps (float16 sums in another order are other numbers) and meet again: both end
 # at 97.9 % validation accuracy after 300 steps.
 

@@ -105,25 +105,29 @@ for name, p in plans.items():
 # moments resting in streaming memory (moved to the device whole for the update), on 8 stages
 # with RTS 2 and everything on chip. The EfficientNet-B4 presets run 1F1B (a stage holds at most
 # 2 micro-batches' inputs) and fit; POD16 feeds its batch of 768 uint8 images (333 MB) in 8 parts
-# (`train.batch_parts`), so a device holds 96 of them and the summed gradients. **GPT-3 does not
-# fit a GC200 with the program jaxpod compiles**: the step moves a stage's host-resident layers
-# in whole and keeps them for the step, and moves the LAMB state in whole for the update. The full table of the GPT-3 preset:
+# (`train.batch_parts`), so a device holds 96 of them and the summed gradients. **The planner
+# says GPT-3 does not fit a GC200** (`ipu-gc200` profile): it counts a stage's host-resident
+# layers on the device for the whole step, as the CPU program holds them (it fetches no piece
+# of them), and the LAMB state moved to the device whole for the update, as the TPU/GPU
+# program does (docs/memory.md, "Which program the planner counts"). The planner's full table
+# for the GPT-3 preset:
 
 # %%
 print(format_plan(plans["gpt3_175b_pod256"]))
 
 # %% [markdown]
-# Why: a device stores 1/256 of 175 B float16 weights, 1.37 GB, and the step holds all of them
-# (plus their gradients) because the CPU lowering fetches no piece of them (the TPU/GPU
-# lowering fetches them phase by phase, uncredited: docs/memory.md, "Which program"); the
-# float32 LAMB state
-# (5.6 GB) is moved in whole for the update. What the gathers do earn: at tensor 8 one layer's
+# Why, in the planner's terms: a device stores 1/256 of the model's float16 weights (699.84 M
+# parameters, 1.40 GB), and the planner counts all of them (plus their gradients) on the device
+# because the CPU lowering fetches no piece of them (the TPU/GPU lowering fetches them phase by
+# phase, uncredited: docs/memory.md, "Which program the planner counts"); it counts the float32
+# LAMB state (5.6 GB) moved in whole for the update. What the gathers do earn: at tensor 8 one layer's
 # weights are `12·d²/8 × 2 B ≈ 453 MB` once all-gathered over the RTS group, so the preset runs
 # each layer matrix by matrix (`memory.stream=matrix`, the MLP in `memory.mlp_panels=8` panels)
 # and gathers one panel at a time, and uses the token table in 16 slices of rows, one at a time
 # (`memory.vocab_slices=16`). Fitting a GC200 would take the pod's phased execution (one
-# phase's weights on the device at a time) and an update streamed layer by layer. The same
-# mapping fits an 80 GB H100:
+# phase's weights on the device at a time) and an update streamed layer by layer (neither is
+# credited: the CPU program has no transfer inside the step, and jaxpod has no streamed
+# update). On the planner's `h100-80gb` profile the same mapping fits:
 
 # %%
 for device in ("ipu-gc200", "tpu-v5e", "h100-80gb"):
@@ -169,11 +173,12 @@ table({**rts_plans, **phase_plans}, "weights", "optimizer", "gathered", "device_
       "host_total")
 
 # %% [markdown]
-# With nothing offloaded, BERT-Large on 4 stages needs 1.57 GB; `rts 4` brings it to 510 MB: the
-# weights, the optimizer state and the gradients (reduce-scattered layer by layer as the backward
-# pass leaves them) all shrink by 4, and only the all-gathered working copy of one layer and the
-# embeddings is paid back. `rts_optimizer` alone shrinks only the LAMB state.
-# For GPT-3, the phases change no byte (the stack comes in whole).
+# With nothing offloaded, the planner counts 1.57 GB for BERT-Large on 4 stages; `rts 4` brings
+# it to 510 MB: the weights, the optimizer state and the gradients (reduce-scattered layer by
+# layer as the backward pass leaves them) all shrink by 4, and only the all-gathered working copy
+# of one layer and the embeddings is paid back. `rts_optimizer` alone shrinks only the LAMB state.
+# For GPT-3, the phases change no byte the planner counts (it counts the stack whole on the
+# device, as the CPU program holds it).
 #
 # **Gathering finer than a layer** (`memory.stream=matrix`): with RTS, each layer runs as steps
 # of one weight matrix each — queries, keys, values, `W_o`, and the MLP in `memory.mlp_panels`
