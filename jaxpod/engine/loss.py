@@ -34,6 +34,7 @@ from jaxpod.models import mlm
 from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.pipeline import forward_ticks
 from jaxpod.parallel.pipeline_train import train_ticks
+from jaxpod.parallel.remat import saving
 from jaxpod.parallel.replica import reduce_grads, vary_params
 from jaxpod.parallel.schedules import make_schedule
 
@@ -78,6 +79,7 @@ def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: 
     schedule = make_schedule(kind, n_stages, cfg.pipeline_group, virtual) if pipelined else None
     # evaluation runs forward only: the schedule itself, or GPipe for tables with backward
     forward_kind = "gpipe" if kind == "1f1b" else kind
+    saves = saving(cfg.model.remat, offload="activations" in cfg.memory.offload)
 
     def micro_loss(params, inputs, targets, weights, denominator):
         embed, stage, head = stages.forward(params, pipelined=False)
@@ -87,7 +89,7 @@ def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: 
         embed, stage, head = stages.forward(params, pipelined=True)
         ys = forward_ticks(
             stage, embed(inputs), table, bubble_fill=bubble_fill, unroll=unroll,
-            skip_bubbles=cfg.train.skip_bubbles,
+            skip_bubbles=cfg.train.skip_bubbles, saves=saves,
         )  # fmt: skip
         return head(ys, targets, weights, denominator)
 

@@ -43,6 +43,7 @@ def forward_ticks(
     bubble_fill: float = 0.0,
     unroll: bool = False,
     skip_bubbles: bool = False,
+    saves: Callable | None = None,
 ) -> jax.Array:
     """Run `stage_fn(x, r)` (this device's stage; `r` which of its virtual stages, traced)
     over the micro-batches `xs[M, *act]` on the ticks of a forward-only `schedule`.
@@ -53,7 +54,11 @@ def forward_ticks(
     `bubble_fill` is what the carry holds before the first activation arrives (any value,
     tests use NaN, leaves the result and its gradients unchanged); `unroll` unrolls the tick
     loop (FLOP accounting); `skip_bubbles` runs the stage under `lax.cond` on the tick's
-    liveness, so a bubble tick computes nothing (forward and backward)."""
+    liveness, so a bubble tick computes nothing (forward and backward). The cond is a remat
+    unit saving what the stage's layers save (`saves`, a `jax.checkpoint` policy; None:
+    everything): a cond's backward would otherwise keep every weight the stage reads once per
+    tick (its residuals are the cond's outputs, so the scan cannot hoist the loop-invariant
+    ones; tests/planner/test_plan_vs_xla.py)."""
     stages, micro, virtual = schedule.stages, schedule.micro, schedule.virtual
     if schedule.explicit_backward:
         raise ValueError(f"{schedule.kind} holds backward ticks: run it with train_ticks")
@@ -67,14 +72,18 @@ def forward_ticks(
         first = (stage == 0) & (r == 0)
         x = jnp.where(first, xs[jnp.clip(mb, 0, micro - 1)], carry)
         if skip_bubbles:
-            idle = lambda a: vary_like(jnp.zeros(probe.shape, probe.dtype), probe)  # noqa: E731
-            y = jax.lax.cond(live, lambda a: stage_fn(a, r), idle, jnp.where(live, x, 0.0))
+            y = skipping(jnp.where(live, x, 0.0), live, r)
         else:
             y = stage_fn(jnp.where(live, x, 0.0), r)
         out = jnp.where(live & (stage == last) & (r == virtual - 1), y, 0.0)
         return jax.lax.ppermute(y, axis, ring), out
 
     probe = jax.eval_shape(stage_fn, xs[0], jnp.int32(0))
+    idle = lambda a: vary_like(jnp.zeros(probe.shape, probe.dtype), probe)  # noqa: E731
+    skipping = jax.checkpoint(
+        lambda a, live, r: jax.lax.cond(live, lambda a: stage_fn(a, r), idle, a),
+        policy=saves or jax.checkpoint_policies.everything_saveable,
+    )
     carry = jnp.full(xs.shape[1:], bubble_fill, xs.dtype)
     carry = vary_like(vary_like(carry, xs), probe)
     rows = tuple(

@@ -52,6 +52,16 @@ OFFLOAD_POLICIES: dict[str, Callable] = {
 }
 
 
+def saving(policy: str, *, offload: bool = False) -> Callable:
+    """The `jax.checkpoint` policy that saves what the named `policy` saves (`none`:
+    everything), for a unit wrapped around layers that already carry it."""
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {policy!r}; choose from {list(REMAT_POLICIES)}")
+    if offload:
+        return OFFLOAD_POLICIES[policy]
+    return REMAT_POLICIES[policy] or cp.everything_saveable
+
+
 def remat(
     fn: Callable, policy: str, *, offload: bool = False, prevent_cse: bool = False
 ) -> Callable:

@@ -223,12 +223,17 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         #   are a dynamic slice of it), before it is added into the stage's accumulator;
         # - `head_kept`: the head's operands for its weight gradients, computed after the
         #   backward ticks (`_head_kept`).
+        # - with `train.skip_bubbles`, the backward tick's `lax.cond` returns its layers'
+        #   weight gradients and saved residuals as buffers of their own (read on 1x2x1,
+        #   d 128, remat full / minimal / comms / none, benchmarks/xla_peak.py).
         rows = ticks + micro + 1 + (2 * micro if md.name == "bert" else 0)
         buffers = rows * sets["btd"] + per_tick * sets["saved"]
+        sharded, replicated = layer_params(md.d_model, md.d_ff)
+        layer = (sharded // mesh.tensor + replicated) * DTYPE_BYTES[cfg.precision.params]
         if per_tick > 1:
-            sharded, replicated = layer_params(md.d_model, md.d_ff)
-            layer = (sharded // mesh.tensor + replicated) * DTYPE_BYTES[cfg.precision.params]
             tick_grads = per_stage * layer // cfg.memory.rts
+        if tr.skip_bubbles:
+            buffers += per_tick * (layer // cfg.memory.rts + sets["saved"])
         head_kept = _head_kept(cfg, head_tokens, sb)
     if stages > 1 and kind == "1f1b":
         # the stage inputs of at most S micro-batches and their gradients (two ring buffers),
