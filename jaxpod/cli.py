@@ -17,6 +17,7 @@ Options and KEY=VALUE overrides may come in any order.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jaxpod import errors
@@ -68,6 +69,9 @@ def _claim(cfg, spec) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from jaxpod.run.distributed import load_run_config
+    from jaxpod.run.interrupt import interrupt_at_once
+
+    interrupt_at_once()
 
     config, overrides = _split_config_and_overrides(args.items, "train")
     spec = _spec(args)
@@ -82,7 +86,10 @@ def _train(args: argparse.Namespace) -> None:
 
 def _profile(args: argparse.Namespace) -> None:
     from jaxpod.run.distributed import check_spec, is_main_process, load_run_config
+    from jaxpod.run.interrupt import interrupt_at_once
     from jaxpod.run.profiling import profile_overrides
+
+    interrupt_at_once()
 
     config, overrides = _split_config_and_overrides(args.items, "profile")
     spec = _spec(args)
@@ -108,8 +115,8 @@ def _plan(args: argparse.Namespace) -> None:
     cfg = load_config(config, overrides)
     _warn(cfg)
     _warn_host_ram(cfg)
-    if args.chart and not args.chart.lower().endswith((".png", ".svg", ".pdf")):
-        raise UserError(f"--chart {args.chart}: name a .png, .svg or .pdf file")
+    if args.chart:
+        _check_chart_path(args.chart)
     result = plan(cfg)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     if args.chart:
@@ -119,6 +126,24 @@ def _plan(args: argparse.Namespace) -> None:
 
         path = plan_chart(result, args.chart, name=" ".join([Path(config).stem, *overrides]))
         print(f"jaxpod: chart written to {path}", file=sys.stderr)
+
+
+def _check_chart_path(chart: str) -> None:
+    """One-line `UserError` unless `chart` names an image file that can be written."""
+    from pathlib import Path
+
+    if not chart.lower().endswith((".png", ".svg", ".pdf")):
+        raise UserError(f"--chart {chart}: name a .png, .svg or .pdf file")
+    path = Path(chart)
+    if path.is_dir():
+        raise UserError(f"--chart {chart} is a directory; name a file in it")
+    existing = path.parent
+    while not existing.exists():  # the nearest existing ancestor (where mkdir would start)
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"--chart {chart}: {existing} is a file, not a directory; name another")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--chart {chart} cannot be written in {existing}; name another path")
 
 
 def _warn_host_ram(cfg) -> None:
@@ -166,7 +191,6 @@ def _runs(args: argparse.Namespace) -> None:
 
 
 def _tensorboard(args: argparse.Namespace) -> None:
-    import os
     from pathlib import Path
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -221,8 +245,16 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the usage is what `--help` is for)."""
+
+    def error(self, message: str) -> None:
+        print(f"jaxpod: error: {message}; see {self.prog} --help", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxpod", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="jaxpod", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a config on the (replica, pipeline, tensor) mesh")

@@ -37,8 +37,8 @@ from jaxpod.engine import Engine, TrainState
 from jaxpod.errors import Muted, UserError
 from jaxpod.parallel import schedules
 from jaxpod.run.integrity import by_path, check_matches, check_sums, checksums, leaf_paths
+from jaxpod.run.logdir import CHECKPOINTS
 
-CHECKPOINTS = "checkpoints"
 ABANDON_SECONDS = 20.0  # how long a failing run waits for background writes before leaving
 
 

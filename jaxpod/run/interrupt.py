@@ -8,6 +8,12 @@ interrupts at once (`Interrupted` is raised where the program is); an in-flight 
 abandoned, which orbax makes atomic (an uncommitted checkpoint is never listed). Handlers are
 only installed in the main thread of a single-process run: with several processes a signal
 reaches one of them, which cannot save alone.
+
+An exception raised while Python runs a callback that ignores exceptions (jax's garbage
+collection hook, during the first compile) is printed and lost. So every signal that
+interrupts at once is also recorded, and arming the loop (`StopRequests.arm`) raises a lost
+one: a run interrupted during start-up never trains on. `interrupt_at_once` installs that
+handling from the CLI's start (SIGTERM included), before a run's `StopRequests`.
 """
 
 from __future__ import annotations
@@ -27,6 +33,27 @@ class Interrupted(KeyboardInterrupt):
         self.signum, self.message = signum, message
 
 
+_raised: list[int] = []  # signals whose `Interrupted` was raised, and may have been lost
+
+
+def _interrupt_now(signum: int, frame) -> None:
+    _raised.append(signum)
+    raise Interrupted(signum)
+
+
+def interrupt_at_once() -> None:
+    """SIGINT and SIGTERM raise `Interrupted` where the program is, recorded (module doc);
+    the main thread only. The CLI calls it before a run starts."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in SIGNALS:
+            signal.signal(signum, _interrupt_now)
+
+
+def forget_interrupts() -> None:
+    """An `Interrupted` reached its handler: nothing was lost."""
+    _raised.clear()
+
+
 class StopRequests:
     """Turns SIGINT/SIGTERM into a request to stop after the current step (see module doc)."""
 
@@ -38,7 +65,7 @@ class StopRequests:
 
     def _handle(self, signum: int, frame) -> None:
         if not self.armed or self.requested is not None:
-            raise Interrupted(signum)
+            _interrupt_now(signum, frame)
         self.requested = signum
         print(
             f"jaxpod: {signal.Signals(signum).name}: saving a checkpoint of this step, then "
@@ -47,13 +74,22 @@ class StopRequests:
             flush=True,
         )
 
+    def arm(self) -> None:
+        """From now on a first signal is a request to stop after the step; an `Interrupted`
+        raised before and lost (module doc) is raised again here."""
+        if _raised:
+            raise Interrupted(_raised[-1])
+        self.armed = True
+
     def __enter__(self) -> StopRequests:
         if self.enabled:
             for signum in SIGNALS:
                 self._old[signum] = signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
+        if kind is not None and issubclass(kind, KeyboardInterrupt):
+            forget_interrupts()
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
         self._old = {}

@@ -25,6 +25,7 @@ from pathlib import Path
 from jaxpod.errors import UserError
 
 LOCK_FILE = ".jaxpod.lock"
+CHECKPOINTS = "checkpoints"  # a run's checkpoints: <logdir>/checkpoints/<step>/
 _held: dict[str, LogdirLock] = {}  # resolved path -> the lock this process holds
 
 
@@ -46,6 +47,16 @@ def check_logdir(logdir: str | Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "is not writable" if existing == path else f"cannot be created in {existing}"
         raise UserError(f"{_where(path)} {what} (permission denied); {fix}")
+    saves = path / CHECKPOINTS
+    if saves.exists() and not saves.is_dir():
+        raise UserError(f"{_where(path)}: {saves} is a file, where checkpoints go; {fix}")
+    resolved = path.resolve()
+    for run in (resolved, *resolved.parents):  # in a run's checkpoints: they are not a run
+        if run.name == CHECKPOINTS and (run.parent / "config.yaml").is_file():
+            raise UserError(
+                f"{_where(path)} is inside the checkpoints of the run in {run.parent} "
+                f"(train.logdir={run.parent} resumes it); {fix}"
+            )
 
 
 class LogdirLock:

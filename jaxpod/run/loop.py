@@ -176,7 +176,7 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
         if not start:
             _evaluate(task, state, 0, writer, val_losses, say)
         try:
-            stop.armed = True
+            stop.arm()
             state, losses = _train_steps(
                 cfg, task, state, writer, val_losses, say, quiet, ckpt, profiler, stop
             )

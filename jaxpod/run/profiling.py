@@ -121,7 +121,7 @@ def profile_overrides(config: str, overrides: list[str], steps: int, warmup: int
     """
     import shutil
 
-    CHECKPOINTS = "checkpoints"  # = jaxpod.run.checkpoint.CHECKPOINTS (which imports orbax, jax)
+    from jaxpod.run.logdir import CHECKPOINTS
 
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps {steps} must be >= 1 and --warmup {warmup} >= 0")

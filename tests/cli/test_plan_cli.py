@@ -43,8 +43,10 @@ def test_plan_table_of_an_efficientnet_pod():
         (["memory.phases=8"], ["memory.phases=8", "model.layers=4"]),
         (["memory.offload=[disk]"], ["memory.offload", "disk"]),
         (["model.pipeline_splits=[4a]"], ["model.pipeline_splits", "efficientnet"]),
+        (["--jsn"], ["unrecognized arguments: --jsn", "see jaxpod --help"]),
+        (["--chart", str(ROOT / "README.md" / "x.png")], ["--chart", "README.md is a file"]),
     ],
-    ids=["profile", "rts", "phases", "offload", "splits"],
+    ids=["profile", "rts", "phases", "offload", "splits", "flag", "chart-under-a-file"],
 )
 def test_plan_bad_input_is_one_line(args, needles):
     assert_user_error(jaxpod("plan", str(ROOT / "configs" / "demo.yaml"), *args), *needles)

@@ -80,6 +80,26 @@ def test_a_file_in_the_way_is_one_line(tmp_path, inside):
     assert (tmp_path / "f").read_text() == "x"
 
 
+def test_a_file_where_checkpoints_go_is_one_line(tmp_path):
+    """Refused before the run trains, not when its first checkpoint cannot be saved."""
+    (tmp_path / "checkpoints").write_text("x")
+    with pytest.raises(UserError, match=r"checkpoints is a file, where checkpoints go; pick"):
+        check_logdir(tmp_path)
+
+
+@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/6"])
+def test_a_runs_checkpoints_are_not_a_run_directory(tmp_path, inside):
+    """A logdir in `<run>/checkpoints` would train afresh inside the saved steps."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "6").mkdir(parents=True)
+    (run / "config.yaml").write_text("devices: 8\n")
+    with pytest.raises(UserError, match=r"inside the checkpoints of the run in .*train.logdir="):
+        check_logdir(run / inside)
+    check_logdir(run)  # the run itself resumes
+    (tmp_path / "other" / "checkpoints").mkdir(parents=True)  # no run around it: a name
+    check_logdir(tmp_path / "other" / "checkpoints")
+
+
 def test_tilde_is_expanded_in_path_keys(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = make_tiny_cfg("train.logdir=~/runs/x", "data.name=text-files", "data.path=~/text")

@@ -1,0 +1,47 @@
+"""Signals during a run (`jaxpod.run.interrupt`), in process: an interrupt lost in a callback
+that ignores exceptions is raised again when the loop is armed (real runs:
+tests/cli/test_interrupt_cli.py)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from jaxpod.run import interrupt
+from jaxpod.run.interrupt import Interrupted, StopRequests
+
+
+@pytest.fixture(autouse=True)
+def _nothing_raised_before():
+    interrupt.forget_interrupts()
+    yield
+    interrupt.forget_interrupts()
+
+
+def test_an_interrupt_lost_before_the_loop_is_raised_when_it_arms():
+    """As in jax's garbage-collection hook during the first compile: the handler's exception
+    is printed and dropped, and the run would train on."""
+    try:
+        interrupt._interrupt_now(signal.SIGTERM, None)
+    except Interrupted:
+        pass  # lost
+    with pytest.raises(Interrupted) as raised, StopRequests(enabled=False) as stop:
+        stop.arm()
+    assert raised.value.signum == signal.SIGTERM and not stop.armed
+    StopRequests(enabled=False).arm()  # it reached its handler (`__exit__`): forgotten
+
+
+def test_armed_a_first_signal_is_a_request_a_second_interrupts():
+    with StopRequests(enabled=False) as stop:
+        stop.arm()
+        stop._handle(signal.SIGINT, None)
+        assert stop.requested == signal.SIGINT
+        with pytest.raises(Interrupted):
+            stop._handle(signal.SIGINT, None)
+
+
+def test_unarmed_a_signal_interrupts_at_once():
+    with pytest.raises(Interrupted) as raised, StopRequests(enabled=False) as stop:
+        stop._handle(signal.SIGINT, None)
+    assert raised.value.signum == signal.SIGINT and stop.requested is None
