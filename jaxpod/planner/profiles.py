@@ -31,6 +31,9 @@ class DeviceProfile:
     # (XLA:CPU converts bfloat16 ops to float32 whole; float16 is widened inside fusions only)
     stores_in_float32: tuple[str, ...] = ()
     shares_host_memory: bool = False  # host memory kinds are device memory: no moved-in copy
+    # a depthwise conv's weight gradient is computed from a dense [k, k, C, C] float32 kernel
+    # (XLA:CPU; benchmarks/xla_peak.py): not modelled, the plan names it
+    dense_depthwise_grads: bool = False
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -46,6 +49,7 @@ PROFILES: dict[str, DeviceProfile] = {
             widens_16bit=True,
             stores_in_float32=("bfloat16",),
             shares_host_memory=True,
+            dense_depthwise_grads=True,
         ),
         DeviceProfile(
             "ipu-gc200",

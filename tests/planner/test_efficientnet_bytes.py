@@ -180,3 +180,23 @@ def test_planned_total_matches_xla(name):
     out = compile_step(cfg, mesh_for(cfg))
     print(f"{name}: planned / XLA {out['planned_ratio']:.3f}")
     assert out["planned_device_total_bytes"] == pytest.approx(out["device_total_bytes"], rel=0.10)
+
+
+def test_a_depthwise_convs_gradient_is_a_dense_kernel_on_this_backend():
+    """With `model.g16=false` the spatial convolutions are depthwise, and XLA:CPU computes a
+    weight gradient from a dense [k, k, C, C] float32 kernel: the 5x5, 576-channel one is 33.2
+    MB, more than the rest of the step's temporaries. The planner does not model it and says
+    so (`plan()["not_modelled"]`); the G16 program has no such buffer."""
+    from jaxpod.planner.plan import plan
+    from jaxpod.run.aot import abstract_inputs, compile_to_inspect
+
+    one = ("devices=1", "mesh.replica=1", "mesh.pipeline=1", "model.pipeline_splits=[]")
+    one += ("train.grad_accum=1",)
+    found = {}
+    for g16 in (False, True):
+        cfg = digits_cfg(*one, f"model.g16={g16}")
+        engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
+        hlo = compile_to_inspect(engine.train_step.lower(state, batch)).as_text()
+        found[g16] = "f32[5,5,576,576]" in hlo
+        assert bool(plan(cfg)["not_modelled"]) == (not g16)
+    assert found == {False: True, True: False}
