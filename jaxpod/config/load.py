@@ -11,9 +11,10 @@ and dumps leave it out, so a dumped config.yaml loads back as it was written.
 A *resolved* config (what ``load_config``/``config_from_dict``/``with_overrides`` return) has
 ``mesh.replica`` filled in (never -1) and ``train.grad_accum``/``train.global_batch`` set to ints;
 ``~`` in the path keys (`PATHS`) is expanded. YAML is read by a bounded loader (`safe_yaml`):
-no aliases (a few hundred bytes of nested aliases expand to gigabytes), at most `MAX_YAML`
-bytes. `allow_empty=False` (what `jaxpod train` asks) refuses an empty config file, which would
-otherwise silently train every default.
+no aliases (a few hundred bytes of nested aliases expand to gigabytes), no key given twice in a
+mapping (the last would silently win), at most `MAX_YAML` bytes. `allow_empty=False` (what
+`jaxpod train` asks) refuses an empty config file, which would otherwise silently train every
+default.
 """
 
 import dataclasses
@@ -28,6 +29,7 @@ from typing import Any, Literal
 import yaml
 
 from jaxpod.config.rules import fail, get, validate_and_resolve
+from jaxpod.config.safe_yaml import MAX_YAML, DuplicateKeyError, safe_yaml
 from jaxpod.config.schema import ARGUMENTS, SECTIONS, Config
 
 
@@ -54,7 +56,6 @@ RENAMED: dict[str, str] = {
 }
 _NUMBER_AS_TEXT = ("memory.device_budget",)  # text fields that may be given as a plain number
 PATHS = ("train.logdir", "data.path")  # keys whose leading ~ is expanded
-MAX_YAML = 1 << 20  # bytes of a config file
 
 
 def _one_line(text: object) -> str:
@@ -66,30 +67,6 @@ def _shown(value: object) -> str:
     """`repr(value)`, cut to a readable length (a message never prints an unbounded value)."""
     text = repr(value)
     return text if len(text) <= 60 else text[:45] + "..." + text[-12:]
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader without aliases (`*name`): nothing expands beyond the text."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.YAMLError(
-                f"alias *{str(event.anchor)[:40]} at line {event.start_mark.line + 1}: aliases "
-                "are not supported, write the value out"
-            )
-        return super().compose_node(parent, index)
-
-
-def safe_yaml(text: str) -> object:
-    """Parse YAML `text` with the bounded loader (`yaml.YAMLError` for an alias, a text over
-    `MAX_YAML` bytes, or nesting too deep to parse)."""
-    if len(text) > MAX_YAML:
-        raise yaml.YAMLError(f"{len(text):,} bytes is more than {MAX_YAML:,}")
-    try:
-        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
-    except RecursionError:
-        raise yaml.YAMLError("nested too deeply") from None
 
 
 def _unknown(key: str) -> typing.NoReturn:
@@ -256,7 +233,8 @@ def _build(d: dict[str, Any], processes: int) -> Config:
 def read_yaml_mapping(path: str | os.PathLike, *, allow_empty: bool = True) -> dict:
     """The mapping at the top of a YAML config file, read with the bounded loader ({} for an
     empty file, if `allow_empty`); one-line `ConfigError` if it is missing, unreadable, too
-    large, not YAML, uses aliases, is empty (unless allowed) or not a mapping."""
+    large, not YAML, uses aliases, gives a key twice, is empty (unless allowed) or not a
+    mapping."""
     shown = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -269,6 +247,8 @@ def read_yaml_mapping(path: str | os.PathLike, *, allow_empty: bool = True) -> d
         fail(f"config file '{shown}' cannot be read ({type(exc).__name__}); pass a YAML file")
     try:
         raw = safe_yaml(text)
+    except DuplicateKeyError as exc:
+        fail(f"config file '{shown}': {_one_line(exc)}")
     except yaml.YAMLError as exc:
         fail(f"config file '{shown}' does not parse: {_one_line(exc)}")
     if raw is None and allow_empty:

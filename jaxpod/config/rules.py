@@ -8,20 +8,24 @@ fills in what the user may leave out: `resolve_replica` (mesh.replica=-1 from th
 kind the model is (`cfg.kind`: images or tokens, packed or stacked stages, tensor-parallel),
 not its name. Every rule raises ``ConfigError`` with one line naming the field and the fix.
 
-Imports `schema` only (no jax): `jaxpod.config.load` builds the dataclasses and calls
-`validate_and_resolve`.
+Imports `schema` and, for EfficientNet's block names, the jax-free
+`jaxpod.models.efficientnet_specs` (`rules_model`), never jax: `jaxpod.config.load` builds the
+dataclasses and calls `validate_and_resolve`.
 """
 
 import dataclasses
 
 from jaxpod.config.fields import _check_fields, fail, get
 from jaxpod.config.rules_memory import check_memory, parse_bytes  # noqa: F401  (re-exported)
+from jaxpod.config.rules_model import check_blocks
 from jaxpod.config.rules_parallel import check_parallel
 from jaxpod.config.schema import IMAGE_DATA, TEXT_DATA, Config
 
 PATH_DATA = ("text-files", "image-folder")  # the data.name values that read data.path
 MAX_DEVICES = 256
 BYTE_VOCAB = 256  # every dataset is byte-level: token ids are byte values 0..255
+SEED_LIMIT = 2**32  # train.seed seeds numpy's generators: an unsigned 32-bit integer
+INT32_MAX = 2**31 - 1  # a count the compiled step takes as an argument is an int32
 
 
 def _devices(cfg: Config) -> str:
@@ -83,6 +87,7 @@ def check_model(cfg: Config) -> None:
                 f"{len(md.pipeline_splits)} stage boundaries but mesh.pipeline={mesh.pipeline} "
                 f"needs {mesh.pipeline - 1}; e.g. model.pipeline_splits=[4a] for 2 stages"
             )
+        check_blocks(cfg)
     else:
         if md.pipeline_splits:
             fail(
@@ -127,6 +132,8 @@ def check_model(cfg: Config) -> None:
 def check_train(cfg: Config) -> None:
     """The loop's fields (the batch sizes are resolved by `resolve_batch`)."""
     _check_fields(cfg, "train")
+    if not 0 <= cfg.train.seed < SEED_LIMIT:
+        fail(f"train.seed={cfg.train.seed} must be in [0, 2**32), e.g. train.seed=0")
     if not cfg.train.logdir.strip():
         fail("train.logdir='' must not be empty; e.g. train.logdir=runs/mine")
     profile = cfg.train.profile_steps
@@ -246,6 +253,26 @@ def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
     return grad_accum, per_accum * grad_accum
 
 
+def check_counts(cfg: Config, global_batch: int) -> None:
+    """A step's tokens (with each sequence's next-token target) or images fit in an int32: the
+    step divides its loss by that count, passed to the compiled step as an int32, and a call's
+    arrays hold at most that many tokens."""
+    t, md = cfg.train, cfg.model
+    if cfg.kind.data == "images":
+        count, what = global_batch, f"{global_batch:,} images"
+    else:
+        count = global_batch * (md.seq_len + 1)
+        what = (
+            f"train.global_batch*(model.seq_len+1) = {global_batch}*{md.seq_len + 1} = "
+            f"{count:,} tokens"
+        )
+    if count > INT32_MAX:
+        fail(
+            f"train.micro_batch={t.micro_batch} makes {what} a step, more than an int32 count "
+            f"holds ({INT32_MAX:,}); reduce train.micro_batch (or train.grad_accum)"
+        )
+
+
 def _group_name(t, group: bool = True) -> str:
     """The key(s) a pipeline pass's micro-batch count (`group`) or a call's comes from."""
     if group and t.pipeline_group:
@@ -328,6 +355,7 @@ def validate_and_resolve(cfg: Config) -> Config:
     check_memory(cfg, replica)
     check_parallel(cfg)
     grad_accum, global_batch = resolve_batch(cfg, replica)
+    check_counts(cfg, global_batch)
     return dataclasses.replace(
         cfg,
         mesh=dataclasses.replace(cfg.mesh, replica=replica),

@@ -4,7 +4,7 @@ A run directory is any directory holding a `config.yaml` (written by `jaxpod tra
 the first step). Everything shown is read from the run record: `config.yaml` (model, mesh,
 steps), `metrics.jsonl` (the last training loss, the steps done, tokens/s) and `eval.json`
 (the final validation loss; `metrics.jsonl`'s `val_loss` records if the run has not finished).
-Nothing is unpickled; YAML is read without aliases (`jaxpod.config.load.safe_yaml`); bytes
+Nothing is unpickled; YAML is read without aliases (`jaxpod.config.safe_yaml`); bytes
 that are not UTF-8 are replaced, and what cannot be read at all shows as dashes.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from jaxpod.config.load import safe_yaml
+from jaxpod.config.safe_yaml import safe_yaml
 from jaxpod.errors import UserError
 from jaxpod.run.metrics import EVAL_FILE, METRICS_FILE
 

@@ -52,6 +52,28 @@ def test_plan_bad_input_is_one_line(args, needles):
     assert_user_error(jaxpod("plan", str(ROOT / "configs" / "demo.yaml"), *args), *needles)
 
 
+CONFIG_ERRORS = [  # (a preset, or the text of a config file; overrides; the error's words)
+    ("efficientnet_digits.yaml", ["model.pipeline_splits=[9z]"], "model.pipeline_splits=['9z']"),
+    ("tiny.yaml", ["train.seed=-1"], "train.seed=-1 must be in [0, 2**32)"),
+    ("tiny.yaml", ["train.micro_batch=100000000"], "train.micro_batch=100000000 makes"),
+    ("train:\n  steps: 5\n  steps: 7\n", [], "key 'train.steps' is given twice (lines 2 and 3)"),
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "needle"),
+    CONFIG_ERRORS,
+    ids=["splits-unknown", "seed", "tokens-over-int32", "duplicate-key"],
+)
+def test_plan_bad_config_is_one_line(tmp_path, config, overrides, needle):
+    """Inputs that used to end in a traceback (or, the duplicate key, in silence)."""
+    path = ROOT / "configs" / config
+    if not config.endswith(".yaml"):
+        path = tmp_path / "c.yaml"
+        path.write_text(config)
+    assert_user_error(jaxpod("plan", str(path), *overrides), needle)
+
+
 def test_compile_from_abstract_shapes():
     proc = jaxpod("compile", str(ROOT / "configs" / "tiny.yaml"), "--json")
     assert proc.returncode == 0, proc.stderr

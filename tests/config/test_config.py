@@ -285,6 +285,46 @@ BAD_OVERRIDES = [
             (["model.width_mult=0"], ("model.width_mult=0.0 must be > 0",)),
             (["memory.phases=2"], ("memory.phases/rts/offload/stream/mlp_panels/vocab_slices",)),
             (["memory.vocab_slices=2"], ("leave them at 1/1/[]/layer/1/1 for model.name=eff",)),
+            # pipeline_splits name blocks of the variant (at its depth), once each, in order
+            (
+                ["mesh.pipeline=2", "model.pipeline_splits=[9z]"],
+                (
+                    "model.pipeline_splits=['9z']: '9z' is not a block of model.variant=b0; "
+                    "valid block names: 1a, 2a-2b, 3a-3b, 4a-4c, 5a-5c, 6a-6d, 7a",
+                ),
+            ),
+            (
+                ["mesh.pipeline=2", "model.pipeline_splits=4"],
+                ("model.pipeline_splits=['4']: '4' is not a block of model.variant=b0",),
+            ),
+            (
+                ["mesh.pipeline=2", "model.depth_mult=0.5", "model.pipeline_splits=[4c]"],
+                (
+                    "'4c' is not a block of model.variant=b0 at model.depth_mult=0.5; valid "
+                    "block names: 1a, 2a, 3a, 4a, 4b, 5a, 5b, 6a, 6b, 7a",
+                ),
+            ),
+            (
+                ["mesh.pipeline=3", "devices=6", "model.pipeline_splits=[4a,4a]"],
+                ("model.pipeline_splits=['4a', '4a'] names block 4a twice", "valid block names"),
+            ),
+            (
+                ["mesh.pipeline=3", "devices=6", "model.pipeline_splits=[5a,3a]"],
+                (
+                    "model.pipeline_splits=['5a', '3a'] is out of order",
+                    "e.g. model.pipeline_splits=[3a,5a]",
+                ),
+            ),
+            (
+                ["model.depth_mult=10"],
+                ("model.depth_mult=10 scales the 4-block group past 26 blocks", "depth_mult<=6.5"),
+            ),
+            (["model.depth_mult=1e308"], ("model.depth_mult=1e+308 scales the 4-block group",)),
+            (["model.width_mult=1e306"], ("model.width_mult=1e+306 is too large",)),
+            (
+                ["train.micro_batch=1000000000"],
+                ("train.micro_batch=1000000000 makes 8,000,000,000 images a step", "int32"),
+            ),
         ]
     ],
     # ranges
@@ -301,6 +341,9 @@ BAD_OVERRIDES = [
             "train.pipeline_group"
         ).split()
     ],
+    (["train.seed=-1"], ("train.seed=-1 must be in [0, 2**32)",)),
+    (["train.seed=4294967296"], ("train.seed=4294967296 must be in [0, 2**32)",)),
+    (["train.seed=99999999999999999999"], ("train.seed=99999999999999999999 must be in [0",)),
     (["train.eval_every=-1"], ("train.eval_every=-1 must be >= 0",)),
     (["train.checkpoint_every=-1"], ("train.checkpoint_every=-1 must be >= 0",)),
     (["optim.warmup_steps=-1"], ("optim.warmup_steps=-1 must be >= 0",)),
@@ -391,6 +434,18 @@ BAD_OVERRIDES = [
         + ["train.grad_accum=6", "train.batch_parts=3", "model.seq_len=64"],
         ("train.micro_batch*train.grad_accum/train.batch_parts*model.seq_len = 1*2*64",),
     ),
+    (
+        ["train.micro_batch=100000000"],
+        (
+            "train.micro_batch=100000000 makes train.global_batch*(model.seq_len+1) = "
+            "800000000*65 = 52,000,000,000 tokens a step, more than an int32 count holds",
+            "reduce train.micro_batch",
+        ),
+    ),
+    (  # the step's loss divides by all its tokens, however many parts feed them
+        ["train.micro_batch=5000000", "train.grad_accum=4", "train.batch_parts=4"],
+        ("train.micro_batch=5000000 makes", "= 10,400,000,000 tokens a step", "int32"),
+    ),
     # data
     (["data.name=text-files"], ("data.name=text-files needs data.path=DIR",)),
     (["data.name=text-files", "data.path="], ("data.name=text-files needs data.path=DIR",)),
@@ -421,6 +476,12 @@ BAD_FILES = [
     ("modle:\n  layers: 4\n", ("unknown config key 'modle'; did you mean 'model'?",)),
     ("train:\n  steps: many\n", ("train.steps='many' must be an integer",)),
     ("train:\n  logdir: 5\n", ("train.logdir=5 must be a string",)),
+    # a key given twice (the last would silently win)
+    ("devices: 8\ndevices: 4\n", ("bad.yaml': key 'devices' is given twice (lines 1 and 2)",)),
+    ("train: {steps: 5}\ntrain: {steps: 7}\n", ("key 'train' is given twice (lines 1 and 2)",)),
+    ("train:\n  steps: 5\n  log_every: 1\n  steps: 7\n", ("key 'train.steps' is given twice",)),
+    ("model: {layers: 4, layers: 2}\n", ("key 'model.layers' is given twice (line 1); keep",)),
+    ("memory:\n  offload: [{a: 1, a: 2}]\n", ("key 'memory.offload[0].a' is given twice",)),
 ]
 
 
@@ -431,6 +492,17 @@ def test_bad_files(tmp_path, text, expected):
     with pytest.raises(ConfigError) as exc:
         load_config(path)
     _check_message(exc, expected)
+
+
+def test_valid_splits_seeds_and_repeated_names_in_different_mappings_load(tmp_path):
+    eff = ["model.name=efficientnet", "data.name=digits", "mesh.pipeline=3", "devices=6"]
+    cfg = load_config(None, [*eff, "model.pipeline_splits=[1a,7a]"])
+    assert cfg.model.pipeline_splits == ("1a", "7a")
+    for seed in (0, 2**32 - 1):
+        assert load_config(None, [f"train.seed={seed}"]).train.seed == seed
+    path = tmp_path / "names.yaml"  # `name` in three sections is not a duplicate
+    path.write_text("model: {name: gpt}\noptim: {name: sgd}\ndata: {name: synthetic}\n")
+    assert load_config(path).optim.name == "sgd"
 
 
 def test_missing_file(tmp_path):
@@ -712,6 +784,7 @@ def test_early_readers_agree_with_load_config(tmp_path, text, overrides):
         ("devices: 4\n", ["devics=2"], "did you mean 'devices'?"),
         ("devices: four\n", [], "devices='four' must be an integer"),
         ("memory: {vocab_blocks: 2}\n", [], "was renamed to 'memory.vocab_slices'"),
+        ("devices: 8\ndevices: 4\n", [], "key 'devices' is given twice (lines 1 and 2)"),
     ],
 )
 def test_early_readers_refuse_what_load_config_refuses(tmp_path, text, overrides, expected):
@@ -752,7 +825,8 @@ def _config_imports(module: str) -> set[str]:
 
 
 def test_layers_import_downwards_only():
-    """schema <- fields <- rules_<topic> <- rules <- load: each imports only layers below."""
+    """schema <- fields <- rules_<topic> <- rules <- load (and safe_yaml <- load): each imports
+    only layers below."""
     topics = {p.stem for p in (ROOT / "jaxpod" / "config").glob("rules_*.py")}
     assert _config_imports("schema") == set()
     assert _config_imports("fields") == {"jaxpod.config.schema"}
@@ -761,7 +835,8 @@ def test_layers_import_downwards_only():
         assert _config_imports(topic) <= base, topic
     below = base | {f"jaxpod.config.{t}" for t in topics}
     assert {"jaxpod.config.schema"} <= _config_imports("rules") <= below
-    assert _config_imports("load") <= {"jaxpod.config.rules", *below}
+    assert _config_imports("safe_yaml") == set()
+    assert _config_imports("load") <= {"jaxpod.config.rules", "jaxpod.config.safe_yaml", *below}
     assert "jaxpod.config.rules" in _config_imports("load")
     assert "TYPE_CHECKING" not in (ROOT / "jaxpod" / "config" / "rules.py").read_text()
 
