@@ -39,6 +39,8 @@ from jaxpod.parallel import schedules
 from jaxpod.run.integrity import by_path, check_matches, check_sums, checksums, leaf_paths
 from jaxpod.run.logdir import CHECKPOINTS
 
+FIX = "delete that directory to resume from the previous checkpoint, or use a fresh train.logdir"
+
 ABANDON_SECONDS = 20.0  # how long a failing run waits for background writes before leaving
 
 
@@ -161,9 +163,14 @@ class Checkpointer:
 
     def meta(self, step: int) -> dict:
         """The JSON record of checkpoint `step` (step, seed, and if written: config, records,
-        checksums, layer_order)."""
+        checksums, layer_order); a checkpoint that cannot be read is refused naming its
+        directory (`UserError`)."""
+        where = self.shown / str(step)
+        for part in ("state/_METADATA", "meta/metadata"):
+            if not (self.directory / str(step) / part).is_file():
+                raise UserError(f"checkpoint {where} cannot be read ({part} is missing); {FIX}")
         args = ocp.args.Composite(meta=ocp.args.JsonRestore())
-        return dict(self._manager.restore(step, args=args)["meta"])
+        return dict(_read(where, lambda: self._manager.restore(step, args=args))["meta"])
 
     def restore(self, step: int, engine: Engine, like: TrainState, seed: int) -> TrainState:
         """Checkpoint `step`, read directly into `engine.state_sharding` (the current mesh).
@@ -173,18 +180,10 @@ class Checkpointer:
         differs; a checkpoint that cannot be read is refused naming its directory. Stacked
         layers saved in another order than the engine's are moved to its order.
         """
-        where = self.shown / str(step)
-        fix = "delete that directory to resume from the previous checkpoint, or use a fresh"
-        fix += " train.logdir"
-        for part in ("state/_METADATA", "meta/metadata"):
-            if not (self.directory / str(step) / part).is_file():
-                raise UserError(f"checkpoint {where} cannot be read ({part} is missing); {fix}")
-        try:
-            meta = self.meta(step)
-            saved_seed = meta.get("seed")
-            saved = by_path(self._manager.item_metadata(step)["state"])
-        except Exception as exc:  # orbax/tensorstore raise many types for a damaged directory
-            raise UserError(f"checkpoint {where} cannot be read ({_why(exc)}); {fix}") from None
+        where, fix = self.shown / str(step), FIX
+        meta = self.meta(step)
+        saved_seed = meta.get("seed")
+        saved = by_path(_read(where, lambda: self._manager.item_metadata(step))["state"])
         if saved_seed != seed:
             raise UserError(
                 f"checkpoint {where} was trained with train.seed={saved_seed} but "
@@ -197,16 +196,7 @@ class Checkpointer:
         )
         check_matches(where, saved, by_path(_to_nested(target)))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(_to_nested(target)))
-        why = None
-        with Muted() as mute:  # a failed read leaves orbax's other reads printing tracebacks
-            try:
-                restored = self._manager.restore(step, args=args)
-            except Exception as exc:
-                why = _why(exc)  # keep no reference to it: its frames hold the abandoned reads
-            if why is not None and not mute.keep():
-                _settle(seconds=3.0)
-        if why is not None:
-            raise UserError(f"checkpoint {where} cannot be read ({why}); {fix}")
+        restored = _read(where, lambda: self._manager.restore(step, args=args))
         state = _from_nested(restored["state"], like)
         check_sums(where, meta.get("checksums"), checksums(state), fix)
         return engine.stages.reordered(state, _saved_layer_order(meta))
@@ -275,6 +265,21 @@ def _abandoned(exc: BaseException | None) -> bool:
     """The error a write raises when orbax has given up on it after another write failed
     (its callback finds the event loop closed): noise next to the error that matters."""
     return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+
+
+def _read(where: Path, read):
+    """`read()` of checkpoint `where`; if it fails, a one-line `UserError` naming the directory
+    (orbax/tensorstore raise many types for a damaged one). Muted: a failed read leaves orbax's
+    other reads printing tracebacks as they finish (`_settle`)."""
+    why = None
+    with Muted() as mute:
+        try:
+            return read()
+        except Exception as exc:
+            why = _why(exc)  # keep no reference to it: its frames hold the abandoned reads
+        if not mute.keep():
+            _settle(seconds=3.0)
+    raise UserError(f"checkpoint {where} cannot be read ({why}); {FIX}")
 
 
 def _settle(seconds: float) -> None:

@@ -125,12 +125,12 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
     start = ckpt.latest_step() or 0
     kept_records: list = []
     if start:  # refuses (UserError) a mismatched or damaged checkpoint before touching logdir
-        try:
-            state = ckpt.restore(start, engine, state, cfg.train.seed)
+        try:  # the config first: a change is refused naming its keys, not an array
             meta = ckpt.meta(start)
             where = f"{logdir} (checkpoint {start})"
             saved = check_saved_config(meta.get("config") or _saved_config(logdir), where)
             changes = check_changes(saved, config_to_dict(cfg), start, where, allow_changes)
+            state = ckpt.restore(start, engine, state, cfg.train.seed)
         except UserError:
             ckpt.close()
             raise

@@ -136,31 +136,47 @@ def test_restore_onto_another_mesh(reference, tmp_path, mesh):
     np.testing.assert_allclose(losses, ref, rtol=1e-6, atol=0)
 
 
+def test_another_model_is_refused_naming_its_keys(reference, tmp_path):
+    """The saved config is compared before any array is read: the key, not an array."""
+    run = stopped_after(reference, 8, tmp_path / "run")
+    before = snapshot(run)
+    proc = jaxpod_train(run, "model.d_model=128")
+    assert_user_error(proc, "was trained to step 8 with another config (model.d_model 64 -> 128")
+    assert "compiled" not in proc.stdout
+    assert snapshot(run) == before
+
+
 @pytest.mark.parametrize(
     "override, needle",
     [
-        ("model.d_model=128", "params.layers.attn.b_o is [4, 64] float32 there but [4, 128]"),
         ("model.layers=8", "params.layers.attn.b_o is [4, 64] float32 there but [8, 64]"),
         ("model.tie_embeddings=false", "params.unembed is in the model only"),
     ],
-    ids=["d_model", "layers", "untied"],
+    ids=["layers", "untied"],
 )
 def test_mismatched_checkpoint_is_refused(reference, tmp_path, override, needle):
+    """Past the config check (`--allow-changes model`), the arrays are compared."""
     run = stopped_after(reference, 8, tmp_path / "run")
     before = snapshot(run)
-    proc = jaxpod_train(run, override)
+    proc = jaxpod_train(run, override, "--allow-changes", "model")
     line = assert_user_error(proc, "checkpoints/8 does not match the model: ", needle)
     assert line.endswith("use a fresh train.logdir or the same model.* and optim.*")
     assert "compiled" not in proc.stdout
     assert snapshot(run) == before
 
 
-def test_corrupt_checkpoint_is_refused_without_damage(reference, tmp_path):
+@pytest.mark.parametrize("damaged", ["largest", "manifest"])
+def test_corrupt_checkpoint_is_refused_without_damage(reference, tmp_path, damaged):
+    """Half the largest data file, or the state's manifest cut to 10 bytes: one line (the
+    manifest's failed read used to leave orbax's other reads printing tracebacks)."""
     run = stopped_after(reference, 8, tmp_path / "run")
-    data = max(
-        (p for p in (run / "checkpoints" / "8").rglob("*") if p.is_file()), key=os.path.getsize
-    )
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    files = [p for p in (run / "checkpoints" / "8").rglob("*") if p.is_file()]
+    if damaged == "largest":
+        data = max(files, key=os.path.getsize)
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    else:
+        data = run / "checkpoints" / "8" / "state" / "manifest.ocdbt"
+        data.write_bytes(data.read_bytes()[:10])
     before = snapshot(run)
     proc = jaxpod_train(run)
     assert_user_error(proc, "checkpoints/8 cannot be read", "delete that directory")
