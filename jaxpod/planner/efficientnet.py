@@ -140,8 +140,12 @@ def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
         saved += _saved_convnorm(act, False) * n_out + act * mid_out
         kernels = s.in_ch * s.mid_ch * (s.expand != 1) + s.mid_ch * s.out_ch
         kernels += 2 * s.mid_ch * s.se_ch  # SE reduce and expand
+        # a depthwise spatial conv's weight gradient, on a device that computes it from a
+        # dense [k, k, C, C] float32 kernel (XLA:CPU: `DeviceProfile.dense_depthwise_grads`)
+        dense = s.kernel**2 * s.mid_ch**2 * F32 if s.group_size == 1 and not plain else 0
         blocks.append({
             "kept": kept, "cot": cot, "forward": fwd, "saved": saved, "kernels": kernels,
+            "dense_grad": dense,
             "out_cot": n_out,
             "residual": s.residual, "convs": 3 if s.expand != 1 else 2,
             "norms": 3 if s.expand != 1 else 2, "in": n_in, "out": n_out, "name": s.name,
@@ -222,6 +226,7 @@ def activation_bytes(
     param_bytes: int = F32,
     stage_params: list[int] | None = None,
     moments: int = 0,
+    dense_depthwise: bool = False,
 ) -> dict:
     """Activation bytes per device (the breakdown `bytes.activation_bytes` reports), plus the
     packed update's working set (`update_work`). `cb`: bytes of a conv's operand or output
@@ -230,7 +235,10 @@ def activation_bytes(
     `sr_rows`: how many rows of that length the update rounds stochastically;
     `param_bytes`: a weight's bytes (kernels narrower than `cb` are held widened);
     `stage_params`: each stage's parameter count (autodiff saves the weights without remat;
-    default: every stage's row full); `moments`: the optimizer's state rows."""
+    default: every stage's row full); `moments`: the optimizer's state rows;
+    `dense_depthwise`: the device builds a depthwise conv's weight gradient from a dense
+    [k, k, C, C] float32 kernel, live in its stage's backward (read on 1- and 2-stage probes
+    of the digits config with `model.g16=false`, benchmarks/xla_peak.py)."""
     mesh, tr, md = cfg.mesh, cfg.train, cfg.model
     stages = pieces(cfg, cb, act)
     mb, S = tr.micro_batch, mesh.pipeline
@@ -260,6 +268,8 @@ def activation_bytes(
             work = forward_values(st) * mb
             work += sum(p["kernels"] for p in st) * F32 if widened else 0
             work += st[-1].get("classifier_grad", 0)
+        if dense_depthwise:
+            work += max(p.get("dense_grad", 0) for p in st)
         works.append(work)
     if S > 1 and md.remat == "none":
         # Pipelined without remat, the stage's `lax.switch` is linearized as a whole: every

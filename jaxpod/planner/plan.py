@@ -267,27 +267,9 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         "fits": fits,
         "host_fits": per_device["host_total"] <= profile.streaming_bytes,
     }
-    result["not_modelled"] = _not_modelled(cfg, profile)
     if not fits:
         result["suggestion"] = _suggest(cfg, limit, params_override)
     return result
-
-
-def _not_modelled(cfg: Config, profile: DeviceProfile) -> list[str]:
-    """What this backend's program holds that the planner does not count, in one line each."""
-    md = cfg.model
-    if md.name != "efficientnet" or not profile.dense_depthwise_grads:
-        return []
-    from jaxpod.models.efficientnet_specs import block_specs
-
-    specs = block_specs(md.variant, g16=md.g16, width_mult=md.width_mult, depth_mult=md.depth_mult)
-    dense = [s.kernel**2 * s.mid_ch**2 * 4 for s in specs if s.group_size == 1]
-    if not dense:
-        return []
-    return [
-        f"depthwise convolutions: {profile.name} computes a weight gradient from a dense "
-        f"[k, k, C, C] float32 kernel, up to {format_bytes(max(dense))} at once (G16 has none)"
-    ]
 
 
 def check_budget(cfg: Config, plan_: dict | None = None) -> None:

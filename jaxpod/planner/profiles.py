@@ -32,7 +32,7 @@ class DeviceProfile:
     stores_in_float32: tuple[str, ...] = ()
     shares_host_memory: bool = False  # host memory kinds are device memory: no moved-in copy
     # a depthwise conv's weight gradient is computed from a dense [k, k, C, C] float32 kernel
-    # (XLA:CPU; benchmarks/xla_peak.py): not modelled, the plan names it
+    # (XLA:CPU; benchmarks/xla_peak.py), which the planner counts in its stage's backward
     dense_depthwise_grads: bool = False
 
 

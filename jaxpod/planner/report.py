@@ -101,7 +101,6 @@ def format_plan(p: dict) -> str:
         f"planner, {p['device_profile']}: {verdict} ({format_bytes(b['device_total'])} of "
         f"{format_bytes(p['device_memory_bytes'])}); `jaxpod compile` gives XLA's bytes",
     ]
-    lines += [f"not modelled: {what}" for what in p.get("not_modelled", ())]
     if not p["host_fits"]:
         lines.append("host/streaming memory is exceeded too")
     if "suggestion" in p:

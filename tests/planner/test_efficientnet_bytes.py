@@ -185,8 +185,8 @@ def test_planned_total_matches_xla(name):
 def test_a_depthwise_convs_gradient_is_a_dense_kernel_on_this_backend():
     """With `model.g16=false` the spatial convolutions are depthwise, and XLA:CPU computes a
     weight gradient from a dense [k, k, C, C] float32 kernel: the 5x5, 576-channel one is 33.2
-    MB, more than the rest of the step's temporaries. The planner does not model it and says
-    so (`plan()["not_modelled"]`); the G16 program has no such buffer."""
+    MB, more than the rest of the step's temporaries. The G16 program has no such buffer. The
+    planner counts it (`dense_grad`): within 10 % of XLA on this 1-device probe (0.98)."""
     from jaxpod.planner.plan import plan
     from jaxpod.run.aot import abstract_inputs, compile_to_inspect
 
@@ -196,7 +196,12 @@ def test_a_depthwise_convs_gradient_is_a_dense_kernel_on_this_backend():
     for g16 in (False, True):
         cfg = digits_cfg(*one, f"model.g16={g16}")
         engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
-        hlo = compile_to_inspect(engine.train_step.lower(state, batch)).as_text()
-        found[g16] = "f32[5,5,576,576]" in hlo
-        assert bool(plan(cfg)["not_modelled"]) == (not g16)
+        compiled = compile_to_inspect(engine.train_step.lower(state, batch))
+        found[g16] = "f32[5,5,576,576]" in compiled.as_text()
+        mem = compiled.memory_analysis()
+        measured = mem.argument_size_in_bytes + mem.temp_size_in_bytes
+        planned = plan(cfg)["bytes_per_device"]["device_total"]
+        print(f"g16={g16}: planned / XLA {planned / measured:.3f}")
+        if not g16:
+            assert planned == pytest.approx(measured, rel=0.10)
     assert found == {False: True, True: False}
