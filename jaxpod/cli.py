@@ -132,14 +132,14 @@ def _check_chart_path(chart: str) -> None:
     """One-line `UserError` unless `chart` names an image file that can be written."""
     from pathlib import Path
 
+    from jaxpod.run.logdir import nearest_existing
+
     if not chart.lower().endswith((".png", ".svg", ".pdf")):
         raise UserError(f"--chart {chart}: name a .png, .svg or .pdf file")
     path = Path(chart)
     if path.is_dir():
         raise UserError(f"--chart {chart} is a directory; name a file in it")
-    existing = path.parent
-    while not existing.exists():  # the nearest existing ancestor (where mkdir would start)
-        existing = existing.parent
+    existing = nearest_existing(path.parent)
     if not existing.is_dir():
         raise UserError(f"--chart {chart}: {existing} is a file, not a directory; name another")
     if not os.access(existing, os.W_OK | os.X_OK):

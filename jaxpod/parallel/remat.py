@@ -69,11 +69,7 @@ def remat(
     keeps the saved values in host memory (`OFFLOAD_POLICIES`); `prevent_cse=True` keeps
     XLA from merging the recomputation with an identical computation outside it (needed
     when `fn` runs inside another remat unit: see `jaxpod.parallel.stream.apply_stack`)."""
-    if policy not in REMAT_POLICIES:
-        raise ValueError(f"unknown remat policy {policy!r}; choose from {list(REMAT_POLICIES)}")
-    if offload:
-        return jax.checkpoint(fn, policy=OFFLOAD_POLICIES[policy], prevent_cse=prevent_cse)
-    saveable = REMAT_POLICIES[policy]
-    if policy == "none":
+    saves = saving(policy, offload=offload)
+    if policy == "none" and not offload:
         return fn
-    return jax.checkpoint(fn, policy=saveable, prevent_cse=prevent_cse)
+    return jax.checkpoint(fn, policy=saves, prevent_cse=prevent_cse)

@@ -180,7 +180,7 @@ class Checkpointer:
         differs; a checkpoint that cannot be read is refused naming its directory. Stacked
         layers saved in another order than the engine's are moved to its order.
         """
-        where, fix = self.shown / str(step), FIX
+        where = self.shown / str(step)
         meta = self.meta(step)
         saved_seed = meta.get("seed")
         saved = by_path(_read(where, lambda: self._manager.item_metadata(step))["state"])
@@ -198,7 +198,7 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(_to_nested(target)))
         restored = _read(where, lambda: self._manager.restore(step, args=args))
         state = _from_nested(restored["state"], like)
-        check_sums(where, meta.get("checksums"), checksums(state), fix)
+        check_sums(where, meta.get("checksums"), checksums(state), FIX)
         return engine.stages.reordered(state, _saved_layer_order(meta))
 
     def close(self) -> None:

@@ -33,15 +33,20 @@ def _where(logdir: Path) -> str:
     return f"train.logdir={logdir}"
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (where `mkdir -p` would start)."""
+    while not path.exists():
+        path = path.parent
+    return path
+
+
 def check_logdir(logdir: str | Path) -> None:
     """One-line `UserError` if `logdir` cannot be a run directory (before anything starts)."""
     path = Path(logdir)
     fix = "pick another train.logdir"
     if path.exists() and not path.is_dir():
         raise UserError(f"{_where(path)} is a file, not a directory; {fix}")
-    existing = path
-    while not existing.exists():  # the nearest existing ancestor (where mkdir would start)
-        existing = existing.parent
+    existing = nearest_existing(path)
     if not existing.is_dir():
         raise UserError(f"{_where(path)}: {existing} is a file, not a directory; {fix}")
     if not os.access(existing, os.W_OK | os.X_OK):
