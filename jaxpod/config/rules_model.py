@@ -7,16 +7,14 @@ import string
 
 from jaxpod.config.fields import fail
 from jaxpod.config.schema import Config
-from jaxpod.models.efficientnet_specs import BASE_BLOCK_GROUPS, HEAD_CH, VARIANTS, block_specs
+from jaxpod.models.efficientnet_specs import BASE_BLOCK_GROUPS, HEAD_CH, block_specs, coefficients
 
 
 def check_blocks(cfg: Config) -> None:
     """EfficientNet's scaling fits its block names (a..z in a group), and `model.pipeline_splits`
     names blocks of the configured variant, each once, in model order."""
     md, letters = cfg.model, len(string.ascii_lowercase)
-    width, depth, _ = VARIANTS[md.variant]
-    width = width if md.width_mult is None else md.width_mult
-    depth = depth if md.depth_mult is None else md.depth_mult
+    width, depth = coefficients(md.variant, md.width_mult, md.depth_mult)
     longest = max(group[-1] for group in BASE_BLOCK_GROUPS)  # a block group's base repeats
     if longest * depth > letters:
         fail(

@@ -112,7 +112,8 @@ def _variant(variant: str) -> tuple[float, float, int]:
     return VARIANTS[variant]
 
 
-def _coefficients(variant: str, width_mult: float | None, depth_mult: float | None):
+def coefficients(variant: str, width_mult: float | None, depth_mult: float | None):
+    """`(width, depth)`: the variant's compound-scaling coefficients, or the overrides."""
     width, depth, _ = _variant(variant)
     return (width if width_mult is None else width_mult), (
         depth if depth_mult is None else depth_mult
@@ -121,7 +122,7 @@ def _coefficients(variant: str, width_mult: float | None, depth_mult: float | No
 
 def stem_head_channels(variant: str, *, width_mult: float | None = None) -> tuple[int, int]:
     """`(stem_ch, head_ch)`: output channels of the stem conv and of the head 1x1 conv."""
-    width, _ = _coefficients(variant, width_mult, None)
+    width, _ = coefficients(variant, width_mult, None)
     return round_filters(STEM_CH, width), round_filters(HEAD_CH, width)
 
 
@@ -140,7 +141,7 @@ def block_specs(
     """The MBConv blocks of `variant` in order; `width_mult`/`depth_mult` override its
     compound-scaling coefficients. The first block of a group has the group's stride and input
     width; its repeats have stride 1 and `in_ch == out_ch`."""
-    width, depth = _coefficients(variant, width_mult, depth_mult)
+    width, depth = coefficients(variant, width_mult, depth_mult)
     specs = []
     for block_group, (expand, kernel, stride, c_in, c_out, repeats) in enumerate(
         BASE_BLOCK_GROUPS, 1

@@ -172,16 +172,19 @@ class Checkpointer:
         args = ocp.args.Composite(meta=ocp.args.JsonRestore())
         return dict(_read(where, lambda: self._manager.restore(step, args=args))["meta"])
 
-    def restore(self, step: int, engine: Engine, like: TrainState, seed: int) -> TrainState:
+    def restore(
+        self, step: int, engine: Engine, like: TrainState, seed: int, meta: dict | None = None
+    ) -> TrainState:
         """Checkpoint `step`, read directly into `engine.state_sharding` (the current mesh).
 
         Refuses (`UserError`, before reading any array) a checkpoint whose tree, shapes or
         dtypes differ from `like` (the freshly built state of this config), or whose seed
         differs; a checkpoint that cannot be read is refused naming its directory. Stacked
-        layers saved in another order than the engine's are moved to its order.
+        layers saved in another order than the engine's are moved to its order. `meta`: the
+        checkpoint's record if the caller has read it (`meta(step)`), else it is read here.
         """
         where = self.shown / str(step)
-        meta = self.meta(step)
+        meta = self.meta(step) if meta is None else meta
         saved_seed = meta.get("seed")
         saved = by_path(_read(where, lambda: self._manager.item_metadata(step))["state"])
         if saved_seed != seed:

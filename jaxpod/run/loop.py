@@ -130,7 +130,7 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
             where = f"{logdir} (checkpoint {start})"
             saved = check_saved_config(meta.get("config") or _saved_config(logdir), where)
             changes = check_changes(saved, config_to_dict(cfg), start, where, allow_changes)
-            state = ckpt.restore(start, engine, state, cfg.train.seed)
+            state = ckpt.restore(start, engine, state, cfg.train.seed, meta)
         except UserError:
             ckpt.close()
             raise
