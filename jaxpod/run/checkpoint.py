@@ -10,8 +10,11 @@ no saving: the batch of step k is a pure function of (seed, k).
 Saving is asynchronous: `save` returns once the arrays are copied off the devices, and orbax
 writes them in the background into a temporary directory that is renamed into place when
 complete, so a run killed mid-save leaves the earlier checkpoints intact and the incomplete one
-is never listed. Restoring reads straight into the target shardings of the current mesh (which
-may differ from the saving mesh): no array is ever gathered onto one device. Only orbax's
+is never listed. Rotation (`train.keep_checkpoints`) renames an old checkpoint into
+`checkpoints/deleting/` in one step before its files are removed, so no interruption leaves a
+half-deleted checkpoint under a step's name. Restoring reads straight into the target
+shardings of the current mesh (which may differ from the saving mesh): no array is ever
+gathered onto one device. Only orbax's
 standard formats (tensorstore arrays + JSON) are read; nothing is unpickled. A save that fails
 (disk full, permissions) is a one-line `UserError`; waits for background writes are bounded
 when the run is already failing.
@@ -24,6 +27,7 @@ import gc
 import logging
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -42,6 +46,9 @@ from jaxpod.run.logdir import CHECKPOINTS
 FIX = "delete that directory to resume from the previous checkpoint, or use a fresh train.logdir"
 
 ABANDON_SECONDS = 20.0  # how long a failing run waits for background writes before leaving
+# Under the checkpoints directory: where rotation moves an old checkpoint (one rename, orbax's
+# `todelete_subdir`) before its files are removed; never a step name, so never listed.
+DELETING = "deleting"
 
 
 def _to_nested(state: TrainState) -> dict:
@@ -97,8 +104,12 @@ class Checkpointer:
         self.shown = Path(logdir) / CHECKPOINTS  # as the user spelled it, for messages
         self.saved_step: int | None = None  # the newest step this checkpointer saved
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=False, enable_async_checkpointing=True
+            max_to_keep=keep,
+            create=False,
+            enable_async_checkpointing=True,
+            todelete_subdir=DELETING,
         )
+        self._remove_rotated()  # what an interrupted run had rotated out
         _one_writer_per_shard()
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -139,6 +150,8 @@ class Checkpointer:
             self.directory.mkdir(parents=True, exist_ok=True)
             with Muted() as mute:  # a failed write leaves orbax's threads printing tracebacks
                 try:
+                    self._manager.wait_until_finished()  # the last save's rotation included
+                    self._remove_rotated()
                     self._manager.save(
                         step,
                         args=ocp.args.Composite(
@@ -216,6 +229,13 @@ class Checkpointer:
                     raise
         except Exception as exc:
             raise self._save_error(exc) from None
+        self._remove_rotated()
+
+    def _remove_rotated(self) -> None:
+        """Remove the checkpoints rotation moved into `DELETING` (process 0, when no save is
+        finishing: orbax renames into it only while finishing one)."""
+        if jax.process_index() == 0:
+            shutil.rmtree(self.directory / DELETING, ignore_errors=True)
 
     def abandon(self, seconds: float = ABANDON_SECONDS) -> None:
         """Close, waiting at most `seconds` for in-flight writes (the run is failing anyway:
@@ -230,6 +250,8 @@ class Checkpointer:
         thread = threading.Thread(target=close, daemon=True)
         thread.start()
         thread.join(seconds)
+        if not thread.is_alive():  # else the next run removes what rotation moved
+            self._remove_rotated()
 
     def __enter__(self) -> Checkpointer:
         """Inside, errors of orbax's abandoned writes (after one failed) are not printed."""

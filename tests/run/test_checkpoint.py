@@ -196,3 +196,36 @@ def test_a_long_storage_error_keeps_the_operating_systems_reason():
     assert not _reraised(record)
     other = logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1, "other", None, info)
     assert _reraised(other)
+
+
+def test_rotation_moves_a_checkpoint_out_whole_before_removing_it(tmp_path):
+    """With `keep=1`, saving step 2 rotates step 1 out: orbax renames it into `deleting/` in
+    one step (its files all there, no step of that name left), and the next save or the close
+    removes it. An interrupted run's leftovers there are removed when a run opens the
+    directory; they are never listed as a step."""
+    import jax.numpy as jnp
+
+    from jaxpod.run.checkpoint import DELETING, Checkpointer
+
+    state = {"step": jnp.int32(1), "params": {"w": jnp.arange(64.0).reshape(8, 8)}}
+    root = tmp_path / "checkpoints"
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(1, state, seed=0)
+    ckpt._manager.wait_until_finished()
+    files = sorted(p.relative_to(root / "1") for p in (root / "1").rglob("*"))
+    ckpt.save(2, state, seed=0)
+    ckpt._manager.wait_until_finished()  # step 2 committed, step 1 rotated out
+    assert not (root / "1").exists()
+    moved = root / DELETING / "1"
+    assert sorted(p.relative_to(moved) for p in moved.rglob("*")) == files
+    ckpt.save(3, state, seed=0)  # removes what the last rotation moved
+    assert not moved.exists()
+    ckpt.close()
+    assert sorted(p.name for p in root.iterdir()) == ["3"]
+
+    (root / DELETING / "2" / "state").mkdir(parents=True)  # a run killed while removing
+    (root / DELETING / "2" / "state" / "half").write_text("x")
+    reopened = Checkpointer(tmp_path, keep=1)
+    assert reopened.latest_step() == 3
+    assert not (root / DELETING).exists()
+    reopened.close()
