@@ -217,3 +217,34 @@ def flops_per_image(
         total += conv(hw, 1, s.mid_ch, s.out_ch)
     total += conv(hw, 1, specs[-1].out_ch, head_ch) + 2 * head_ch * num_classes
     return int(total)
+
+
+def stage_params(
+    variant: str = "b0",
+    *,
+    splits: Sequence[str] = (),
+    num_classes: int = 1000,
+    g16: bool = False,
+    width_mult: float | None = None,
+    depth_mult: float | None = None,
+) -> list[int]:
+    """Parameter scalars of each pipeline stage (`splits` as in `split_specs`), counted from
+    the specs: every conv kernel `[k, k, in / groups, out]` (no bias) with its norm's scale
+    and bias, the squeeze-excitation's two dense layers with biases, the stem in stage 0,
+    the head conv and classifier in the last stage (tests/models: equal to the modules')."""
+    specs = block_specs(variant, g16=g16, width_mult=width_mult, depth_mult=depth_mult)
+    stem_ch, head_ch = stem_head_channels(variant, width_mult=width_mult)
+
+    def conv_norm(c_in: int, c_out: int, k: int, groups: int = 1) -> int:
+        return k * k * (c_in // groups) * c_out + 2 * c_out
+
+    def block(s: BlockSpec) -> int:
+        n = conv_norm(s.in_ch, s.mid_ch, 1) if s.expand != 1 else 0
+        n += conv_norm(s.mid_ch, s.mid_ch, s.kernel, s.feature_groups)
+        n += 2 * s.mid_ch * s.se_ch + s.se_ch + s.mid_ch  # reduce and expand, with biases
+        return n + conv_norm(s.mid_ch, s.out_ch, 1)
+
+    counts = [sum(block(s) for s in run) for run in split_specs(specs, splits)]
+    counts[0] += conv_norm(IMAGE_CH, stem_ch, 3)
+    counts[-1] += conv_norm(specs[-1].out_ch, head_ch, 1) + (head_ch + 1) * num_classes
+    return counts

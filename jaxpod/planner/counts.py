@@ -1,44 +1,25 @@
 """Analytic parameter counts and where they live per device, for the planner.
 
-Transformers (gpt, bert) are counted from their formulas (checked against the real models in
-tests); EfficientNet stages are counted exactly from abstract modules (`nnx.eval_shape`:
-nothing is materialised), the only path here that imports jax.
+Transformers (gpt, bert) are counted from their formulas, EfficientNet stages from their block
+specs (`efficientnet_specs.stage_params`); both are checked against the real models in tests.
+Nothing here imports jax.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 from jaxpod.config import Config
-
-
-@functools.cache
-def _effnet_counts(variant, g16, width, depth, classes, splits) -> tuple[int, ...]:
-    from flax import nnx  # only for CNNs: their stages are counted from abstract modules
-
-    from jaxpod.models.efficientnet import build_stages, count_params
-
-    stages = nnx.eval_shape(
-        lambda: nnx.List(
-            build_stages(
-                variant, splits=list(splits), num_classes=classes, g16=g16,
-                width_mult=width, depth_mult=depth, rngs=nnx.Rngs(0),
-            )
-        )
-    )  # fmt: skip
-    return tuple(count_params(stage) for stage in stages)
+from jaxpod.models.efficientnet_specs import flops_per_image, stage_params
 
 
 def efficientnet_stage_params(cfg: Config) -> list[int]:
-    """Exact parameter count of each pipeline stage of an EfficientNet config (abstract
-    modules: nothing is materialised; the only planner path that imports jax)."""
+    """Exact parameter count of each pipeline stage of an EfficientNet config, from its
+    block specs (no modules are built)."""
     md = cfg.model
-    return list(
-        _effnet_counts(
-            md.variant, md.g16, md.width_mult, md.depth_mult, md.num_classes,
-            tuple(md.pipeline_splits),
-        )
+    return stage_params(
+        md.variant, splits=md.pipeline_splits, num_classes=md.num_classes, g16=md.g16,
+        width_mult=md.width_mult, depth_mult=md.depth_mult,
     )  # fmt: skip
 
 
@@ -99,8 +80,6 @@ def flops_per_example(cfg: Config) -> int:
     token (transformers: 2 x weight-matmul parameters + 4 x layers x seq x d_model attention)."""
     md = cfg.model
     if md.name == "efficientnet":
-        from jaxpod.models.efficientnet import flops_per_image
-
         return flops_per_image(
             md.variant, md.image_size, md.num_classes, g16=md.g16,
             width_mult=md.width_mult, depth_mult=md.depth_mult,

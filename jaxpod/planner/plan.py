@@ -1,10 +1,10 @@
 """The pod planner: where every byte of a mapping lives, before any hardware is spent.
 
-`plan(cfg)` is analytic and instant: it builds no weights, and imports no jax for a
-transformer (an EfficientNet's stages are counted from abstract modules). Parameter counts
-come from the model's formulas, per-device bytes from the parameter layout of `jaxpod.parallel.mesh`
-(`LOGICAL_TO_MESH`), activations from a model of what the train step keeps alive, checked
-against XLA's `memory_analysis()` of the compiled step in `tests/planner/test_plan_vs_xla.py`.
+`plan(cfg)` is analytic and instant: it builds no weights and imports no jax. Parameter counts
+come from the model's formulas (an EfficientNet's from its block specs), per-device bytes from
+the parameter layout of `jaxpod.parallel.mesh` (`LOGICAL_TO_MESH`), activations from a model of
+what the train step keeps alive, checked against XLA's `memory_analysis()` of the compiled step
+in `tests/planner/test_plan_vs_xla.py`.
 
 Parameter counts (D = d_model, F = d_ff, V = vocab, T = seq_len, L = layers):
 

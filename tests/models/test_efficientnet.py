@@ -2,7 +2,8 @@
 variant, GroupNorm against numpy, stage splitting against the whole net, dtypes, the input
 normalization.
 
-Parameter counts use `nnx.eval_shape` (nothing materialised). The forward tests share one tiny
+Parameter counts use `nnx.eval_shape` (nothing materialised), and the specs' own count
+(`stage_params`, what the planner reads) is checked against them. The forward tests share one tiny
 net (width 0.25, depth 0.1: 7 blocks, 32x32 inputs), initialised once per module under jit.
 """
 
@@ -29,6 +30,7 @@ from jaxpod.models.efficientnet import (
     stage_io_shapes,
     stem_head_channels,
 )
+from jaxpod.models.efficientnet_specs import stage_params
 
 TINY = dict(num_classes=10, width_mult=0.25, depth_mult=0.1)
 SPLITS = ["3a", "6a"]
@@ -82,6 +84,23 @@ def test_g16_param_count(variant, standard, pinned):
     n = count_params(_abstract(variant, g16=True))
     assert n == pinned
     assert abs(n - standard) <= 0.25 * standard
+
+
+@pytest.mark.parametrize(
+    "variant, kw",
+    [
+        ("b0", {}),
+        ("b4", dict(g16=True, splits=["4a"])),
+        ("b2", dict(splits=["2a", "5a"], num_classes=10)),
+        ("b3", dict(g16=True, width_mult=0.5, depth_mult=0.2, splits=["3a", "6a"])),
+        ("b1", dict(width_mult=0.25, depth_mult=0.1, num_classes=10, splits=["7a"])),
+    ],
+)
+def test_stage_params_count_the_built_stages(variant, kw):
+    """The planner's count from the specs (jax-free) equals the modules' parameters, stage by
+    stage."""
+    stages = nnx.eval_shape(lambda: nnx.List(build_stages(variant, rngs=nnx.Rngs(0), **kw)))
+    assert stage_params(variant, **kw) == [count_params(stage) for stage in stages]
 
 
 def test_flops_b0_matches_published():

@@ -56,8 +56,10 @@ def cfg_of(*overrides):
 
 
 # ----------------------------------------------------------------------------- analytic
-@pytest.mark.parametrize("preset", ["gpt3_175b_pod256", "bert_large_pod16"])
-def test_a_transformer_plan_imports_no_jax(preset):
+@pytest.mark.parametrize(
+    "preset", ["gpt3_175b_pod256", "bert_large_pod16", "efficientnet_b4_g16_pod16"]
+)
+def test_a_plan_imports_no_jax(preset):
     """The planner answers without starting jax (the CLI checks a budget before it does)."""
     code = (
         "import sys\n"
@@ -240,7 +242,7 @@ def test_efficientnet_b4_g16_pod_presets(pod, replica, grad_accum):
 
     cfg = load_config(ROOT / "configs" / f"efficientnet_b4_g16_pod{pod}.yaml")
     p = plan(cfg)
-    stages = efficientnet_stage_params(cfg)  # exact, from abstract stage modules
+    stages = efficientnet_stage_params(cfg)  # exact, from the block specs
     assert p["params"] == sum(stages) == 19_325_576  # B4 G16, pinned in test_efficientnet
     assert p["params_per_device"] == max(stages)  # the split at 4a puts most weights on stage 1
     assert (p["devices"], p["replica"], p["pipeline"], p["tensor"]) == (pod, replica, 2, 1)
