@@ -14,10 +14,9 @@ is never listed. Rotation (`train.keep_checkpoints`) renames an old checkpoint i
 `checkpoints/deleting/` in one step before its files are removed, so no interruption leaves a
 half-deleted checkpoint under a step's name. Restoring reads straight into the target
 shardings of the current mesh (which may differ from the saving mesh): no array is ever
-gathered onto one device. Only orbax's
-standard formats (tensorstore arrays + JSON) are read; nothing is unpickled. A save that fails
-(disk full, permissions) is a one-line `UserError`; waits for background writes are bounded
-when the run is already failing.
+gathered onto one device. Only orbax's standard formats (tensorstore arrays + JSON) are read;
+nothing is unpickled. A save that fails (disk full, permissions) is a one-line `UserError`;
+waits for background writes are bounded when the run is already failing.
 """
 
 from __future__ import annotations
