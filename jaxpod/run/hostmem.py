@@ -2,8 +2,8 @@
 
 Virtual CPU devices (`--xla_force_host_platform_device_count`) all live in this host's RAM,
 so a mapping that "fits" each device's budget can still need more RAM than the host has: the
-planner's bytes per device (on the device and offloaded to host memory) times the devices of
-this process. `check_host_ram` compares that with `MemAvailable` of `/proc/meminfo` and
+planner's bytes per device for XLA:CPU (on the device and offloaded to host memory) times the
+devices of this process. `check_host_ram` compares that with `MemAvailable` of `/proc/meminfo` and
 refuses in one line before anything is allocated (nothing is checked where jax runs on
 accelerators, or where `/proc/meminfo` is absent). `oom_error` turns XLA's out-of-memory
 exception into the same kind of one-line error. jax-free (the planner is analytic).
@@ -11,6 +11,7 @@ exception into the same kind of one-line error. jax-free (the planner is analyti
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -44,12 +45,23 @@ def on_virtual_cpu_devices() -> bool:
 
 
 def needed_bytes(cfg: Config) -> tuple[int, int]:
-    """(host bytes this process's devices need, bytes per device), from `jaxpod plan`."""
+    """(host bytes this process's devices need, bytes per device): `jaxpod plan`'s device and
+    host totals for XLA:CPU (the `cpu` profile, whatever `memory.device` names: these devices
+    are virtual CPU devices)."""
     from jaxpod.planner.plan import plan
 
-    per = plan(cfg)["bytes_per_device"]
+    cpu = dataclasses.replace(cfg.memory, device="cpu", device_budget=None)
+    per = plan(dataclasses.replace(cfg, memory=cpu))["bytes_per_device"]
     per_device = int(per["device_total"]) + int(per.get("host_total", 0))
     return per_device * cfg.devices, per_device
+
+
+def _fixes(cfg: Config) -> str:
+    """The changes that shrink a step's bytes, but those `cfg` already has."""
+    smaller = "a smaller model"
+    if cfg.model.remat != "full":
+        smaller += ", model.remat=full"
+    return f"{smaller} or a larger memory.rts"
 
 
 def _gb(n: int) -> str:
@@ -70,9 +82,8 @@ def host_ram_problem(cfg: Config, available: int | None = None) -> str | None:
         return None
     return (
         f"devices={cfg.devices} virtual CPU devices need ~{_gb(need)} of host RAM "
-        f"({_gb(per_device)} each, as `jaxpod plan` counts it) but {_gb(available)} is "
-        "available; use fewer devices, a smaller model, or model.remat=full / a larger "
-        "memory.rts"
+        f"({_gb(per_device)} each, as `jaxpod plan memory.device=cpu` counts it) but "
+        f"{_gb(available)} is available; use fewer devices, {_fixes(cfg)}"
     )
 
 
@@ -94,6 +105,5 @@ def oom_error(exc: BaseException, cfg: Config) -> UserError:
     text = " ".join(str(exc).split())[:160]
     return UserError(
         f"XLA ran out of memory ({text}); `jaxpod plan` shows where the bytes go: use fewer "
-        f"devices (devices={cfg.devices}), a smaller model, or model.remat=full / a larger "
-        "memory.rts"
+        f"devices (devices={cfg.devices}), {_fixes(cfg)}"
     )

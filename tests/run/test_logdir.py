@@ -12,6 +12,7 @@ import pytest
 from helpers import make_tiny_cfg
 
 from jaxpod.errors import UserError
+from jaxpod.planner.plan import plan
 from jaxpod.run import hostmem
 from jaxpod.run.logdir import LOCK_FILE, check_logdir, hold
 
@@ -119,8 +120,20 @@ def test_meminfo_and_the_host_ram_refusal(tmp_path):
         hostmem.check_host_ram(cfg, available=2_000_000 * 1024)
     line = str(err.value)
     assert line.startswith("devices=8 virtual CPU devices need ~") and "2.0 GB is available" in line
-    assert "use fewer devices" in line
+    assert "use fewer devices" in line and "model.remat=full" in line
     hostmem.check_host_ram(make_tiny_cfg(), available=2_000_000 * 1024)  # tiny fits
+    # counted for XLA:CPU whatever device the config names (these devices are CPU devices: an
+    # offloaded optimizer state is read in place, not moved in as on a GC200), and a fix the
+    # config already has is not offered
+    big = ("model.d_model=4096", "model.d_ff=16384", "memory.offload=[optimizer]")
+    pod, cpu = (make_tiny_cfg(*big, f"memory.device={d}") for d in ("ipu-gc200", "cpu"))
+    assert (
+        plan(pod)["bytes_per_device"]["device_total"]
+        > plan(cpu)["bytes_per_device"]["device_total"]
+    )
+    assert hostmem.needed_bytes(pod) == hostmem.needed_bytes(cpu)
+    full = make_tiny_cfg("model.d_model=4096", "model.d_ff=16384", "model.remat=full")
+    assert "model.remat=full" not in hostmem.host_ram_problem(full, available=2_000_000 * 1024)
 
 
 def test_xla_out_of_memory_becomes_one_line():
