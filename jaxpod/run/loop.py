@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Collection
@@ -48,7 +49,7 @@ from jaxpod.run.metrics import (
     write_json_atomic,
 )
 from jaxpod.run.prefetch import Prefetcher
-from jaxpod.run.profiling import StepProfiler, check_profile_steps
+from jaxpod.run.profiling import PROFILE_DIR, StepProfiler, check_profile_steps
 from jaxpod.run.resume import (
     check_changes,
     check_saved_config,
@@ -74,10 +75,12 @@ class RunResult:
 
 
 def _prepare_logdir(logdir: Path) -> None:
-    """Start a fresh record in `logdir` (replacing an earlier run's metrics, events, evals)."""
+    """Start a fresh record in `logdir` (replacing an earlier run's metrics, events, evals
+    and profiler traces)."""
     logdir.mkdir(parents=True, exist_ok=True)
     for old in [logdir / METRICS_FILE, logdir / EVAL_FILE, *logdir.glob("events.out.tfevents.*")]:
         old.unlink(missing_ok=True)
+    shutil.rmtree(logdir / PROFILE_DIR, ignore_errors=True)
 
 
 def run_training(

@@ -144,3 +144,18 @@ def test_xla_out_of_memory_becomes_one_line():
         line.startswith("XLA ran out of memory (RESOURCE_EXHAUSTED: Out of memory")
         and "\n" not in line
     )
+
+
+def test_a_fresh_start_replaces_the_earlier_record(tmp_path):
+    """A fresh run in a logdir that holds an earlier run's record (no checkpoint) removes its
+    metrics, evals, events and profiler traces; nothing else."""
+    from jaxpod.run.loop import _prepare_logdir
+
+    old = ["metrics.jsonl", "eval.json", "events.out.tfevents.1.host"]
+    old.append("plugins/profile/2026_11_27_13_00_00/host.xplane.pb")
+    kept = ["config.until-20.yaml", "notes.txt"]
+    for name in old + kept:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    _prepare_logdir(tmp_path)
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(kept)
