@@ -124,12 +124,14 @@ def _batch_ok(trial: Config) -> bool:
 
 
 def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
-    """Changes that would make the mapping fit, with the resulting device bytes."""
+    """Single changes that lower the device bytes, each with the total it would give: those
+    that fit `limit` first, then those that only come closer."""
     mem, mesh, md = cfg.memory, cfg.mesh, cfg.model
     out = []
 
     def option(label: str, trial: Config) -> None:
-        out.append(f"{label} ({format_bytes(_device_total(trial, params_override))})")
+        total = _device_total(trial, params_override)
+        out.append((total <= limit, f"{label} ({format_bytes(total)})"))
 
     if cfg.kind.stages == "stacked" and mem.rts > 1 and md.remat != "none":  # gathered a step
         # at a time
@@ -189,9 +191,20 @@ def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
             trial = _with_memory(trial, rts=1, rts_optimizer=None)
         if (md.layers // p2) % mem.phases == 0:
             option(f"mesh.pipeline={p2} mesh.replica={mesh.replica // 2}", trial)
-    if not out:
-        return "no single change fits; use more devices or a smaller model"
-    return f"to fit {format_bytes(limit)}, try: " + "; or ".join(out)
+    fit = [text for fits, text in out if fits]
+    closer = [text for fits, text in out if not fits]
+    if fit:
+        return (
+            f"to fit {format_bytes(limit)}, try: "
+            + "; or ".join(fit)
+            + ("; closer, not under it alone: " + "; ".join(closer) if closer else "")
+        )
+    if closer:
+        return (
+            f"no single change fits {format_bytes(limit)}; these lower the device total: "
+            + "; ".join(closer)
+        )
+    return "no single change fits; use more devices or a smaller model"
 
 
 def _bubble(cfg: Config) -> float:

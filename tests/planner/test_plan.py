@@ -195,7 +195,10 @@ def test_not_fitting_plan_suggests_and_budget_refuses():
     assert not p["fits"] and "suggestion" in p
     with pytest.raises(UserError) as err:
         check_budget(cfg, p)
-    assert "\n" not in str(err.value) and "900MB" in str(err.value) and "try" in str(err.value)
+    assert "\n" not in str(err.value) and "900MB" in str(err.value)
+    # nothing alone fits BERT-Large in 900 MB here: the changes are offered as lowering it
+    assert p["suggestion"].startswith("no single change fits 900.00 MB; these lower")
+    assert str(err.value).endswith(p["suggestion"])
     check_budget(cfg_of("memory.device_budget=16GiB"))  # the tiny default fits: no error
     text = format_plan(p)
     assert "planner, cpu: DOES NOT FIT" in text and "MB" in text
@@ -340,7 +343,9 @@ def test_suggestion_streams_with_the_fewest_mlp_panels_that_fit():
         (["memory.vocab_slices=1", table_budget], "memory.vocab_slices=4", True),
     ):
         p = plan(load_config(path, overrides))
-        assert not p["fits"] and f"try: {knob} (" in p["suggestion"], p["suggestion"]
+        # a change that fits is offered "to fit"; one that does not, as lowering the total
+        shown = f"try: {knob} (" if fits else f"these lower the device total: {knob} ("
+        assert not p["fits"] and shown in p["suggestion"], p["suggestion"]
         chosen = dict(item.split("=") for item in knob.split())
         trial = plan(load_config(path, [*overrides, *(f"{k}={v}" for k, v in chosen.items())]))
         assert trial["fits"] == fits
