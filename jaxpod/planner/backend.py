@@ -21,8 +21,8 @@ BACKEND_PROFILES = {"cpu": "cpu"}
 
 
 def backend_plan(cfg: Config, backend: str, params_override: int | None = None) -> dict:
-    """`{"profile", "device_total", "arguments", "temporaries"}` bytes per device, planned for
-    `backend` (its profile if it has one, else `memory.device`'s)."""
+    """`{"profile", "device_total", "arguments", "temporaries", "host_total"}` bytes per
+    device, planned for `backend` (its profile if it has one, else `memory.device`'s)."""
     name = BACKEND_PROFILES.get(backend, cfg.memory.device)
     memory = dataclasses.replace(cfg.memory, device=PROFILES[name].name, device_budget=None)
     p = plan(dataclasses.replace(cfg, memory=memory), params_override)
@@ -32,4 +32,5 @@ def backend_plan(cfg: Config, backend: str, params_override: int | None = None) 
         "device_total": b["device_total"],
         "arguments": b["arguments"],
         "temporaries": b["device_total"] - b["arguments"],
+        "host_total": b["host_total"],
     }

@@ -11,7 +11,6 @@ exception into the same kind of one-line error. jax-free (the planner is analyti
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -48,11 +47,10 @@ def needed_bytes(cfg: Config) -> tuple[int, int]:
     """(host bytes this process's devices need, bytes per device): `jaxpod plan`'s device and
     host totals for XLA:CPU (the `cpu` profile, whatever `memory.device` names: these devices
     are virtual CPU devices)."""
-    from jaxpod.planner.plan import plan
+    from jaxpod.planner.backend import backend_plan
 
-    cpu = dataclasses.replace(cfg.memory, device="cpu", device_budget=None)
-    per = plan(dataclasses.replace(cfg, memory=cpu))["bytes_per_device"]
-    per_device = int(per["device_total"]) + int(per.get("host_total", 0))
+    planned = backend_plan(cfg, "cpu")
+    per_device = int(planned["device_total"]) + int(planned["host_total"])
     return per_device * cfg.devices, per_device
 
 
