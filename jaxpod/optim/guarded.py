@@ -14,6 +14,14 @@ inf or NaN anywhere, or a sum of squares beyond float32) skips the step: params 
 optimizer state stay bit-identical and the loss scale counts it. Otherwise gradients are
 unscaled and clipped to `max_norm` with that norm (`optax.clip_by_global_norm`'s
 arithmetic), the optimizer runs in float32, and 16-bit results are stochastically rounded.
+
+How a step is skipped is the `Apply`'s. `whole_tree` runs the optimizer in a `lax.cond` on
+`finite`: a select of new against old values reads each old leaf after its
+new value is computed, and XLA:CPU then copies every donated optimizer-state leaf to write it
+(tests/planner/test_xla_copies.py). `per_layer` selects strip by strip inside its loops,
+where a cond around the loops would copy the loop-carried trees instead; the packed stages'
+update (`jaxpod.engine.packed`) keeps its select too (with a cond XLA:CPU held more of that
+update at once: docs/benchmarks.md, "The guard as a cond").
 """
 
 from __future__ import annotations
@@ -31,7 +39,6 @@ from jaxpod.optim.precision import (
     LossScaleState,
     apply_updates,
     cast_tree_like,
-    select_tree,
     sum_squares,
     to_float32,
     unscale_grads,
@@ -40,7 +47,7 @@ from jaxpod.optim.precision import (
 
 # (ready, finite, grads, opt_state, params, key) -> (params, opt_state, sum of squares of the
 # updates); `ready(g)` unscales and clips any part of the gradients, `finite` says whether
-# the step is taken (the new values must be selected with it).
+# the step is taken (with False the old params and state are returned, bit for bit, and 0).
 Apply = Callable[..., tuple[Any, Any, jax.Array]]
 
 
@@ -67,7 +74,8 @@ def guarded_update(
     `grads` are gradients of `loss * loss_scale.scale` (any float dtype); `params` in the
     master dtype; `key` the step's key; `max_norm` > 0 clips. Returns `(params, opt_state,
     loss_scale, info)` with `info = {"finite": bool[], "grad_norm": f32[] (of the unscaled,
-    unclipped gradients), "update_sq": f32[] (sum of squares of the applied updates)}`."""
+    unclipped gradients), "update_sq": f32[] (sum of squares of the applied updates, 0 when
+    skipped)}`."""
     sq = grad_sum_squares(grads, loss_scale)
     norm = jnp.sqrt(sq if total is None else total(sq))
     finite = jnp.isfinite(norm)
@@ -89,14 +97,20 @@ def guarded_update(
 def whole_tree(optimizer: optax.GradientTransformation) -> Apply:
     """Apply `optimizer` (which must not clip) to float32 upcasts of the whole tree; new
     params via `apply_updates` (key `fold_in(key, 0)`), state leaves back to their dtypes
-    (`fold_in(key, 1)`)."""
+    (`fold_in(key, 1)`). A skipped step (`finite` False) returns the old trees in a
+    `lax.cond`'s other branch (module docstring); `finite` is the global norm's, the same on
+    every device, so every device takes the same branch."""
 
     def apply(ready, finite, grads, opt_state, params, key):
-        updates, state32 = optimizer.update(ready(grads), to_float32(opt_state), to_float32(params))
-        new_params = apply_updates(params, updates, jax.random.fold_in(key, 0))
-        new_state = cast_tree_like(state32, opt_state, jax.random.fold_in(key, 1))
-        params = select_tree(finite, new_params, params)
-        opt_state = select_tree(finite, new_state, opt_state)
-        return params, opt_state, sum_squares(updates)
+        def step():
+            updates, state32 = optimizer.update(
+                ready(grads), to_float32(opt_state), to_float32(params)
+            )
+            new_params = apply_updates(params, updates, jax.random.fold_in(key, 0))
+            new_state = cast_tree_like(state32, opt_state, jax.random.fold_in(key, 1))
+            return new_params, new_state, sum_squares(updates)
+
+        keep = lambda: (params, opt_state, jnp.zeros((), jnp.float32))  # noqa: E731
+        return jax.lax.cond(finite, step, keep)
 
     return apply

@@ -13,9 +13,10 @@ step)`; each leaf gets `fold_in(key, crc32(path))`, so rounding is deterministic
 
 Loss scaling (`LossScaleState`): the loss is multiplied by `scale` before differentiation and
 the gradients divided by it. A step whose gradients are not all finite is *skipped*: params
-and optimizer state are left bit-identical (`select_tree`) and `skipped` counts it, for every
-`loss_scale` mode including `none` (a NaN/inf step is dropped instead of poisoning the
-weights). `jaxpod.optim.guarded.guarded_update` does the whole sequence.
+and optimizer state are left bit-identical (a `lax.cond` or `select_tree`: the `Apply`s of
+`jaxpod.optim.guarded`) and `skipped` counts it, for every `loss_scale` mode including `none`
+(a NaN/inf step is dropped instead of poisoning the weights).
+`jaxpod.optim.guarded.guarded_update` does the whole sequence.
 """
 
 from __future__ import annotations

@@ -34,12 +34,23 @@ def _step_share(cfg: Config) -> float:
     return max(d * d, 2 * d * f / cfg.memory.mlp_panels) / sum(layer_params(d, f))
 
 
+def _largest_matrix(cfg: Config) -> float:
+    """Elements of the largest weight matrix one step of a layer gathers, on one tensor
+    device: `W_qkv` or an MLP matrix, or with `memory.stream=matrix` a third of `W_qkv` or one
+    MLP panel."""
+    d, f = cfg.model.d_model, cfg.model.d_ff
+    if cfg.memory.stream == "matrix":
+        return max(d * d, d * f / cfg.memory.mlp_panels) / cfg.mesh.tensor
+    return max(3 * d * d, d * f) / cfg.mesh.tensor
+
+
 def device_bytes(
     cfg: Config, layout: dict, acts: dict, profile: DeviceProfile | None = None
 ) -> dict:
     """Bytes per device of each kind of state, and the device and host totals (see the module
     docstring); `profile` (default `memory.device`) is the device the step runs on."""
     mem, prec = cfg.memory, cfg.precision
+    profile = profile or get_profile(mem.device)
     rts = mem.rts
     rts_opt = mem.rts_optimizer or rts
     pb = DTYPE_BYTES[prec.params]
@@ -55,7 +66,7 @@ def device_bytes(
     grads_stage = local / rts * pb * (2 if accumulated else 1)
     grads_update = local / rts * pb
     updates = local / rts * mb
-    gathered = gathered_layer = widened_step = 0
+    gathered = gathered_layer = widened_step = scattered = 0
     # the parameters one step of a layer uses: the whole layer, or with memory.stream=matrix
     # the largest step's panels (gathered, and their gradients reduce-scattered, one panel at a
     # time: the panel is cut before the gather)
@@ -78,6 +89,18 @@ def device_bytes(
             other += 2 * table / mem.vocab_slices - tables
         gathered = (other + step) * pb
         gathered_layer = step * pb
+    if rts > 1 and cfg.kind.stages == "stacked":
+        # a gathered matrix's weight gradient is computed whole (a dot's output, compute
+        # bytes), then reduce-scattered to its RTS shard: the layer's backward holds the
+        # largest of a step's, and on a backend that first transposes it into the gradients'
+        # dtype (`DeviceProfile.transposes_scattered_grads`) that copy too. A whole recomputed
+        # layer no longer holds one gathered MLP matrix by then: the backward uses the second
+        # MLP matrix first (benchmarks/xla_peak.py on the d 512 and float16 d 256 RTS rows)
+        copy = pb if profile.transposes_scattered_grads else 0
+        scattered = _largest_matrix(cfg) * (compute_bytes(cfg, profile) + copy)
+        if mem.stream != "matrix" and cfg.model.remat != "none":
+            mlp_matrix = cfg.model.d_model * cfg.model.d_ff / cfg.mesh.tensor * pb
+            scattered = max(scattered - mlp_matrix, 0)  # net of the freed matrix, if any
 
     # Host-resident weights are on the device for the whole step: the CPU lowering fetches no
     # piece of them (its per-phase / per-matrix device_puts lower to nothing; the TPU/GPU
@@ -99,19 +122,21 @@ def device_bytes(
     head_grads = local / rts * pb if accumulated else 0
     head_peak = head_grads + acts.get("head_moment", 0) + acts.get("head_table", 0)
     backward_peak = grads + acts.get("backward_moment", activations) + gathered + widened_step
+    backward_peak += scattered
     if cfg.mesh.pipeline > 1 and not accumulated and "backward_moment" in acts:
         # one GPipe pass: the layers' backward (the tick scans) holds the stages' layer
         # gradients and one layer's gathered weights; the other weights' gradients (and
         # their gathered copies) belong to the embedding and the head, after the ticks
         grads_layers = layout["local_layers"] / rts * pb
         backward_peak = grads_layers + acts["backward_moment"] + gathered_layer + widened_step
+        backward_peak += scattered
     # The update runs on whole trees: host-resident weights and optimizer state are moved to
-    # the device first (`StackedStages.update`), the reduced grads too. It holds the grads, a
-    # same-size copy (unscaled/clipped) and the updates.
+    # the device first (`StackedStages.update`), the reduced grads too. It holds the grads and
+    # the updates (the new weights and moments are written into their donated buffers).
     moved_in = weights_all - weights + optimizer_all - optimizer
-    if (profile or get_profile(cfg.memory.device)).shares_host_memory:
+    if profile.shares_host_memory:
         moved_in = 0  # read in place (XLA:CPU)
-    update_peak = moved_in + 2 * grads_update + updates
+    update_peak = moved_in + grads_update + updates
     if "update_work" in acts:  # packed rows: the update's whole-row working set
         update_peak = moved_in + grads_update + acts["update_work"]
     # 16-bit masters of stacked layers: `jaxpod.optim.per_layer`, tensor by tensor
@@ -149,6 +174,7 @@ def device_bytes(
         "updates": int(updates),
         "gathered": int(gathered),
         "widened": int(widened_step),
+        "scattered": int(scattered),
         "moved_in": int(moved_in),
         "inputs": int(inputs),
         "device_total": int(device_total),

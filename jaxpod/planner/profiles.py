@@ -34,6 +34,9 @@ class DeviceProfile:
     # a depthwise conv's weight gradient is computed from a dense [k, k, C, C] float32 kernel
     # (XLA:CPU; benchmarks/xla_peak.py), which the planner counts in its stage's backward
     dense_depthwise_grads: bool = False
+    # an RTS weight gradient is copied into the transposed layout (in the gradients' dtype)
+    # before its reduce-scatter, both alive in the layer's backward (XLA:CPU; xla_peak.py)
+    transposes_scattered_grads: bool = False
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -50,6 +53,7 @@ PROFILES: dict[str, DeviceProfile] = {
             stores_in_float32=("bfloat16",),
             shares_host_memory=True,
             dense_depthwise_grads=True,
+            transposes_scattered_grads=True,
         ),
         DeviceProfile(
             "ipu-gc200",

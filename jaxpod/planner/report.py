@@ -79,6 +79,7 @@ def format_plan(p: dict) -> str:
         ("updates", b["updates"], "optimizer update working set"),
         ("gathered", b["gathered"], "RTS all-gathered weights"),
         ("widened", b["widened"], "the step's matrices in float32 for their dots"),
+        ("scattered", b["scattered"], "a whole weight gradient before its RTS reduce-scatter"),
         ("inputs", b["inputs"], "batch" if p["batch_parts"] == 1 else "a part of the batch"),
         ("grad sum", b["grad_sum"], "the earlier parts' gradients, summed unreduced"),
     ]
