@@ -102,11 +102,19 @@ def device_bytes(
             mlp_matrix = cfg.model.d_model * cfg.model.d_ff / cfg.mesh.tensor * pb
             scattered = max(scattered - mlp_matrix, 0)  # net of the freed matrix, if any
 
+    # what rests on the host: every weight with params offloaded, the layer stack with phases
+    host_weights = weights_all if "params" in offload else 0
+    if "params" not in offload and mem.phases > 1:
+        host_weights = weights_all * layout["local_layers"] / max(local, 1)
     # Host-resident weights are on the device for the whole step: the CPU lowering fetches no
     # piece of them (its per-phase / per-matrix device_puts lower to nothing; the TPU/GPU
     # lowering keeps them, uncredited: jaxpod.parallel.offload), and a pipelined stage
-    # fetches its stack before the ticks.
+    # fetches its stack before the ticks. Where host memory is device memory (XLA:CPU) they
+    # are read in place, as the optimizer state is, unless in phases (XLA:CPU then holds the
+    # stack in its temporaries: docs/memory.md, "Which program the planner counts").
     weights = weights_all
+    if profile.shares_host_memory and mem.phases == 1:
+        weights = weights_all - host_weights
     grads = grads_stage
     optimizer = 0 if "optimizer" in offload else optimizer_all
     activations = acts["total"]
@@ -158,10 +166,6 @@ def device_bytes(
     moments = {"backward": backward_peak, "head": head_peak, "update": update_peak + gathered}
     peak = max(moments, key=moments.get)  # a tie goes to the first: backward, head, update
     device_total = weights + optimizer + inputs + grad_sum + moments[peak]
-    # what rests on the host: every weight with params offloaded, the layer stack with phases
-    host_weights = weights_all if "params" in offload else 0
-    if "params" not in offload and mem.phases > 1:
-        host_weights = weights_all * layout["local_layers"] / max(local, 1)
     host_total = host_weights + (optimizer_all - optimizer) + acts.get("host", 0)
     # what the device stores between steps (XLA's device-resident arguments): the weights
     # that do not rest on the host, the optimizer state unless offloaded, and the batch

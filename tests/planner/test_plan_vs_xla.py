@@ -202,6 +202,29 @@ def test_host_resident_layers_in_phases_keep_only_what_remat_keeps(tiny_cfg, mes
     assert planned == pytest.approx(measured, rel=0.15)
 
 
+@pytest.mark.parametrize(("phases", "held"), [(1, False), (2, True)], ids=["in-place", "phases"])
+def test_offloaded_weights_on_the_cpu_are_held_as_planned(phases, held, tiny_cfg, mesh_for):
+    """`memory.offload=[params]` on XLA:CPU (one RAM), where the weights dominate (1x1x1, d 256,
+    seq 16), against the same step with the weights on the device. Without phases the step
+    reads the host-resident weights in place: its temporaries are the on-device step's, and
+    the planner counts no device copy. In two phases XLA holds the layer stack (nearly all
+    the weights here) in its temporaries, and the planner counts it there."""
+    from jaxpod.run.aot import compile_step
+
+    shape = [*WEIGHTS, "model.layers=4", "model.remat=full"]
+    cfg = tiny_cfg(*shape, mesh=(1, 1, 1))
+    on_device = compile_step(cfg, mesh_for(cfg))
+    cfg = tiny_cfg(*shape, "memory.offload=[params]", f"memory.phases={phases}", mesh=(1, 1, 1))
+    offloaded = compile_step(cfg, mesh_for(cfg))
+    weights = on_device["device_argument_bytes"] - offloaded["device_argument_bytes"]
+    grew = offloaded["temp_bytes"] - on_device["temp_bytes"]
+    print(f"phases {phases}: host-resident {weights / 1e6:.2f} MB, temporaries {grew / 1e6:+.2f}")
+    assert weights > 0.2 * on_device["device_argument_bytes"]
+    assert grew > 0.9 * weights if held else abs(grew) < 0.02 * weights
+    measured, planned = offloaded["device_total_bytes"], offloaded["planned_device_total_bytes"]
+    assert planned == pytest.approx(measured, rel=0.10)
+
+
 def test_a_widening_backend_converts_the_streamed_matrices_to_float32(tiny_cfg, mesh_for):
     """`memory.stream=matrix`, float16 compute, RTS 2 on 2x1x1 (d 256, the MLP in 2 panels:
     W_in blocks [256, 512], W_out blocks [512, 256]). XLA:CPU's dots read float32, so each
