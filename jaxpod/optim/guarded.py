@@ -16,8 +16,8 @@ unscaled and clipped to `max_norm` with that norm (`optax.clip_by_global_norm`'s
 arithmetic), the optimizer runs in float32, and 16-bit results are stochastically rounded.
 
 How a step is skipped is the `Apply`'s. `whole_tree` runs the optimizer in a `lax.cond` on
-`finite`: a select of new against old values reads each old leaf after its
-new value is computed, and XLA:CPU then copies every donated optimizer-state leaf to write it
+`finite`: a select of new against old values reads each old leaf after its new value is
+computed, and XLA:CPU then copies every donated optimizer-state leaf to write it
 (tests/planner/test_xla_copies.py). `per_layer` selects strip by strip inside its loops,
 where a cond around the loops would copy the loop-carried trees instead; the packed stages'
 update (`jaxpod.engine.packed`) keeps its select too (with a cond XLA:CPU held more of that

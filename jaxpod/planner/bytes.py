@@ -6,12 +6,14 @@ and the update (weights, gradients, optimizer state, the update's working set, R
 copies, float32 copies of streamed matrices), on the device and the host.
 Analytic, no jax: nothing is built, so any mapping can be planned.
 
-Every credit is a transfer the compiled step makes (tests/planner/test_transfers.py finds
-them in the lowered program): host-resident layers reach the device a phase (pipeline 1) or a
-weight matrix (`memory.stream=matrix`) at a time, a pipelined stage's whole stack before the
-ticks; the update moves the whole parameter and optimizer trees to the device; saved
-activations never leave the device (the lowered step has no such placement). Nothing is
-prefetched. The device profile's `widens_16bit` says how the backend computes.
+Host-resident state is counted on the device while the step uses it: the weights whole for
+the whole step (the CPU lowering fetches no piece of them; the TPU/GPU lowering's per-phase
+and per-matrix fetches are not credited: tests/planner/test_transfers.py), the optimizer
+state moved in whole for the update. Where host memory is device memory (`shares_host_memory`,
+XLA:CPU) the optimizer state, and the weights outside phases, are read in place instead.
+Saved activations never leave the device (the lowered step has no such placement); nothing
+is prefetched. The device profile's flags say how the backend computes and lays out values
+(`widens_16bit`, `transposes_scattered_grads`, ...).
 """
 
 from __future__ import annotations
