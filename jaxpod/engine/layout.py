@@ -79,6 +79,12 @@ def make_layout(cfg: Config, mesh: Mesh, params: dict, specs: dict, masks: Masks
         keep = lambda d, p: d if p == NO_GATHER and not layers_on_host else p  # noqa: E731
         dims = jax.tree.map(keep, dims, panel_dims)
     opt_dims = rts_dims(params, specs, masks.stacked, emesh.shape, o_axes)
+    if k_opt == mem.rts:
+        # the optimizer state split along the weights' dimension wherever the weights are
+        # split (vocabulary slices and panels move it): the update's gradients, weights and
+        # moments are then the same shards, with no all-to-all to reshard them
+        same = lambda w, o: o if w == NO_GATHER else w  # noqa: E731
+        opt_dims = jax.tree.map(same, dims, opt_dims)
     return Layout(
         emesh,
         batch_axes,

@@ -19,6 +19,7 @@ import pytest
 from jaxpod.engine import build_engine
 from jaxpod.parallel import offload
 from jaxpod.parallel.replica import NO_GATHER
+from jaxpod.run.aot import compile_to_inspect
 from jaxpod.run.mapping import bytes_per_device, most_on_one_device
 
 BASE = ("train.global_batch=16", "train.grad_accum=null", "train.micro_batch=2")
@@ -106,11 +107,14 @@ def test_replicated_tensor_sharding(tiny_cfg, mesh_for, name):
     """RTS trains exactly like the plain engine on the same mesh (gathering a layer or, with
     `memory.stream=matrix`, one matrix at a time), and every device's bytes of params and of
     the optimizer's per-parameter state drop by exactly the RTS factors (every leaf of this
-    model has a dimension the group divides)."""
+    model has a dimension the group divides). With one RTS group for both, the optimizer
+    state is split like the weights (the update reshards nothing)."""
     shape, extra, k_w, k_o = RTS_CASES[name]
     plain, rts = run(tiny_cfg, mesh_for, shape), run(tiny_cfg, mesh_for, shape, *extra)
     assert_same_training(rts, plain, name)
     engine, state = rts[0], rts[3]
+    layout = engine.stages.layout
+    assert (layout.opt_specs == layout.stored_specs) == (k_w == k_o)
     if k_w > 1:
         assert NO_GATHER not in jax.tree.leaves(engine.stages.layout.rts_dims)
     p_plain, p_rts = held(plain[3].params), held(state.params)
@@ -258,6 +262,11 @@ def test_vocab_slices_gather_the_table_a_slice_at_a_time(tiny_cfg, mesh_for):
     assert_same_training(sliced, plain, "vocab slices")
     engine, state = sliced[0], sliced[3]
     assert engine.stages.layout.rts_dims["wte"] == 1
+    # the optimizer state split like the table (D, not the rows): the compiled step has no
+    # all-to-all (with the rows split, the update resharded the table's gradient)
+    assert engine.stages.layout.opt_specs == engine.stages.layout.stored_specs
+    hlo = compile_to_inspect(engine.train_step.lower(state, abstract_batch(engine))).as_text()
+    assert "all-to-all(" not in hlo
     gathered = gathered_shapes(
         jax.make_jaxpr(engine.train_step)(state, abstract_batch(engine)).jaxpr
     )
