@@ -132,14 +132,13 @@ def device_bytes(
     head_grads = local / rts * pb if accumulated else 0
     head_peak = head_grads + acts.get("head_moment", 0) + acts.get("head_table", 0)
     backward_peak = grads + acts.get("backward_moment", activations) + gathered + widened_step
-    backward_peak += scattered
     if cfg.mesh.pipeline > 1 and not accumulated and "backward_moment" in acts:
         # one GPipe pass: the layers' backward (the tick scans) holds the stages' layer
         # gradients and one layer's gathered weights; the other weights' gradients (and
         # their gathered copies) belong to the embedding and the head, after the ticks
         grads_layers = layout["local_layers"] / rts * pb
         backward_peak = grads_layers + acts["backward_moment"] + gathered_layer + widened_step
-        backward_peak += scattered
+    backward_peak += scattered
     # The update runs on whole trees: host-resident weights and optimizer state are moved to
     # the device first (`StackedStages.update`), the reduced grads too. It holds the grads and
     # the updates (the new weights and moments are written into their donated buffers).

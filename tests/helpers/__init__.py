@@ -35,6 +35,15 @@ def make_tiny_cfg(*overrides: str, mesh: tuple[int, int, int] | None = None, **k
     return load_config(TINY_YAML, args)
 
 
+def compiled_step(cfg, mesh):
+    """The train step of `cfg` compiled on `mesh` from abstract shapes (no weights), as
+    `jaxpod.run.aot.compile_to_inspect` compiles a program to be read."""
+    from jaxpod.run.aot import abstract_inputs, compile_to_inspect
+
+    engine, state, batch = abstract_inputs(cfg, mesh)
+    return compile_to_inspect(engine.train_step.lower(state, batch))
+
+
 # The tiny EfficientNet the engine tests train (float32, LARS, 16 images a step; splits and mesh
 # per test): tests/engine/test_pinned.py pins its first steps, test_packed_engine.py checks
 # them against a plain reference on the same meshes (the same programs).

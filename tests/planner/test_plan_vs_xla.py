@@ -9,6 +9,7 @@ program) + temp bytes (everything the step allocates). Within 15 %.
 from __future__ import annotations
 
 import pytest
+from helpers import compiled_step
 
 from jaxpod.planner.plan import plan
 
@@ -52,14 +53,6 @@ XLA_CASES = {  # (replica, pipeline, tensor), remat, grad_accum, more overrides
         [*WEIGHTS, "model.layers=8", "optim.name=lamb", *FP16_SR],
     ),
 }
-
-
-def compiled_step(cfg, mesh):
-    """The train step of `cfg` compiled on `mesh` from abstract shapes (no weights)."""
-    from jaxpod.run.aot import abstract_inputs, compile_to_inspect
-
-    engine, state, batch = abstract_inputs(cfg, mesh)
-    return compile_to_inspect(engine.train_step.lower(state, batch))
 
 
 def total_bytes(compiled) -> int:

@@ -16,6 +16,7 @@ import math
 import re
 
 import pytest
+from helpers import compiled_step
 
 from jaxpod.planner.plan import plan
 
@@ -49,11 +50,8 @@ def optimizer_bytes(hlo: str) -> tuple[int, int]:
     ids=["gpipe-1x2x1", "1f1b-1x2x1", "replicas-2x1x1", "rts2-2x1x1"],
 )
 def test_the_optimizer_state_is_updated_in_place(mesh, more, tiny_cfg, mesh_for):
-    from jaxpod.run.aot import abstract_inputs, compile_to_inspect
-
     cfg = tiny_cfg(*SMALL, "model.remat=full", "train.grad_accum=4", *more, mesh=mesh)
-    engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
-    hlo = compile_to_inspect(engine.train_step.lower(state, batch)).as_text()
+    hlo = compiled_step(cfg, mesh_for(cfg)).as_text()
     state_bytes, copied = optimizer_bytes(hlo)
     optimizer = plan(cfg)["bytes_per_device"]["optimizer"]
     print(f"{mesh} {more}: state {state_bytes / 1e6:.2f} MB, copies {copied / 1e6:.2f} MB")
@@ -105,11 +103,8 @@ def test_a_whole_weight_gradient_is_transposed_before_its_reduce_scatter(tiny_cf
     replica's shard; `W_in`'s ([d, d_ff], split along d_ff) is first copied into the transposed
     layout. The planner's `scattered` is that gradient and its copy, less the gathered MLP
     matrix the backward no longer holds (jaxpod.planner.bytes)."""
-    from jaxpod.run.aot import abstract_inputs, compile_to_inspect
-
     cfg = tiny_cfg(*SMALL, "model.remat=full", "memory.rts=4", mesh=(4, 1, 1))
-    engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
-    hlo = compile_to_inspect(engine.train_step.lower(state, batch)).as_text()
+    hlo = compiled_step(cfg, mesh_for(cfg)).as_text()
     dots = set(re.findall(r"%(\S+) = f32\[128,512\]\{1,0\} dot\(", hlo))
     copies = {
         name
