@@ -1,9 +1,18 @@
 """The engine on every mesh equals the plain single-device model: initial parameters and their
-shardings, one optimizer step (loss, gradients, parameters, optimizer state, logged norms),
-three steps, eval, and one data-parallel gradient reduction per step.
+shardings, one optimizer step (loss, gradients, parameters, optimizer state and their shardings,
+logged norms), three steps, eval, and one data-parallel gradient reduction per step.
 
 The reference and the engines come from the session's equivalence lab (tests/helpers/lab.py:
 each mesh's engine is built once per test process). Run with `-s` to see every measured error.
+
+Which mesh covers what: the initial parameters and their specs are checked on all seven
+meshes (`MESHES`: each axis alone and together; no compiled step). A train step is one XLA
+compile per (mesh, optimizer), so the steps run on `STEP_MESHES`, which still exercise every
+code path the single-axis meshes do: 1x1x1 (nothing sharded), 2x2x2 (every axis > 1 at
+once: the replica gradient reduction, the GPipe scan, Megatron's tensor psums), 1x4x2 (four
+stages, the pipelined path without replicas) and 2x1x4 (tensor width 4, replicas without a
+pipeline: the accumulation loop). 2x1x1 is 2x1x4's replica path with a size-1 tensor axis,
+1x1x2 its tensor path without replicas, 1x2x1 1x4x2's pipelined path with fewer stages.
 """
 
 from __future__ import annotations
@@ -39,6 +48,13 @@ from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 2), (2, 1, 4)]
+# The meshes a train step is compiled on (module docstring): AdamW on all four (gradients via
+# its first moment, the update, the optimizer state, the norms), SGD on the three sharded ones
+# (the momentum trace is the gradient exactly; the update's tight bound). 1x1x1's SGD step is
+# 2x1x4's non-pipelined path with size-1 axes.
+STEP_MESHES = [(1, 1, 1), (2, 2, 2), (1, 4, 2), (2, 1, 4)]
+STEP_CASES = [(shape, "adamw") for shape in STEP_MESHES]
+STEP_CASES += [(shape, "sgd") for shape in STEP_MESHES if shape != (1, 1, 1)]
 
 EXPECTED_SPECS = {
     "wte": P("tensor", None),
@@ -70,9 +86,13 @@ EXPECTED_SPECS = {
 @pytest.mark.parametrize("shape", MESHES, ids=mesh_id)
 def test_init_params_match_reference(lab, shape):
     """The engine's initial params on any mesh are the reference model's values (they depend
-    only on the seed), bit-identical to the 1-device jitted init, in the engine's specs."""
+    only on the seed), bit-identical to the 1-device jitted init, in the engine's specs, which
+    are the Megatron/pipeline layout; each device holds only its own shard and no device
+    holds a whole tensor-split weight. (The state after a step: `test_one_step_matches_
+    reference`; grads straight out of `engine.loss_and_grads`: the bubble tests.)"""
     cfg, mesh, engine, state = lab.engine(shape, "adamw")
     params, specs = state.params, engine.stages.specs
+    assert specs == EXPECTED_SPECS
     _, ref_params, _ = lab.reference()
     g, w = leaves(params), leaves(ref_params)
     assert g.keys() == w.keys()
@@ -87,29 +107,13 @@ def test_init_params_match_reference(lab, shape):
     assert_sharded_as(params, specs, mesh, "initial params")
 
 
-@pytest.mark.parametrize("shape", MESHES, ids=mesh_id)
-def test_specs_and_local_shards(lab, shape):
-    """Specs are the Megatron/pipeline layout; params (initial and updated), the SGD trace
-    (= grads) and AdamW moments live exactly there, and no device holds a whole tensor-split
-    weight. (Grads straight out of `engine.loss_and_grads` are checked in the bubble tests.)"""
-    cfg, mesh, engine, state = lab.engine(shape, "adamw")
-    specs = engine.stages.specs
-    assert specs == EXPECTED_SPECS
-    assert_sharded_as(state.params, specs, mesh, "params")
-    new_state, _ = lab.steps(shape, "adamw", 1)[0]
-    assert_sharded_as(new_state.params, specs, mesh, "updated params")
-    adam = adam_state(new_state.opt_state)
-    assert_sharded_as(adam.mu, specs, mesh, "adam mu")
-    assert_sharded_as(adam.nu, specs, mesh, "adam nu")
-    sgd_state, _ = lab.steps(shape, "sgd", 1)[0]
-    assert_sharded_as(sgd_trace(sgd_state.opt_state), specs, mesh, "grads (sgd trace)")
-
-
-@pytest.mark.parametrize("optim", ["sgd", "adamw"])
-@pytest.mark.parametrize("shape", MESHES, ids=mesh_id)
+@pytest.mark.parametrize(
+    ("shape", "optim"), STEP_CASES, ids=[f"{mesh_id(s)}-{o}" for s, o in STEP_CASES]
+)
 def test_one_step_matches_reference(lab, shape, optim):
     """One `engine.train_step` == one plain step: loss, every gradient leaf, every updated
-    parameter leaf, the optimizer state and the logged norms.
+    parameter leaf, the optimizer state and the logged norms; the updated params, AdamW's
+    moments and SGD's trace (= grads) live exactly in the params' specs.
 
     Gradients are read from the optimizer state the engine's own step produced: SGD's
     momentum trace after the first step is g + 0.9 * 0 = g exactly (asserted on the
@@ -117,6 +121,15 @@ def test_one_step_matches_reference(lab, shape, optim):
     """
     cfg, mesh, engine, _ = lab.engine(shape, optim)
     new_state, metrics = lab.steps(shape, optim, 1)[0]
+    specs = engine.stages.specs
+    assert specs == EXPECTED_SPECS
+    assert_sharded_as(new_state.params, specs, mesh, "updated params")
+    if optim == "sgd":
+        assert_sharded_as(sgd_trace(new_state.opt_state), specs, mesh, "grads (sgd trace)")
+    else:
+        adam = adam_state(new_state.opt_state)
+        assert_sharded_as(adam.mu, specs, mesh, "adam mu")
+        assert_sharded_as(adam.nu, specs, mesh, "adam nu")
     ref = lab.ref_steps(optim)[0]
     lr = float(lab.ref_optimizer(optim)[1](0))
     assert lr == np.float32(cfg.optim.lr)  # no warm-up: the first step uses the full lr

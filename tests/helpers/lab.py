@@ -16,7 +16,6 @@ Run with `-s` to see every measured error (printed when the session ends).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -268,17 +267,16 @@ class Lab:
         return self.memo(("engine", shape, optim), build)
 
     def steps(self, shape, optim, n: int):
-        """[(new_state, metrics)] after each of n train steps on batch(0), batch(1), ..."""
-
-        def run():
-            cfg, mesh, engine, state = self.engine(shape, optim)
-            state, out = copy_tree(state), []
-            for k in range(n):
-                state, metrics = engine.train_step(state, put(engine, batch(k)))
-                out.append((copy_tree(state), jax.device_get(metrics)))
-            return out
-
-        return self.memo(("steps", shape, optim, n), run)
+        """[(new_state, metrics)] after each of n train steps on batch(0), batch(1), ...; the
+        steps already taken for a smaller n are continued, not repeated."""
+        cfg, mesh, engine, state = self.engine(shape, optim)
+        out = self.memo(("steps", shape, optim), list)
+        while len(out) < n:
+            k = len(out)
+            state = copy_tree(out[-1][0] if out else state)
+            state, metrics = engine.train_step(state, put(engine, batch(k)))
+            out.append((copy_tree(state), jax.device_get(metrics)))
+        return out[:n]
 
     def reference(self):
         """The plain single-device model: (graphdef, initial params, jitted value_and_grad)."""
@@ -291,6 +289,12 @@ class Lab:
             return graphdef, nnx.to_pure_dict(state), jax.jit(jax.value_and_grad(loss_fn))
 
         return self.memo("reference", build)
+
+    def ref_loss_and_grads(self):
+        """(loss, grads) of the plain model on batch(0), from its initial params (step 0 of
+        every `ref_steps`; no optimizer compiled)."""
+        _, params, loss_and_grads = self.reference()
+        return self.memo("reference step 0", lambda: loss_and_grads(params, batch(0)))
 
     def ref_optimizer(self, optim):
         """(optax chain, schedule) from `make_optimizer` for the reference, masked by the
@@ -314,8 +318,7 @@ class Lab:
             opt_state, out = opt.init(params), []
             for k in range(n):
                 if k == 0:
-                    first = functools.partial(loss_and_grads, params, batch(0))
-                    loss, grads = self.memo("reference step 0", first)
+                    loss, grads = self.ref_loss_and_grads()
                 else:
                     loss, grads = loss_and_grads(params, batch(k))
                 new, opt_state, updates = update(grads, opt_state, params)

@@ -30,21 +30,34 @@ RTOL, ATOL = 1e-6, 1e-7
 STEPS = 5
 
 
-def _run(tx, params, grads_seq):
-    """`len(grads_seq)` optimizer steps, one jitted scan (a single compile per test)."""
+def _run(tx, params, grads, clip_first=None):
+    """`len(grads)` optimizer steps (`grads`: a tree of `[steps, ...]` leaves, `_grads`), one
+    jitted scan (a single compile per test); `clip_first`: a max norm the gradients are
+    clipped to by `clip_by_norm` (with their global norm) before `tx`."""
 
     def step(carry, g):
         params, state = carry
+        if clip_first is not None:
+            g = clip_by_norm(g, optax.tree.norm(g), clip_first)
         updates, state = tx.update(g, state, params)
         return (optax.apply_updates(params, updates), state), None
 
     run = jax.jit(lambda p, gs: jax.lax.scan(step, (p, tx.init(p)), gs)[0][0])
-    return run(params, jax.tree.map(lambda *xs: jnp.stack(xs), *grads_seq))
+    return run(params, grads)
+
+
+# Inputs are drawn with numpy: no XLA compile per shape (a jax.random draw is one compile for
+# each shape it is called with); what is compared is the same on any inputs.
+def _normal(seed, shape) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
 def _grads(params, seed, steps=STEPS):
-    keys = jax.random.split(jax.random.key(seed), steps)
-    return [jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape) * 0.1, params) for k in keys]
+    """`steps` random gradient trees like `params` (scale 0.1), stacked: leaves `[steps, ...]`."""
+    flat, tree = jax.tree.flatten(params)
+    rng = np.random.default_rng(seed)
+    draws = [0.1 * rng.standard_normal((steps, *np.shape(p))).astype(np.float32) for p in flat]
+    return jax.tree.unflatten(tree, draws)
 
 
 def _assert_trees_close(a, b):
@@ -55,13 +68,12 @@ def _assert_trees_close(a, b):
 
 
 def _flat_params():
-    """Unstacked params with weight, bias and norm-scale leaves."""
-    k = jax.random.split(jax.random.key(0), 4)
+    """Unstacked params with weight, bias and norm-scale leaves (numpy arrays)."""
     return {
-        "dense": {"kernel": jax.random.normal(k[0], (6, 5)), "bias": jnp.full((5,), 0.1)},
-        "norm": {"scale": jnp.ones((5,)), "bias": jnp.zeros((5,))},
-        "mlp": {"w_in": jax.random.normal(k[1], (5, 7)), "b_in": jax.random.normal(k[2], (7,))},
-        "wte": jax.random.normal(k[3], (11, 5)),
+        "dense": {"kernel": _normal(10, (6, 5)), "bias": np.full((5,), 0.1, np.float32)},
+        "norm": {"scale": np.ones((5,), np.float32), "bias": np.zeros((5,), np.float32)},
+        "mlp": {"w_in": _normal(11, (5, 7)), "b_in": _normal(12, (7,))},
+        "wte": _normal(13, (11, 5)),
     }
 
 
@@ -181,23 +193,30 @@ def test_masked_leaves_get_no_decay_and_no_trust_ratio():
     """With zero gradients, only decayed leaves move (weight decay); with unit gradients,
     the first LARS step of a masked leaf is exactly -lr * g (no trust ratio)."""
     params = _flat_params()
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(np.zeros_like, params)
     tx = lars(0.5, weight_decay=0.1, trust_coefficient=0.02, mask=FLAT_DECAY)
-    upd, _ = tx.update(zeros, tx.init(params), params)
+    first = _first_update(tx)
+    upd = first(zeros, params)
     mask = FLAT_DECAY
     for m, u in zip(jax.tree.leaves(mask), jax.tree.leaves(upd), strict=True):
-        assert bool(jnp.any(u != 0)) == m
-    ones = jax.tree.map(jnp.ones_like, params)
-    upd, _ = tx.update(ones, tx.init(params), params)
-    np.testing.assert_array_equal(upd["dense"]["bias"], -0.5 * jnp.ones(5))
-    np.testing.assert_array_equal(upd["norm"]["scale"], -0.5 * jnp.ones(5))
+        assert bool(np.any(u != 0)) == m
+    ones = jax.tree.map(np.ones_like, params)
+    upd = first(ones, params)
+    np.testing.assert_array_equal(upd["dense"]["bias"], -0.5 * np.ones(5))
+    np.testing.assert_array_equal(upd["norm"]["scale"], -0.5 * np.ones(5))
     assert not np.allclose(upd["dense"]["kernel"], -0.5)
     for name in ("sgd", "adamw"):  # decay masked for every optimizer
         cfg = OptimConfig(name=name, weight_decay=0.1, schedule="constant", grad_clip=0.0)
         tx, _ = make_optimizer(cfg, 10, decay_mask=FLAT_DECAY)
-        upd, _ = tx.update(zeros, tx.init(params), params)
-        assert not bool(jnp.any(upd["norm"]["scale"] != 0)), name
-        assert bool(jnp.any(upd["wte"] != 0)), name
+        upd = _first_update(tx)(zeros, params)
+        assert not bool(np.any(upd["norm"]["scale"] != 0)), name
+        assert bool(np.any(upd["wte"] != 0)), name
+
+
+def _first_update(tx):
+    """`(grads, params) -> the first update of tx` as one jitted program (numpy leaves out)."""
+    update = jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])
+    return lambda g, p: jax.tree.map(np.asarray, update(g, p))
 
 
 # -------------------------------------------------------------------- stacked == per layer
@@ -207,18 +226,18 @@ L = 3
 
 
 def _stacked_params():
-    k = jax.random.split(jax.random.key(5), 4)
-    scales = jnp.arange(1, L + 1, dtype=jnp.float32)  # very different norms per layer
+    """Params with stacked `[L, ...]` layer leaves (numpy arrays)."""
+    scales = np.arange(1, L + 1, dtype=np.float32)  # very different norms per layer
     return {
         "layers": {
             "attn": {
-                "w_qkv": jax.random.normal(k[0], (L, 4, 3, 4)) * scales[:, None, None, None],
-                "b_qkv": jax.random.normal(k[1], (L, 3, 4)),
+                "w_qkv": _normal(20, (L, 4, 3, 4)) * scales[:, None, None, None],
+                "b_qkv": _normal(21, (L, 3, 4)),
             },
-            "ln1": {"scale": jnp.ones((L, 4)), "bias": jnp.zeros((L, 4))},
+            "ln1": {"scale": np.ones((L, 4), np.float32), "bias": np.zeros((L, 4), np.float32)},
         },
-        "wte": jax.random.normal(k[2], (9, 4)),
-        "ln_f": {"scale": jnp.ones((4,)), "bias": jnp.zeros((4,))},
+        "wte": _normal(22, (9, 4)),
+        "ln_f": {"scale": np.ones((4,), np.float32), "bias": np.zeros((4,), np.float32)},
     }
 
 
@@ -232,17 +251,21 @@ STACKED_DECAY = {
 }
 
 
-def _unstack(tree):
-    """{"layers": leaves [L, ...]} -> {"layer0": ..., "layer1": ...} + the other entries."""
+def _unstack(tree, axis=0):
+    """{"layers": leaves [L, ...]} -> {"layer0": ..., "layer1": ...} + the other entries (the
+    layer axis `axis`; sliced in numpy: no compile)."""
     out = {k: v for k, v in tree.items() if k != "layers"}
     for i in range(L):
-        out[f"layer{i}"] = jax.tree.map(lambda x, i=i: x[i], tree["layers"])
+        out[f"layer{i}"] = jax.tree.map(
+            lambda x, i=i: np.take(np.asarray(x), i, axis=axis), tree["layers"]
+        )
     return out
 
 
 def _restack(tree):
     out = {k: v for k, v in tree.items() if not k.startswith("layer")}
-    out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[tree[f"layer{i}"] for i in range(L)])
+    layers = [jax.tree.map(np.asarray, tree[f"layer{i}"]) for i in range(L)]
+    out["layers"] = jax.tree.map(lambda *xs: np.stack(xs), *layers)
     return out
 
 
@@ -262,7 +285,7 @@ def test_stacked_trust_ratio_equals_per_layer(make):
     stacked = _run(make(STACKED, STACKED_DECAY), params, grads)
     unstacked_decay = {k: v for k, v in STACKED_DECAY.items() if k != "layers"}
     unstacked_decay |= {f"layer{i}": STACKED_DECAY["layers"] for i in range(L)}
-    per_layer = _run(make(False, unstacked_decay), _unstack(params), [_unstack(g) for g in grads])
+    per_layer = _run(make(False, unstacked_decay), _unstack(params), _unstack(grads, axis=1))
     _assert_trees_close(stacked, _restack(per_layer))
     # and the test has power: a whole-leaf trust ratio on the stacked leaf differs
     whole = _run(make(False, STACKED_DECAY), params, grads)
@@ -274,13 +297,15 @@ def test_layerwise_transform_matches_optax_per_slice():
     """One application of the bare transform on a stacked leaf == optax.scale_by_trust_ratio
     on each slice (same coefficient and eps)."""
     p = _stacked_params()["layers"]["attn"]["w_qkv"]
-    u = jax.random.normal(jax.random.key(9), p.shape)
-    u = u.at[1].set(0.0)  # a zero-norm layer keeps ratio 1 (optax's rule), per layer
-    ours, _ = scale_by_layerwise_trust_ratio(0.01, 1e-3, stacked=True).update(u, None, p)
+    u = _normal(9, p.shape)
+    u[1] = 0.0  # a zero-norm layer keeps ratio 1 (optax's rule), per layer
+    ours = jax.jit(
+        lambda u, p: scale_by_layerwise_trust_ratio(0.01, 1e-3, stacked=True).update(u, None, p)[0]
+    )(u, p)
     ref = optax.scale_by_trust_ratio(trust_coefficient=0.01, eps=1e-3)
+    wants = jax.jit(lambda u, p: [ref.update(u[i], None, p[i])[0] for i in range(L)])(u, p)
     for i in range(L):
-        want, _ = ref.update(u[i], None, p[i])
-        np.testing.assert_allclose(ours[i], want, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(ours[i], wants[i], rtol=RTOL, atol=ATOL)
 
 
 # ------------------------------------------------------------------ make_optimizer, clip
@@ -295,16 +320,11 @@ def test_make_optimizer_clip_false_plus_clip_by_norm_equals_clip(name):
     with_clip, lr = make_optimizer(cfg, 20)
     without, _ = make_optimizer(cfg, 20, clip=False)
     assert float(lr(1)) == pytest.approx(0.05)
-    s1, s2 = with_clip.init(params), without.init(params)
-    p1 = p2 = params
-    for g in _grads(params, 4, steps=3):
-        u1, s1 = with_clip.update(g, s1, p1)
-        g2 = clip_by_norm(g, optax.tree.norm(g), cfg.grad_clip)
-        u2, s2 = without.update(g2, s2, p2)
-        p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+    grads = _grads(params, 4, steps=3)  # each side one jitted program, as train jits it
+    p1, p2 = _run(with_clip, params, grads), _run(without, params, grads, cfg.grad_clip)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(p1))
+    assert all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(p1))
 
 
 def test_clip_by_norm_scales_by_min_one():
@@ -314,12 +334,17 @@ def test_clip_by_norm_scales_by_min_one():
 
 
 def test_make_optimizer_call_compatible_with_train():
+    """Every optimizer's update traces and lowers under `jax.jit` as train calls it, and its
+    updates have the params' tree structure (read from the lowered program: nothing here
+    needs it compiled; the other tests compile and run these chains)."""
     cfg = load_config("configs/tiny.yaml")
     for name in ("sgd", "adamw", "lamb", "lars"):
         optim = dataclasses.replace(cfg.optim, name=name, schedule="polynomial", power=2.0)
         tx, lr = make_optimizer(optim, cfg.train.steps)
         params = _stacked_params()
-        updates, _ = jax.jit(tx.update)(_grads(params, 0, 1)[0], tx.init(params), params)
+        grads = jax.tree.map(lambda g: g[0], _grads(params, 0, 1))
+        state = jax.eval_shape(tx.init, params)
+        updates, _ = jax.jit(tx.update).lower(grads, state, params).out_info
         assert jax.tree.structure(updates) == jax.tree.structure(params)
         assert float(lr(cfg.train.steps)) == pytest.approx(cfg.optim.end_lr, abs=1e-9)
 
@@ -343,26 +368,26 @@ def test_float32_moments_are_float32_and_the_same_math():
     float32 arithmetic, one rounding at the end)."""
     from jaxpod.optim.chains import float32_state
 
-    key = jax.random.PRNGKey(0)
-    params = {"w": jax.random.normal(key, (8, 4)).astype(jnp.float16)}
-    grads = {"w": (1e-3 * jax.random.normal(jax.random.PRNGKey(1), (8, 4))).astype(jnp.float16)}
+    params = {"w": _normal(0, (8, 4)).astype(np.float16)}
+    grads = {"w": (1e-3 * _normal(1, (8, 4))).astype(np.float16)}
     inner = optax.lamb(1e-2, b1=0.9, b2=0.999)
     tx = float32_state(inner)
-    state = tx.init(params)
+    # each first update one jitted program (dtypes of the states: read from their shapes)
+    first = lambda tx: jax.jit(lambda g, p: tx.update(g, tx.init(p), p))  # noqa: E731
+    state = jax.eval_shape(tx.init, params)
     assert {leaf.dtype for leaf in jax.tree.leaves(state) if leaf.ndim} == {jnp.dtype("float32")}
-    updates, _ = tx.update(grads, state, params)
-    up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
-    want, _ = inner.update(up(grads), inner.init(up(params)), up(params))
+    updates, _ = first(tx)(grads, params)
+    up = lambda t: jax.tree.map(lambda a: a.astype(np.float32), t)  # noqa: E731
+    want, _ = first(inner)(up(grads), up(params))
     assert updates["w"].dtype == jnp.float16
-    np.testing.assert_array_equal(updates["w"], want["w"].astype(jnp.float16))
+    np.testing.assert_array_equal(updates["w"], np.asarray(want["w"]).astype(np.float16))
     # in float16, g^2 of these gradients underflows: the plain optimizer's second moment is 0
-    half = inner.init(params)
-    _, half = inner.update(grads, half, params)
+    _, half = first(inner)(grads, params)
     nu = next(s.nu for s in jax.tree.leaves(half, is_leaf=lambda s: hasattr(s, "nu"))
               if hasattr(s, "nu"))  # fmt: skip
-    assert float(jnp.max(nu["w"].astype(jnp.float32))) == 0.0
+    assert float(np.max(np.asarray(nu["w"]).astype(np.float32))) == 0.0
     cfg = dataclasses.replace(OptimConfig(name="lamb"), moments="float32")
     full, _ = make_optimizer(cfg, 10)
-    assert {leaf.dtype for leaf in jax.tree.leaves(full.init(params)) if leaf.ndim} == {
-        jnp.dtype("float32")
-    }
+    assert {
+        leaf.dtype for leaf in jax.tree.leaves(jax.eval_shape(full.init, params)) if leaf.ndim
+    } == {jnp.dtype("float32")}

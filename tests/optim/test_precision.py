@@ -98,7 +98,8 @@ def test_representable_values_unchanged(dtype):
         assert y.dtype == jnp.dtype(dtype)
         np.testing.assert_array_equal(_f32(y), x)
         assert np.array_equal(np.signbit(_f32(y)), np.signbit(x))  # -0.0 stays -0.0
-    nan = stochastic_round(jnp.array([np.nan], jnp.float32), jax.random.key(0), dtype)
+    # NaN (a whole array of them: the program compiled above, no other shape to compile)
+    nan = stochastic_round(jnp.asarray(np.full_like(x, np.nan)), jax.random.key(0), dtype)
     assert np.isnan(_f32(nan)).all()
 
 
@@ -127,17 +128,20 @@ def test_unbiased_and_only_neighbours(dtype, where):
 
 def test_overflow_goes_to_inf_proportionally():
     """Between float16's max (65504) and 2**16 the upper neighbour is inf (IEEE-style)."""
-    n = 100_000
-    y = _f32(stochastic_round(jnp.full((n,), 65504.0 + 8.0), jax.random.key(0), jnp.float16))
+    # two values past 2**16 in front, in the same array: 200,000 float32 values, the shape
+    # test_unbiased_and_only_neighbours rounds to float16 (its program, no other compile)
+    n = 200_000 - 2
+    x = np.concatenate([[70000.0, -1e30], np.full((n,), 65504.0 + 8.0)]).astype(np.float32)
+    out = _f32(stochastic_round(jnp.asarray(x), jax.random.key(0), jnp.float16))
+    big, y = out[:2], out[2:]
     assert set(np.unique(y)) == {65504.0, np.inf}
     p = 8.0 / 32.0
     assert abs(np.mean(np.isinf(y)) - p) < 5 * np.sqrt(p * (1 - p) / n)
-    big = stochastic_round(jnp.array([70000.0, -1e30], jnp.float32), jax.random.key(0), "float16")
-    np.testing.assert_array_equal(_f32(big), [np.inf, -np.inf])
+    np.testing.assert_array_equal(big, [np.inf, -np.inf])
 
 
 def test_float32_is_identity_and_rounding_is_deterministic():
-    x = jax.random.normal(jax.random.key(0), (1000,))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(1000).astype(np.float32))
     np.testing.assert_array_equal(stochastic_round(x, jax.random.key(1), jnp.float32), x)
     a = stochastic_round(x, jax.random.key(1), jnp.float16)
     b = jax.jit(stochastic_round, static_argnums=2)(x, jax.random.key(1), jnp.float16)
@@ -163,12 +167,17 @@ def test_apply_updates_and_cast_tree_like():
     from round-to-nearest somewhere, and are reproducible from the key. Opt-state leaves
     return to their dtypes (ints plainly cast)."""
     k = jax.random.key(0)
-    p32 = {"w": jax.random.normal(k, (64,)), "b": jnp.zeros((3,))}
-    u = jax.tree.map(lambda x: 1e-3 * jnp.ones_like(x), p32)
+    w = np.random.default_rng(0).standard_normal(64).astype(np.float32)  # numpy: no compile
+    p32 = jax.device_put({"w": w, "b": np.zeros((3,), np.float32)})
+    u = jax.device_put(
+        {"w": np.full((64,), 1e-3, np.float32), "b": np.full((3,), 1e-3, np.float32)}
+    )
     ours, theirs = apply_updates(p32, u, k), optax.apply_updates(p32, u)
     assert _bits_equal(ours, theirs)
-    p16 = jax.tree.map(lambda x: x.astype(jnp.float16), p32)
-    tiny = jax.tree.map(lambda x: 1e-5 * jnp.ones_like(x, jnp.float32), p32)
+    p16 = jax.device_put({"w": w.astype(np.float16), "b": np.zeros((3,), np.float16)})
+    tiny = jax.device_put(
+        {"w": np.full((64,), 1e-5, np.float32), "b": np.full((3,), 1e-5, np.float32)}
+    )
     new = apply_updates(p16, tiny, k)
     assert all(x.dtype == jnp.float16 for x in jax.tree.leaves(new))
     assert not np.array_equal(_f32(new["w"]), _f32(p16["w"]))  # some rounded up
@@ -189,9 +198,9 @@ def test_stall_demonstration():
     forever (the loss is flat), stochastic rounding follows the float32 run. 3000 steps:
     the float32 loss falls by exp(-2 * 3) ~ 400x; we require SR to fall 50x."""
     n, steps, lr = 512, 3000, 1e-3
-    kw, kt = jax.random.split(jax.random.key(0))
-    w0 = jax.random.uniform(kw, (n,), minval=0.8, maxval=0.95).astype(jnp.float16)
-    target = w0.astype(jnp.float32) - jax.random.uniform(kt, (n,), minval=0.05, maxval=0.2)
+    rng = np.random.default_rng(0)  # numpy draws: no compile
+    w0 = jnp.asarray(rng.uniform(0.8, 0.95, n).astype(np.float16))
+    target = jnp.asarray(np.asarray(w0, np.float32) - rng.uniform(0.05, 0.2, n).astype(np.float32))
     loss = lambda w: 0.5 * jnp.sum(jnp.square(w.astype(jnp.float32) - target))
     tx = optax.sgd(lr)
 
@@ -227,9 +236,9 @@ def test_stall_demonstration():
 
 
 def _setup(master_dtype_, name="lars"):
-    params = {
-        "w": jax.random.normal(jax.random.key(0), (8, 4)).astype(master_dtype_),
-        "bias": jnp.zeros((4,), master_dtype_),
+    params = {  # numpy draws: no compile
+        "w": np.random.default_rng(0).standard_normal((8, 4)).astype(master_dtype_),
+        "bias": np.zeros((4,), master_dtype_),
     }
     tx, _ = make_optimizer(
         OptimConfig(name=name, lr=0.5, schedule="constant", weight_decay=1e-4), 100,
@@ -258,15 +267,16 @@ def test_overflow_step_is_skipped_and_scale_halves(dtype, name):
     step = jax.jit(
         lambda g, o, p, s, k: guarded_update(whole_tree(tx), g, o, p, s, k, cfg, max_norm=1.0)
     )
-    grads = jax.tree.map(lambda p: (jnp.ones_like(p) * 1024.0 * 0.01).astype(dtype), params)
+    grads = jax.tree.map(lambda p: np.full(p.shape, 1024.0 * 0.01, dtype), params)
     params, opt, ls, info = step(grads, opt, params, ls, jax.random.key(1))  # a normal step
     assert bool(info["finite"]) and int(ls.good_steps) == 1 and int(ls.skipped) == 0
-    bad = {"w": grads["w"].at[0, 0].set(jnp.inf), "bias": grads["bias"]}
+    bad = {"w": grads["w"].copy(), "bias": grads["bias"]}
+    bad["w"][0, 0] = np.inf
     p2, o2, ls2, info = step(bad, opt, params, ls, jax.random.key(2))
     assert not bool(info["finite"])
     assert _bits_equal(p2, params) and _bits_equal(o2, opt)  # untouched, bit for bit
     assert float(ls2.scale) == 512.0 and int(ls2.good_steps) == 0 and int(ls2.skipped) == 1
-    nan = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), grads)
+    nan = jax.tree.map(lambda g: np.full_like(g, np.nan), grads)
     p3, o3, ls3, _ = step(nan, o2, p2, ls2, jax.random.key(3))
     assert _bits_equal(p3, params) and _bits_equal(o3, opt)
     assert float(ls3.scale) == 256.0 and int(ls3.skipped) == 2

@@ -25,19 +25,54 @@ def shifted(state):
     return jax.tree.map(lambda a: jax.device_put(np.asarray(a) + 1, a.sharding), state)
 
 
-def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path):
+def scrambled(state, seed: int = 0):
+    """Every float leaf of `state` plus distinct random values (integer leaves plus one), in
+    its own sharding: no two layers of a stacked leaf, params or optimizer moments, alike."""
+    import jax
+
+    rng = np.random.default_rng(seed)
+
+    def leaf(a):
+        x = np.asarray(a)
+        floating = np.issubdtype(x.dtype, np.floating)
+        x = x + (rng.standard_normal(x.shape).astype(x.dtype) if floating else 1)
+        return jax.device_put(x, a.sharding)
+
+    return jax.tree.map(leaf, state)
+
+
+@pytest.fixture(scope="module")
+def built(tiny_cfg, mesh_for):
+    """`built(*overrides, mesh=(r, p, t)) -> (cfg, engine, initial state)`, each config built
+    once in this module (its tests read the states, never donate them)."""
+    from jaxpod.engine import build_engine
+
+    memo = {}
+
+    def build(*overrides, mesh):
+        key = (overrides, mesh)
+        if key not in memo:
+            cfg = tiny_cfg(*overrides, mesh=mesh)
+            memo[key] = (cfg, *build_engine(cfg, mesh_for(cfg)))
+        return memo[key]
+
+    return build
+
+
+BATCH = ("train.global_batch=16", "train.grad_accum=null")
+CIRCULAR = ("train.pipeline_schedule=circular", "train.virtual_stages=2")
+
+
+def test_restore_reads_into_the_new_meshs_shardings(built, tmp_path):
     """In process: saved from 2x2x2, restored on 1x2x4 with exactly the engine's shardings."""
     import jax
 
-    from jaxpod.engine import build_engine
     from jaxpod.run.checkpoint import Checkpointer
 
-    batch = ["train.global_batch=16", "train.grad_accum=null"]
-    old_cfg, new_cfg = tiny_cfg(*batch, mesh=(2, 2, 2)), tiny_cfg(*batch, mesh=(1, 2, 4))
-    saved = shifted(build_engine(old_cfg, mesh_for(old_cfg))[1])
+    saved = shifted(built(*BATCH, mesh=(2, 2, 2))[2])
     with Checkpointer(tmp_path, keep=1) as ckpt:
         ckpt.save(1, saved, seed=0)
-    engine, fresh = build_engine(new_cfg, mesh_for(new_cfg))
+    _, engine, fresh = built(*BATCH, mesh=(1, 2, 4))
     for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(saved), strict=True):
         assert not np.array_equal(np.asarray(a), np.asarray(b))  # the template is not the answer
     ckpt = Checkpointer(tmp_path, keep=1)
@@ -47,19 +82,17 @@ def test_restore_reads_into_the_new_meshs_shardings(tiny_cfg, mesh_for, tmp_path
     assert_restored(restored, saved, engine)
 
 
-def test_one_process_writes_each_shard_whole(tiny_cfg, mesh_for, tmp_path, monkeypatch):
+def test_one_process_writes_each_shard_whole(built, tmp_path, monkeypatch):
     """orbax's replica-parallel saving splits each replicated shard between its replicas, an
     eager `slice_in_dim` (an XLA compile) per slice; in one process each shard is written whole
     from one replica. Checked on 2x2x2 against orbax's default handler, which does slice."""
     import jax
     import orbax.checkpoint as ocp
 
-    from jaxpod.engine import build_engine
     from jaxpod.run import checkpoint
     from jaxpod.run.checkpoint import Checkpointer
 
-    cfg = tiny_cfg("train.global_batch=16", "train.grad_accum=null", mesh=(2, 2, 2))
-    _, state = build_engine(cfg, mesh_for(cfg))
+    _, _, state = built(*BATCH, mesh=(2, 2, 2))
     slices = []
     real = jax.lax.slice_in_dim
     monkeypatch.setattr(jax.lax, "slice_in_dim", lambda *a, **k: slices.append(a) or real(*a, **k))
@@ -90,9 +123,7 @@ def test_one_process_writes_each_shard_whole(tiny_cfg, mesh_for, tmp_path, monke
         "circular-to-gpipe-on-host",
     ],
 )
-def test_a_resume_with_another_layer_order_restores_the_same_model(
-    tiny_cfg, mesh_for, tmp_path, direction
-):
+def test_a_resume_with_another_layer_order_restores_the_same_model(built, tmp_path, direction):
     """A circular schedule stores its layers in virtual-stage order
     (`StackedStages.layer_order`), which changes with train.virtual_stages and mesh.pipeline,
     both free to change on resume. The saved state is the init plus one (`shifted`); restored
@@ -105,16 +136,14 @@ def test_a_resume_with_another_layer_order_restores_the_same_model(
     import jax
 
     from jaxpod.config import config_to_dict
-    from jaxpod.engine import build_engine
     from jaxpod.run.checkpoint import Checkpointer
 
-    common = ["train.global_batch=16", "train.grad_accum=null"]
+    common = BATCH
     if direction.endswith("on-host"):
-        common += ["memory.offload=[optimizer,params]", "memory.rts=2"]
-    circular = ["train.pipeline_schedule=circular", "train.virtual_stages=2"]
-    configs = [tiny_cfg(*common, *circular, mesh=(2, 2, 2)), tiny_cfg(*common, mesh=(2, 2, 1))]
+        common += ("memory.offload=[optimizer,params]", "memory.rts=2")
+    configs = [((*common, *CIRCULAR), (2, 2, 2)), (common, (2, 2, 1))]
     saving, restoring = configs[::-1] if direction == "gpipe-to-circular" else configs
-    saver, saved = build_engine(saving, mesh_for(saving))
+    saving, saver, saved = built(*saving[0], mesh=saving[1])
     assert (saver.stages.layer_order is None) == (direction == "gpipe-to-circular")
     with Checkpointer(tmp_path, keep=1) as ckpt:
         config = config_to_dict(saving)
@@ -123,7 +152,7 @@ def test_a_resume_with_another_layer_order_restores_the_same_model(
         meta = tmp_path / "checkpoints" / "1" / "meta" / "metadata"
         record = json.loads(meta.read_text())
         meta.write_text(json.dumps({k: v for k, v in record.items() if k != "layer_order"}))
-    engine, fresh = build_engine(restoring, mesh_for(restoring))
+    _, engine, fresh = built(*restoring[0], mesh=restoring[1])
     with Checkpointer(tmp_path, keep=1) as ckpt:
         restored = ckpt.restore(1, engine, fresh, seed=0)
     kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(restored)}
@@ -131,30 +160,27 @@ def test_a_resume_with_another_layer_order_restores_the_same_model(
     assert_restored(restored, shifted(fresh), engine)
 
 
-def test_the_optimizer_moments_move_with_their_layers(tiny_cfg, mesh_for, tmp_path):
-    """After a circular step (non-zero moments), restored under GPipe: every stacked leaf of
-    the params and the optimizer state is the saved one in logical order, the rest as saved."""
+def test_the_optimizer_moments_move_with_their_layers(built, tmp_path):
+    """A circular state with non-zero optimizer moments, restored under GPipe: every stacked
+    leaf of the params and the optimizer state is the saved one in logical order, the rest as
+    saved. The saved state is the initial one with every element moved by its own random
+    amount (`scrambled`): no two layers alike, so any misplaced layer of any leaf shows (what
+    is read and moved is the checkpoint, not how a step computed it)."""
     import jax
 
     from jaxpod.models.params import in_stack
     from jaxpod.run.checkpoint import Checkpointer
-    from jaxpod.run.tasks import build_task
 
-    common = ["train.global_batch=16", "train.grad_accum=null"]
-    circular = ["train.pipeline_schedule=circular", "train.virtual_stages=2"]
-    saving, restoring = (
-        tiny_cfg(*common, *circular, mesh=(1, 2, 1)),
-        tiny_cfg(*common, mesh=(1, 2, 1)),
-    )
-    task, state = build_task(saving, mesh_for(saving))
-    state, _ = task.engine.train_step(state, task.batch(0))
-    order = task.engine.stages.layer_order
+    _, saver, state = built(*BATCH, *CIRCULAR, mesh=(2, 2, 2))  # the engines of the test above
+    state = scrambled(state)
+    order = saver.stages.layer_order
+    assert list(order) != sorted(order)  # stored out of logical order: moving them shows
     saved = jax.device_get(state)
     with Checkpointer(tmp_path, keep=1) as ckpt:
         ckpt.save(1, state, seed=0, layer_order=order)
-    task, fresh = build_task(restoring, mesh_for(restoring))
+    _, engine, fresh = built(*BATCH, mesh=(2, 2, 1))
     with Checkpointer(tmp_path, keep=1) as ckpt:
-        restored = jax.device_get(ckpt.restore(1, task.engine, fresh, seed=0))
+        restored = jax.device_get(ckpt.restore(1, engine, fresh, seed=0))
 
     def logical(path, leaf):
         return leaf[np.argsort(order)] if in_stack(path) else leaf
