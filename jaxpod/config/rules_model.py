@@ -14,6 +14,12 @@ def check_blocks(cfg: Config) -> None:
     """EfficientNet's scaling fits its block names (a..z in a group), and `model.pipeline_splits`
     names blocks of the configured variant, each once, in model order."""
     md, letters = cfg.model, len(string.ascii_lowercase)
+    total = len(BASE_BLOCK_GROUPS)
+    if md.block_groups is not None and not 1 <= md.block_groups <= total:
+        fail(
+            f"model.block_groups={md.block_groups} must be between 1 and {total} "
+            "(or null for all of the variant's block groups)"
+        )
     width, depth = coefficients(md.variant, md.width_mult, md.depth_mult)
     longest = max(group[-1] for group in BASE_BLOCK_GROUPS)  # a block group's base repeats
     if longest * depth > letters:
@@ -23,14 +29,19 @@ def check_blocks(cfg: Config) -> None:
         )
     if not math.isfinite(width * HEAD_CH):
         fail(f"model.width_mult={width:g} is too large to scale the channels by; use e.g. 2")
-    specs = block_specs(md.variant, g16=md.g16, width_mult=md.width_mult, depth_mult=md.depth_mult)
+    specs = block_specs(
+        md.variant, g16=md.g16, width_mult=md.width_mult, depth_mult=md.depth_mult,
+        block_groups=md.block_groups,
+    )  # fmt: skip
     names = [s.name for s in specs]
     splits = list(md.pipeline_splits)
     valid = f"valid block names: {_block_names(names)}"
     for name in splits:
         if name not in names:
-            of = f"model.variant={md.variant}" + (
-                "" if md.depth_mult is None else f" at model.depth_mult={md.depth_mult:g}"
+            of = (
+                f"model.variant={md.variant}"
+                + ("" if md.depth_mult is None else f" at model.depth_mult={md.depth_mult:g}")
+                + ("" if md.block_groups is None else f" with model.block_groups={md.block_groups}")
             )
             fail(f"model.pipeline_splits={splits}: {name[:20]!r} is not a block of {of}; {valid}")
     for name in splits:

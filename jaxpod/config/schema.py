@@ -77,6 +77,7 @@ class ModelConfig:
     norm_groups: int = 4  # GroupNorm groups
     width_mult: float | None = None  # override the variant's width coefficient
     depth_mult: float | None = None  # override the variant's depth coefficient
+    block_groups: int | None = None  # only the first N of the 7 block groups (null: all)
     image_size: int = 32
     num_classes: int = 10
     pipeline_splits: tuple[str, ...] = ()  # block names where stages 1.. start, e.g. [4a]

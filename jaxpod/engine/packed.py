@@ -58,6 +58,7 @@ def _stage_modules(cfg: Config) -> list:
     return build_stages(
         md.variant, splits=list(md.pipeline_splits), num_classes=md.num_classes, g16=md.g16,
         groups=md.norm_groups, width_mult=md.width_mult, depth_mult=md.depth_mult,
+        block_groups=md.block_groups,
         dtype=compute_dtype(pr), param_dtype=master_dtype(pr), rngs=nnx.Rngs(cfg.train.seed),
     )  # fmt: skip
 

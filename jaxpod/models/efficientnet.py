@@ -234,6 +234,7 @@ def build_stages(
     groups: int = 4,
     width_mult: float | None = None,
     depth_mult: float | None = None,
+    block_groups: int | None = None,
     dtype=F32,
     param_dtype=F32,
     rngs: nnx.Rngs,
@@ -241,7 +242,9 @@ def build_stages(
     """`len(splits) + 1` consecutive `Stage`s of the network; each name in `splits` is the
     first block of a new stage (`[]` = one stage, the whole net). Parameters are drawn in
     network order, so they are the same for every `splits` given the same `rngs` seed."""
-    specs = block_specs(variant, g16=g16, width_mult=width_mult, depth_mult=depth_mult)
+    specs = block_specs(
+        variant, g16=g16, width_mult=width_mult, depth_mult=depth_mult, block_groups=block_groups
+    )
     split_specs(specs, splits)  # validate before allocating anything
     stem_ch, head_ch = stem_head_channels(variant, width_mult=width_mult)
     kw = dict(groups=groups, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -266,6 +269,7 @@ class EfficientNet(nnx.Module):
         groups: int = 4,
         width_mult: float | None = None,
         depth_mult: float | None = None,
+        block_groups: int | None = None,
         dtype=F32,
         param_dtype=F32,
         rngs: nnx.Rngs,
@@ -273,7 +277,8 @@ class EfficientNet(nnx.Module):
         self.stages = nnx.List(
             build_stages(
                 variant, splits=splits, num_classes=num_classes, g16=g16, groups=groups,
-                width_mult=width_mult, depth_mult=depth_mult, dtype=dtype,
+                width_mult=width_mult, depth_mult=depth_mult, block_groups=block_groups,
+                dtype=dtype,
                 param_dtype=param_dtype, rngs=rngs,
             )
         )  # fmt: skip

@@ -137,14 +137,17 @@ def block_specs(
     g16: bool = False,
     width_mult: float | None = None,
     depth_mult: float | None = None,
+    block_groups: int | None = None,
 ) -> list[BlockSpec]:
     """The MBConv blocks of `variant` in order; `width_mult`/`depth_mult` override its
-    compound-scaling coefficients. The first block of a group has the group's stride and input
-    width; its repeats have stride 1 and `in_ch == out_ch`."""
+    compound-scaling coefficients; `block_groups` keeps only the first that many of the seven
+    block groups (a shallower network, for tests and quick trials; None: all). The first block
+    of a group has the group's stride and input width; its repeats have stride 1 and
+    `in_ch == out_ch`."""
     width, depth = coefficients(variant, width_mult, depth_mult)
     specs = []
     for block_group, (expand, kernel, stride, c_in, c_out, repeats) in enumerate(
-        BASE_BLOCK_GROUPS, 1
+        BASE_BLOCK_GROUPS[:block_groups], 1
     ):
         c_in, c_out = round_filters(c_in, width), round_filters(c_out, width)
         if g16 and expand == 6:
@@ -193,6 +196,7 @@ def flops_per_image(
     g16: bool = False,
     width_mult: float | None = None,
     depth_mult: float | None = None,
+    block_groups: int | None = None,
 ) -> int:
     """Forward FLOPs of one image, counted as 2 x multiply-adds of every conv and dense layer
     (stem, expand, spatial, squeeze-excitation, project, head, classifier). Norms,
@@ -200,7 +204,9 @@ def flops_per_image(
     "0.39B FLOPs" for B0 are multiply-adds, i.e. ~0.78e9 here.) `image_size` defaults to the
     variant's resolution."""
     size = default_image_size(variant) if image_size is None else image_size
-    specs = block_specs(variant, g16=g16, width_mult=width_mult, depth_mult=depth_mult)
+    specs = block_specs(
+        variant, g16=g16, width_mult=width_mult, depth_mult=depth_mult, block_groups=block_groups
+    )
     stem_ch, head_ch = stem_head_channels(variant, width_mult=width_mult)
 
     def conv(hw: int, k: int, c_in: int, c_out: int, groups: int = 1) -> int:
@@ -227,12 +233,15 @@ def stage_params(
     g16: bool = False,
     width_mult: float | None = None,
     depth_mult: float | None = None,
+    block_groups: int | None = None,
 ) -> list[int]:
     """Parameter scalars of each pipeline stage (`splits` as in `split_specs`), counted from
     the specs: every conv kernel `[k, k, in / groups, out]` (no bias) with its norm's scale
     and bias, the squeeze-excitation's two dense layers with biases, the stem in stage 0,
     the head conv and classifier in the last stage (tests/models: equal to the modules')."""
-    specs = block_specs(variant, g16=g16, width_mult=width_mult, depth_mult=depth_mult)
+    specs = block_specs(
+        variant, g16=g16, width_mult=width_mult, depth_mult=depth_mult, block_groups=block_groups
+    )
     stem_ch, head_ch = stem_head_channels(variant, width_mult=width_mult)
 
     def conv_norm(c_in: int, c_out: int, k: int, groups: int = 1) -> int:

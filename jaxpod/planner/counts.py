@@ -19,7 +19,7 @@ def efficientnet_stage_params(cfg: Config) -> list[int]:
     md = cfg.model
     return stage_params(
         md.variant, splits=md.pipeline_splits, num_classes=md.num_classes, g16=md.g16,
-        width_mult=md.width_mult, depth_mult=md.depth_mult,
+        width_mult=md.width_mult, depth_mult=md.depth_mult, block_groups=md.block_groups,
     )  # fmt: skip
 
 
@@ -82,7 +82,7 @@ def flops_per_example(cfg: Config) -> int:
     if md.name == "efficientnet":
         return flops_per_image(
             md.variant, md.image_size, md.num_classes, g16=md.g16,
-            width_mult=md.width_mult, depth_mult=md.depth_mult,
+            width_mult=md.width_mult, depth_mult=md.depth_mult, block_groups=md.block_groups,
         )  # fmt: skip
     sharded, _ = layer_params(md.d_model, md.d_ff)
     matmul = md.layers * (sharded - 3 * md.d_model - md.d_ff) + md.vocab * md.d_model

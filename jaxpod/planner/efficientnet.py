@@ -76,7 +76,10 @@ def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
     `wide`: bytes of a conv's operand or output (XLA:CPU convolves 16-bit in float32);
     `act`: bytes of an elementwise value of the compute dtype (the swish, the SE's gate)."""
     md = cfg.model
-    specs = block_specs(md.variant, g16=md.g16, width_mult=md.width_mult, depth_mult=md.depth_mult)
+    specs = block_specs(
+        md.variant, g16=md.g16, width_mult=md.width_mult, depth_mult=md.depth_mult,
+        block_groups=md.block_groups,
+    )  # fmt: skip
     stem_ch, head_ch = stem_head_channels(md.variant, width_mult=md.width_mult)
     hw = md.image_size
     stem_hw = _size(hw, 2)

@@ -305,6 +305,15 @@ BAD_OVERRIDES = [
                 ),
             ),
             (
+                ["mesh.pipeline=2", "model.block_groups=3", "model.pipeline_splits=[4a]"],
+                (
+                    "'4a' is not a block of model.variant=b0 with model.block_groups=3; valid "
+                    "block names: 1a, 2a, 2b, 3a, 3b",
+                ),
+            ),
+            (["model.block_groups=8"], ("model.block_groups=8 must be between 1 and 7",)),
+            (["model.block_groups=0"], ("model.block_groups=0 must be between 1 and 7",)),
+            (
                 ["mesh.pipeline=3", "devices=6", "model.pipeline_splits=[4a,4a]"],
                 ("model.pipeline_splits=['4a', '4a'] names block 4a twice", "valid block names"),
             ),

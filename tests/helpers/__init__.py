@@ -54,6 +54,12 @@ TINY_VISION = (
     "optim.lr=0.5", "optim.weight_decay=1e-4", "optim.warmup_steps=0", "optim.schedule=constant",
 )  # fmt: skip
 
+# TINY_VISION's first three block groups on two stages (stem, 1a, 2a | 3a, head): the same
+# kinds of block (expansion 1 and 6, kernels 3 and 5, strides 1 and 2, a residual), less than
+# half the tiny net's compile (docs/benchmarks.md, "A shallower test network"). For the tests
+# whose programs test_pinned does not compile anyway.
+SHALLOW_VISION = (*TINY_VISION, "model.block_groups=3", "model.pipeline_splits=[3a]")
+
 # The tiny GPT of the pinned cases (tests/engine/test_pinned.py): 16 sequences a step.
 GPT16 = ("train.global_batch=16", "train.grad_accum=null", "optim.warmup_steps=0")
 

@@ -94,6 +94,7 @@ def test_g16_param_count(variant, standard, pinned):
         ("b2", dict(splits=["2a", "5a"], num_classes=10)),
         ("b3", dict(g16=True, width_mult=0.5, depth_mult=0.2, splits=["3a", "6a"])),
         ("b1", dict(width_mult=0.25, depth_mult=0.1, num_classes=10, splits=["7a"])),
+        ("b0", dict(width_mult=0.25, depth_mult=0.2, block_groups=3, splits=["3a"])),
     ],
 )
 def test_stage_params_count_the_built_stages(variant, kw):
@@ -120,6 +121,7 @@ def test_block_names_and_scaling():
     assert stem_head_channels("b4") == (48, 1792)
     assert [s.residual for s in b0[:3]] == [False, False, True]
     assert all(s.group_size == 1 and s.expand in (1, 6) for s in b0)
+    assert block_specs("b0", block_groups=3) == b0[:5]  # the first groups, unchanged
 
 
 def test_g16_grouped_conv_kernel_shapes():
