@@ -35,7 +35,7 @@ from helpers.lab import (
 from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
-from jaxpod.engine import abstract_engine, build_engine
+from jaxpod.engine import abstract_engine
 
 SHAPE = (2, 2, 2)
 BUCKET = "parallel.grad_bucket_bytes=65536"  # 64 KiB: several buckets, some leaves alone
@@ -46,17 +46,20 @@ OPTIONS = {"psum bucketed": (BUCKET,), "ring bucketed": (RING, BUCKET)}
 
 def one_step(lab, *extra):
     """(initial state, state after one SGD step, its metrics, lr) of `lab.cfg(SHAPE, sgd,
-    *extra)`'s engine; the initial state (it depends on the mesh only) is built once."""
+    *extra)`'s engine. The initial state depends on the mesh only: every option starts from
+    the lab's default engine's (`lab.engine`), and the default's step is the lab's
+    (`lab.steps`, which test_mesh_equivalence.py's one-step tests share in a process)."""
+    cfg, mesh, default, initial = lab.engine(SHAPE, "sgd")
+    if not extra:
+        new_state, metrics = lab.steps(SHAPE, "sgd", 1)[0]
+        return initial, new_state, metrics, float(default.stages.schedule(0))
 
     def run():
-        cfg = lab.cfg(SHAPE, "sgd", *extra)
-        mesh = lab.mesh_for(cfg)
-        engine, _ = abstract_engine(cfg, mesh)
-        initial = lab.memo("grad_allreduce init", lambda: build_engine(cfg, mesh)[1])
+        engine, _ = abstract_engine(lab.cfg(SHAPE, "sgd", *extra), mesh)
         new_state, metrics = engine.train_step(copy_tree(initial), put(engine, batch(0)))
-        return initial, new_state, jax.device_get(metrics), float(engine.stages.schedule(0))
+        return new_state, jax.device_get(metrics), float(engine.stages.schedule(0))
 
-    return lab.memo(("grad_allreduce", extra), run)
+    return initial, *lab.memo(("grad_allreduce", extra), run)
 
 
 @pytest.mark.parametrize("name", OPTIONS)

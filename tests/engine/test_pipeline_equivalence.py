@@ -3,7 +3,14 @@ over micro-batches == gradient accumulation == the plain full batch; pipeline bu
 carry pre-filled with NaN) never reach the loss or the gradients; `model.sequence_chunks` and
 `model.sequence_parallel` on sharded meshes give the plain reference's loss and gradients.
 
-The reference comes from the session's equivalence lab (tests/helpers/lab.py).
+Every pipelined run here starts its carry as NaN (`bubble_fill`) and checks that its
+gradients come back with the params' shardings: the bubble claim on 1x2x1 (one pass and two),
+2x2x2 (sequence chunks, sequence parallelism) and 1x4x2 (its own test).
+
+The reference comes from the session's equivalence lab (tests/helpers/lab.py): its plain
+model's loss and gradients on the first batch, at its initial params. The engine runs at the
+same params, put in its shardings (`helpers.lab.sharded_loss_and_grads`: no init program per
+config; the engine's own init is test_mesh_equivalence.py's).
 """
 
 from __future__ import annotations
@@ -19,7 +26,14 @@ from helpers.lab import (
     sharded_loss_and_grads,
 )
 
-PIPELINED = [(1, 2, 1), (2, 2, 2), (1, 4, 2)]
+NAN = float("nan")
+
+
+def reference(lab) -> dict:
+    """{loss, grads} of the plain model on batch(0): the first of `lab.ref_steps` (its memo,
+    shared with them; no optimizer step is needed here)."""
+    loss, grads = lab.ref_loss_and_grads()
+    return {"loss": loss, "grads": grads}
 
 
 # --------------------------------------------------------------------------------------------
@@ -30,7 +44,8 @@ PIPELINED = [(1, 2, 1), (2, 2, 2), (1, 4, 2)]
 def test_pipeline_microbatches_equal_accumulation(lab):
     """GPipe over 4 micro-batches on 2 stages == two GPipe passes of 2 micro-batches
     (`train.pipeline_group=2`, gradients summed) == the 4-step accumulation loop on 1 device
-    == the plain full-batch gradient."""
+    == the plain full-batch gradient. The pipelined runs start their carry as NaN: bubbles
+    never reach the loss or the grads, which come back with the params' shardings."""
     runs = {
         "pipeline": ((1, 2, 1), []),
         "pipeline, 2 passes": ((1, 2, 1), ["train.pipeline_group=2"]),
@@ -40,8 +55,11 @@ def test_pipeline_microbatches_equal_accumulation(lab):
     for name, (shape, extra) in runs.items():
         cfg = lab.cfg(shape, "adamw", "train.micro_batch=4", *extra)
         assert (cfg.train.grad_accum, cfg.global_batch) == (4, GLOBAL_BATCH)
-        out[name] = sharded_loss_and_grads(lab, cfg)[:2]
-    ref = lab.ref_steps("adamw")[0]
+        fill = NAN if shape[1] > 1 else 0.0
+        loss, grads, specs, mesh = sharded_loss_and_grads(lab, cfg, bubble_fill=fill)
+        assert_sharded_as(grads, specs, mesh, f"grads {name}")
+        out[name] = loss, grads
+    ref = reference(lab)
     (pipe_loss, pipe_grads), (acc_loss, acc_grads) = out["pipeline"], out["accumulation"]
     assert_loss_close(pipe_loss, acc_loss, "pipeline vs accumulation")
     assert_trees_close(pipe_grads, acc_grads, GRAD_TOL, "grads pipeline vs accumulation")
@@ -55,13 +73,15 @@ def test_pipeline_microbatches_equal_accumulation(lab):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", PIPELINED, ids=mesh_id)
+@pytest.mark.parametrize("shape", [(1, 4, 2)], ids=mesh_id)
 def test_bubble_nan_never_reaches_loss_or_grads(lab, shape):
     """With the pipeline carry pre-filled with NaN, loss and grads are finite and equal the
-    reference, and the grads come back with the params' shardings."""
+    reference, and the grads come back with the params' shardings. Here on 4 stages; on
+    1x2x1 in test_pipeline_microbatches_equal_accumulation (one pass and two), on 2x2x2 in
+    the sequence-chunks and sequence-parallel tests (every pipelined run of this module)."""
     cfg = lab.cfg(shape, "adamw")
-    loss, grads, specs, mesh = sharded_loss_and_grads(lab, cfg, bubble_fill=float("nan"))
-    ref = lab.ref_steps("adamw")[0]
+    loss, grads, specs, mesh = sharded_loss_and_grads(lab, cfg, bubble_fill=NAN)
+    ref = reference(lab)
     assert_loss_close(loss, ref["loss"], "bubble_fill=nan")
     assert_trees_close(grads, ref["grads"], GRAD_TOL, "grads bubble_fill=nan")
     assert_sharded_as(grads, specs, mesh, "grads")
@@ -74,10 +94,11 @@ def test_bubble_nan_never_reaches_loss_or_grads(lab, shape):
 
 def test_sequence_chunks_sharded_match_reference(lab):
     """A 2x2x2 step with model.sequence_chunks=4 gives the plain (unchunked, single-device)
-    reference's loss and gradients."""
+    reference's loss and gradients (the carry NaN-filled, the grads sharded as the params)."""
     cfg = lab.cfg((2, 2, 2), "adamw", "model.sequence_chunks=4")
-    loss, grads = sharded_loss_and_grads(lab, cfg)[:2]
-    ref = lab.ref_steps("adamw")[0]
+    loss, grads, specs, mesh = sharded_loss_and_grads(lab, cfg, bubble_fill=NAN)
+    assert_sharded_as(grads, specs, mesh, "grads sequence chunks 2x2x2")
+    ref = reference(lab)
     assert_loss_close(loss, ref["loss"], "sequence chunks 2x2x2 vs reference")
     assert_trees_close(grads, ref["grads"], GRAD_TOL, "sequence chunks 2x2x2 vs reference")
 
@@ -92,9 +113,12 @@ def test_sequence_parallel_matches_reference(lab, shape):
     """With the residual stream split over `tensor` along the sequence (all-gather before
     the column-parallel matmuls, reduce-scatter after the row-parallel ones, positions and
     targets sliced to match), loss and every gradient equal the plain reference — the
-    accumulation loop (pipeline 1) and the GPipe scan (pipeline 2; BERT's test adds 1x2x4)."""
+    accumulation loop (pipeline 1) and the GPipe scan (pipeline 2, the carry NaN-filled;
+    BERT's test adds 1x2x4); the grads come back sharded as the params."""
     cfg = lab.cfg(shape, "adamw", "model.sequence_parallel=true")
-    loss, grads, _, mesh = sharded_loss_and_grads(lab, cfg)
-    ref = lab.ref_steps("adamw")[0]
+    fill = NAN if shape[1] > 1 else 0.0
+    loss, grads, specs, mesh = sharded_loss_and_grads(lab, cfg, bubble_fill=fill)
+    assert_sharded_as(grads, specs, mesh, f"grads sequence parallel {mesh_id(shape)}")
+    ref = reference(lab)
     assert_loss_close(loss, ref["loss"], f"sequence parallel {mesh_id(shape)} vs reference")
     assert_trees_close(grads, ref["grads"], GRAD_TOL, f"sequence parallel {mesh_id(shape)}")

@@ -1,11 +1,13 @@
 """Every pipeline schedule trains GPT, BERT and EfficientNet like the plain model.
 
 GPT and BERT: loss and every gradient against the model's own `__call__` on the whole
-global batch on one device. The engine runs `train.pipeline_schedule` circular (2 virtual
-stages, the layers stored round-robin: `StackedStages.layer_order`) and 1f1b on (1,2,1),
-(1,4,1), (2,2,2) and (1,2,4) with M = 2S micro-batches per replica (and M = S, 4S on
-1x2x1), and gpipe and circular with `train.skip_bubbles` (1x4x1, 2x2x2); a circular
-engine's grads are put back in the logical layer order first. A train
+global batch (8 sequences in every case: one reference per model) on one device. The engine
+runs `train.pipeline_schedule` circular (2 virtual stages, the layers stored round-robin:
+`StackedStages.layer_order`) and 1f1b, each on three meshes with M = S, 2S and 4S
+micro-batches per replica (`CASES` and the train step: replica > 1, tensor 2 and 4,
+pipeline depth 2 and 4, both models; `CASES` says which case covers what), and gpipe and
+circular with `train.skip_bubbles`; the pipeline carry starts as NaN (bubbles never reach a
+result); a circular engine's grads are put back in the logical layer order first. A train
 step of each schedule updates the params like GPipe's, and EfficientNet's packed stages
 under 1f1b give GPipe's loss and gradients (GPipe is proven against the plain models in
 test_mesh_equivalence.py and test_packed_engine.py). Tolerances are GPipe's: the same math
@@ -21,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import TINY_VISION
+from helpers import SHALLOW_VISION
+from helpers.lab import sgd_trace
 
-from jaxpod.engine import build_engine
+from jaxpod.engine import abstract_engine, build_engine
 from jaxpod.engine.stacked import build_model
 from jaxpod.models import mlm
 
@@ -40,6 +43,7 @@ SCHEDULES = {
 }
 # a bubble tick computes nothing (`lax.cond`); the carry's NaN bubble fill must not leak
 SKIPPING = {f"{k}-skip": (*SCHEDULES[k], "train.skip_bubbles=true") for k in ("gpipe", "circular")}
+ROWS = 8  # every case's global batch: replica x M micro-batches of 1 sequence
 
 
 def tokens_of(rows: int, seq: int = 32) -> np.ndarray:
@@ -47,19 +51,26 @@ def tokens_of(rows: int, seq: int = 32) -> np.ndarray:
 
 
 @functools.cache
-def reference(model: str, rows: int):
-    """Plain (loss, grads) of the whole batch of `rows` sequences on one device."""
+def plain_model(model: str):
+    """(graphdef, initial params as numpy, seed) of the plain model, built on one device."""
     from conftest import make_tiny_cfg
 
     cfg = make_tiny_cfg(*(BERT if model == "bert" else GPT), mesh=(1, 1, 1))
     graphdef, state = nnx.split(build_model(cfg.model, cfg.train.seed))
+    return graphdef, jax.device_get(nnx.to_pure_dict(state)), cfg.train.seed
+
+
+@functools.cache
+def reference(model: str, rows: int):
+    """Plain (loss, grads) of the whole batch of `rows` sequences on one device."""
+    graphdef, params, seed = plain_model(model)
     tokens = tokens_of(rows)
     if model == "bert":
-        keys = mlm.row_keys(cfg.train.seed, 0, jnp.arange(rows))
+        keys = mlm.row_keys(seed, 0, jnp.arange(rows))
         fn = lambda p: nnx.merge(graphdef, p)(tokens, keys)  # noqa: E731
     else:
         fn = lambda p: nnx.merge(graphdef, p)(tokens)  # noqa: E731
-    return jax.jit(jax.value_and_grad(fn))(nnx.to_pure_dict(state))
+    return jax.jit(jax.value_and_grad(fn))(params)
 
 
 def logical(engine, grads):
@@ -71,22 +82,31 @@ def logical(engine, grads):
     return {**grads, "layers": jax.tree.map(lambda a: np.asarray(a)[back], grads["layers"])}
 
 
+def stored(engine, params):
+    """The logical `params` with the layers in the engine's stored order."""
+    order = engine.stages.layer_order
+    if order is None:
+        return params
+    return {**params, "layers": jax.tree.map(lambda a: a[order], params["layers"])}
+
+
 def rel_err(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def check_against_reference(tiny_cfg, mesh_for, model, mesh, micro, schedule):
-    r, s, _ = mesh
+def schedule_cfg(tiny_cfg, model, mesh, micro, schedule):
+    """The config of `model` on `mesh` with `micro` micro-batches of 1 sequence per replica."""
     base = BERT if model == "bert" else GPT
-    rows = r * micro
     extra = {**SCHEDULES, **SKIPPING}[schedule]
-    cfg = tiny_cfg(*base, f"train.global_batch={rows}", *extra, mesh=mesh)
-    assert cfg.train.grad_accum == micro
-    engine, state = build_engine(cfg, mesh_for(cfg), bubble_fill=float("nan"))
-    batch = jax.device_put((tokens_of(rows),), engine.batch_sharding)
-    loss, _, grads = jax.jit(engine.loss_and_grads)(state.params, batch)
-    want_loss, want = reference(model, rows)
+    cfg = tiny_cfg(*base, f"train.global_batch={mesh[0] * micro}", *extra, mesh=mesh)
+    assert cfg.train.grad_accum == micro and cfg.global_batch == ROWS
+    return cfg
+
+
+def assert_matches_reference(engine, model, loss, grads, what: str) -> None:
+    """`loss` and `grads` (in the engine's stored layer order) == the plain model's."""
+    want_loss, want = reference(model, ROWS)
     assert abs(float(loss) - float(want_loss)) <= LOSS_RTOL * abs(float(want_loss))
     got = jax.tree_util.tree_leaves_with_path(logical(engine, jax.device_get(grads)))
     errs = {
@@ -94,18 +114,25 @@ def check_against_reference(tiny_cfg, mesh_for, model, mesh, micro, schedule):
         for (k, g), w in zip(got, jax.tree.leaves(want), strict=True)
     }
     worst = max(errs, key=errs.get)
-    print(f"{model} {schedule} {mesh} M={micro}: worst grad {worst} {errs[worst]:.1e}")
+    print(f"{what}: worst grad {worst} {errs[worst]:.1e}")
     assert errs[worst] <= GRAD_TOL, errs
 
 
-MESHES = [(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 4)]
-# GPipe's engine equivalence is test_mesh_equivalence.py's; the executors themselves are
-# checked for every S in {2, 4} and M in {S, 2S, 4S} in tests/parallel/test_schedules.py;
-# benchmarks/check_schedules.py runs the whole model x mesh x M x schedule matrix.
-CASES = [("gpt", m, 2 * m[1], k) for m in MESHES for k in ("circular", "1f1b")]
-CASES += [("gpt", (1, 2, 1), 2, "circular"), ("gpt", (1, 2, 1), 8, "1f1b")]
-CASES += [("bert", m, 2 * m[1], k) for m in [(2, 2, 2), (1, 2, 4)] for k in ("circular", "1f1b")]
-CASES += [("gpt", (1, 4, 1), 8, "gpipe-skip"), ("gpt", (2, 2, 2), 4, "circular-skip")]
+# Which case proves what (GPipe's engine equivalence is test_mesh_equivalence.py's; the
+# executors themselves are checked for every S in {2, 4} and M in {S, 2S, 4S} in
+# tests/parallel/test_schedules.py; benchmarks/check_schedules.py runs the whole model x
+# mesh x M x schedule matrix). Per schedule, circular and 1f1b:
+#   bert 2x4x1, M = S:   BERT (masked-token weights, per-row keys), replica > 1, depth 4
+#   gpt 1x2x4, M = 4S:   GPT, tensor width 4
+#   gpt 2x2x2, M = 2S:   replica > 1, tensor 2: test_a_train_step_updates_like_gpipe
+#                        (circular skipping its bubbles there)
+# and gpipe skipping its bubbles on 4 stages (gpt 1x4x1, M = 2S). These cases run the
+# engine's loss and gradients at the plain model's own initial params, put in the engine's
+# shardings and stored layer order (no init program per case); the engine's init is the
+# train step's here (both layer orders) and test_mesh_equivalence.py's / test_init.py's.
+CASES = [("bert", (2, 4, 1), 4, k) for k in ("circular", "1f1b")]
+CASES += [("gpt", (1, 2, 4), 8, k) for k in ("circular", "1f1b")]
+CASES += [("gpt", (1, 4, 1), 8, "gpipe-skip")]
 
 
 @pytest.mark.parametrize(
@@ -115,27 +142,42 @@ CASES += [("gpt", (1, 4, 1), 8, "gpipe-skip"), ("gpt", (2, 2, 2), 4, "circular-s
 )
 def test_schedule_matches_the_single_device_reference(tiny_cfg, mesh_for, model, mesh, micro,
                                                       schedule):  # fmt: skip
-    check_against_reference(tiny_cfg, mesh_for, model, mesh, micro, schedule)
+    cfg = schedule_cfg(tiny_cfg, model, mesh, micro, schedule)
+    engine, state = abstract_engine(cfg, mesh_for(cfg), bubble_fill=float("nan"))
+    params = stored(engine, plain_model(model)[1])
+    params = jax.device_put(params, jax.tree.map(lambda a: a.sharding, state.params))
+    batch = jax.device_put((tokens_of(ROWS),), engine.batch_sharding)
+    loss, _, grads = jax.jit(engine.loss_and_grads)(params, batch)
+    assert_matches_reference(engine, model, loss, grads, f"{model} {schedule} {mesh} M={micro}")
+
+
+# the train step's schedules: circular skips its bubbles (its plain ticks: `CASES`)
+STEP_SCHEDULES = ("gpipe", "circular-skip", "1f1b")
 
 
 def test_a_train_step_updates_like_gpipe(tiny_cfg, mesh_for):
-    """One SGD step with each schedule on 2x2x2 gives GPipe's loss and updated params (in
-    the logical layer order)."""
-    batch = tokens_of(8)
+    """One SGD step of each schedule on 2x2x2 (M = 2S, the carry NaN-filled): its loss and
+    gradients equal the single-device reference's (the gradients read from SGD's momentum
+    trace, which after one step with no weight decay is g + 0.9 * 0 = g), and circular's
+    and 1f1b's loss and updated params (in the logical layer order) equal GPipe's."""
+    batch = tokens_of(ROWS)
     out = {}
-    for name, extra in SCHEDULES.items():
-        cfg = tiny_cfg(*GPT, "train.global_batch=8", *extra, mesh=(2, 2, 2))
-        engine, state = build_engine(cfg, mesh_for(cfg))
+    for name in STEP_SCHEDULES:
+        cfg = schedule_cfg(tiny_cfg, "gpt", (2, 2, 2), 4, name)
+        assert cfg.optim.weight_decay == 0
+        engine, state = build_engine(cfg, mesh_for(cfg), bubble_fill=float("nan"))
         state, metrics = engine.train_step(state, jax.device_put((batch,), engine.batch_sharding))
+        trace = sgd_trace(state.opt_state)
+        assert_matches_reference(engine, "gpt", metrics["loss"], trace, f"{name} step 2x2x2")
         out[name] = (float(metrics["loss"]), logical(engine, jax.device_get(state.params)))
-    for name in ("circular", "1f1b"):
+    for name in STEP_SCHEDULES[1:]:
         assert abs(out[name][0] - out["gpipe"][0]) <= LOSS_RTOL * out["gpipe"][0]
         for a, b in zip(*(jax.tree.leaves(out[k][1]) for k in (name, "gpipe")), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=PARAM_ATOL)
 
 
-# test_pinned's effnet-421 config: 2 micro-batches per replica; its init is the pinned run's
-VISION = (*TINY_VISION, "model.pipeline_splits=[4a]")
+# a shallow EfficientNet (three block groups) on two packed stages, 2 micro-batches per replica
+VISION = SHALLOW_VISION
 
 
 def test_1f1b_efficientnet_heterogeneous_stages(tiny_cfg, mesh_for):

@@ -355,10 +355,17 @@ def sgd_trace(opt_state):
     return find_state(opt_state, "TraceState").trace
 
 
+def at_reference_params(lab, cfg, *, bubble_fill=0.0):
+    """(engine, params): cfg's engine built from abstract shapes (no init program compiled)
+    and the lab's reference initial params put in its shardings."""
+    engine, state = abstract_engine(cfg, lab.mesh_for(cfg), bubble_fill=bubble_fill)
+    shardings = jax.tree.map(lambda a: a.sharding, state.params)
+    return engine, jax.device_put(lab.reference()[1], shardings)
+
+
 def sharded_loss_and_grads(lab, cfg, *, bubble_fill=0.0):
-    """(loss, grads, specs, mesh): `engine.loss_and_grads` on cfg's mesh, from the engine's
-    initial params, on batch(0) (the reference's first batch)."""
-    mesh = lab.mesh_for(cfg)
-    engine, state = build_engine(cfg, mesh, bubble_fill=bubble_fill)
-    loss, _, grads = jax.jit(engine.loss_and_grads)(state.params, put(engine, batch(0)))
-    return loss, grads, engine.stages.specs, mesh
+    """(loss, grads, specs, mesh): `engine.loss_and_grads` on cfg's mesh at the reference's
+    initial params (`at_reference_params`), on batch(0) (the reference's first batch)."""
+    engine, params = at_reference_params(lab, cfg, bubble_fill=bubble_fill)
+    loss, _, grads = jax.jit(engine.loss_and_grads)(params, put(engine, batch(0)))
+    return loss, grads, engine.stages.specs, engine.stages.mesh

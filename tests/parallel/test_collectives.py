@@ -17,6 +17,7 @@ normal ones, and is checked:
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -262,17 +263,15 @@ GRAD_SHAPES = {
 TENSOR_LEAVES = ("embed", "layer_w")  # varying over tensor too: never in a bucket with the rest
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 1, 2, 2, 1), (2, 2, 1, 1, 2)], ids=str)
-@pytest.mark.parametrize(
-    "allreduce, bucket_bytes",
-    [("ring", 0), ("psum", 64), ("ring", 64), ("ring", 10**6), ("psum", 10**6)],
-)
-def test_bucketed_reduce_grads_equal_psum_per_leaf(mesh_shape, allreduce, bucket_bytes):
-    """On meshes of the RTS data axes and tensor, the default `reduce_grads` (a psum per
-    leaf) sums each leaf over the data axes its spec does not name (numpy's sum of the
-    integer-valued inputs), and every option returns the default's gradients bit for bit,
-    with the same varying axes (the out_specs leave tensor off the leaves that do not vary
-    over it)."""
+# (allreduce, bucket_bytes) away from the default (psum, 0)
+REDUCE_OPTIONS = [("ring", 0), ("psum", 64), ("ring", 64), ("ring", 10**6), ("psum", 10**6)]
+
+
+@functools.cache
+def reduced_grads(mesh_shape):
+    """(inputs, the default `reduce_grads`, {option: its result}) on `mesh_shape`: the default
+    and every option of `REDUCE_OPTIONS` in one jit of the mesh (each option's cases read
+    their own result)."""
     mesh = jax.make_mesh(mesh_shape, (*RTS_AXES, "tensor"))
     data, t = int(np.prod(mesh_shape[:4])), mesh_shape[4]
     specs = {k: P(RTS_AXES, "tensor" if k in TENSOR_LEAVES else None) for k in GRAD_SHAPES}
@@ -284,16 +283,31 @@ def test_bucketed_reduce_grads_equal_psum_per_leaf(mesh_shape, allreduce, bucket
     def local(grads):
         grads = jax.tree.map(lambda g: g[0], grads)
         default = reduce_grads(grads, GRAD_SPECS, RTS_AXES)
-        option = reduce_grads(
-            grads, GRAD_SPECS, RTS_AXES, allreduce=allreduce, bucket_bytes=bucket_bytes
-        )
-        return jax.tree.map(lambda a: a[None], (default, option))
+        options = [
+            reduce_grads(grads, GRAD_SPECS, RTS_AXES, allreduce=a, bucket_bytes=b)
+            for a, b in REDUCE_OPTIONS
+        ]
+        return jax.tree.map(lambda a: a[None], (default, options))
 
     rng = np.random.default_rng(4)
     grads = {k: rng.integers(-8, 9, global_shape(k)).astype(np.float32) for k in GRAD_SHAPES}
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=(specs, specs)))
+    out_specs = (specs, [specs] * len(REDUCE_OPTIONS))
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=out_specs))
     shardings = {k: NamedSharding(mesh, specs[k]) for k in specs}
-    default, option = fn(jax.device_put(grads, shardings))
+    default, options = jax.device_get(fn(jax.device_put(grads, shardings)))
+    return grads, default, dict(zip(REDUCE_OPTIONS, options, strict=True))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 1, 2, 2, 1), (2, 2, 1, 1, 2)], ids=str)
+@pytest.mark.parametrize("allreduce, bucket_bytes", REDUCE_OPTIONS)
+def test_bucketed_reduce_grads_equal_psum_per_leaf(mesh_shape, allreduce, bucket_bytes):
+    """On meshes of the RTS data axes and tensor, the default `reduce_grads` (a psum per
+    leaf) sums each leaf over the data axes its spec does not name (numpy's sum of the
+    integer-valued inputs), and every option returns the default's gradients bit for bit,
+    with the same varying axes (the out_specs leave tensor off the leaves that do not vary
+    over it). One program a mesh computes the default and every option (`reduced_grads`)."""
+    grads, default, options = reduced_grads(mesh_shape)
+    option = options[(allreduce, bucket_bytes)]
     for k in GRAD_SHAPES:
         g = grads[k].reshape(*mesh_shape[:4], *grads[k].shape[1:])
         summed = g.sum(tuple(RTS_AXES.index(a) for a in REDUCED_OVER[k]), keepdims=True)

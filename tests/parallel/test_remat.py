@@ -1,7 +1,8 @@
 """Recomputation policies (`jaxpod.parallel.remat`): every policy gives the same loss and
 gradients, really wraps the layers in a checkpoint, and `full` uses less temporary memory.
 
-The reference comes from the session's equivalence lab (tests/helpers/lab.py).
+The reference comes from the session's equivalence lab (tests/helpers/lab.py): the plain
+model's gradients on its first batch, at its initial params, which the engine runs at too.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers.lab import (
-    GLOBAL_BATCH,
     GRAD_TOL,
     assert_trees_close,
+    at_reference_params,
+    batch,
     loss_and_grads_of,
-    sharded_loss_and_grads,
+    put,
 )
 from jax.extend.core import jaxprs_in_params
 
@@ -31,26 +33,33 @@ def test_remat_policy_names_match_config_choices():
     assert set(REMAT_POLICIES) == set(CHOICES["model.remat"])
 
 
+def remat_run(lab, policy):
+    """(loss, grads, the remat policies in its jaxpr) of `engine.loss_and_grads` on 1x2x2
+    with `model.remat=policy`, at the reference's initial params (put in the engine's
+    shardings: no init program) on its first batch: the jaxpr read is the one traced for
+    the program that ran (one trace)."""
+
+    def run():
+        cfg = lab.cfg((1, 2, 2), "adamw", f"model.remat={policy}")
+        engine, params = at_reference_params(lab, cfg)
+        args = (params, put(engine, batch(0)))
+        traced = jax.jit(engine.loss_and_grads).trace(*args)
+        loss, _, grads = traced.lower().compile()(*args)
+        return loss, grads, remat_policies_used(traced.jaxpr.jaxpr)
+
+    return lab.memo(("remat", policy), run)
+
+
 @pytest.mark.parametrize("policy", list(REMAT_POLICIES))
 def test_remat_policy_gradients(lab, policy):
     """Every recomputation policy gives the `none` policy's loss and grads on 1x2x2 (and the
     reference's), and every policy but `none` really wraps the layers in a checkpoint."""
-
-    def run(policy):
-        cfg = lab.cfg((1, 2, 2), "adamw", f"model.remat={policy}")
-        return lab.memo(("remat", policy), lambda: sharded_loss_and_grads(lab, cfg)[:2])
-
-    loss, grads = run(policy)
-    none_loss, none_grads = run("none")
+    loss, grads, used = remat_run(lab, policy)
+    none_loss, none_grads, _ = remat_run(lab, "none")
     assert_trees_close(grads, none_grads, REMAT_TOL, f"remat grads {policy} vs none")
     assert abs(float(loss) - float(none_loss)) <= REMAT_TOL * abs(float(none_loss))
-    ref = lab.ref_steps("adamw")[0]
-    assert_trees_close(grads, ref["grads"], GRAD_TOL, f"remat grads {policy} vs reference")
-
-    cfg = lab.cfg((1, 2, 2), "adamw", f"model.remat={policy}")
-    fn, params, _ = loss_and_grads_of(lab, cfg)
-    tokens = jax.ShapeDtypeStruct((GLOBAL_BATCH, cfg.model.seq_len + 1), jnp.int32)
-    used = remat_policies_used(jax.make_jaxpr(fn)(params, tokens).jaxpr)
+    _, ref_grads = lab.ref_loss_and_grads()
+    assert_trees_close(grads, ref_grads, GRAD_TOL, f"remat grads {policy} vs reference")
     assert used == ({REMAT_POLICIES[policy]} if policy != "none" else set()), used
 
 

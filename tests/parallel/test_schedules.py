@@ -10,6 +10,7 @@ stages and M in {S, 2S, 4S}.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -180,7 +181,9 @@ def _reference(params, inputs, targets):
     return jax.value_and_grad(loss)(params)
 
 
-def _pipelined(kind: str, stages: int, micro: int, virtual: int):
+def _executor(kind: str, stages: int, micro: int, virtual: int):
+    """(fn, args, params, layer order) of one pipelined executor: `fn(*args)` (inside
+    `shard_map` over `stages` devices) is its (loss, grads), the layers' in stored order."""
     layers = 2 * stages * virtual
     params, inputs, targets = _model(layers, micro)
     sched = make_schedule(kind, stages, micro, virtual)
@@ -222,11 +225,37 @@ def _pipelined(kind: str, stages: int, micro: int, virtual: int):
         return jax.lax.psum(loss, "pipeline"), grads
 
     specs = {"embed": P(), "layers": P("pipeline"), "head": P()}
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P()),
-                               out_specs=(P(), specs)))  # fmt: skip
-    loss, grads = fn(stored, inputs, targets)
-    grads = {**grads, "layers": np.asarray(grads["layers"])[np.argsort(order)]}
-    return loss, grads, _reference(params, inputs, targets)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P()), out_specs=(P(), specs))
+    return fn, (stored, inputs, targets), (params, inputs, targets), order
+
+
+@functools.cache
+def _pipelined_on(stages: int) -> dict:
+    """{(kind, micro): (loss, grads in the logical layer order, the plain loop's (loss,
+    grads))} of every executor case on `stages` devices, the executors compiled as one
+    program (each its own `shard_map` on its own inputs: one compile instead of nine), the
+    plain loops as another."""
+    cases = [(k, m, v) for k, s, m, v in EXECUTOR_CASES if s == stages]
+    built = [_executor(k, stages, m, v) for k, m, v in cases]
+    fns = [fn for fn, *_ in built]
+    run_all = jax.jit(lambda args: [fn(*a) for fn, a in zip(fns, args, strict=True)])
+    outs = run_all([args for _, args, _, _ in built])
+    # the plain loops: one single-device program of their own
+    wants = jax.jit(lambda plains: [_reference(*p) for p in plains])([p for *_, p, _ in built])
+    results = {}
+    for (kind, micro, _), (*_, order), (loss, grads), want in zip(
+        cases, built, outs, wants, strict=True
+    ):
+        grads = {**grads, "layers": np.asarray(grads["layers"])[np.argsort(order)]}
+        results[(kind, micro)] = loss, grads, want
+    return results
+
+
+def _pipelined(kind: str, stages: int, micro: int, virtual: int):
+    """(loss, grads, the plain loop's (loss, grads)) of the `kind` executor, S = `stages`,
+    M = `micro`, V = `virtual` (computed with the other cases of S: `_pipelined_on`)."""
+    assert (kind, stages, micro, virtual) in EXECUTOR_CASES
+    return _pipelined_on(stages)[(kind, micro)]
 
 
 EXECUTOR_CASES = [

@@ -65,6 +65,13 @@ def check_all(name, sharded, plain, f64, plain_name="plain"):
         check(f"{name}[{i}] sharded vs float64", s, r, FLOAT64_TOL)
 
 
+def value_and_grads(f, loss, argnums, *args):
+    """`f(*args)` and the gradients of `loss(f)` at `args` (w.r.t. `argnums`), one jit: one
+    program for the sharded kernel, one for the plain one (each compiled, not run op by
+    op)."""
+    return jax.jit(lambda *a: (f(*a), jax.grad(loss(f), argnums=argnums)(*a)))(*args)
+
+
 def normal(rng: np.random.Generator, *shape, scale: float = 1.0) -> np.ndarray:
     return (scale * rng.standard_normal(shape)).astype(np.float32)
 
@@ -98,9 +105,8 @@ def test_column_dense(t, qkv_shaped):
     )
     loss = lambda f: lambda x, w, b: jnp.sum(f(x, w, b) * cot)
     args = (x, w, b)
-    y_s, y_p = jax.jit(sharded)(*args), column_dense(*args)
-    g_s = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(*args)
-    g_p = jax.grad(loss(column_dense), argnums=(0, 1, 2))(*args)
+    y_s, g_s = value_and_grads(sharded, loss, (0, 1, 2), *args)
+    y_p, g_p = value_and_grads(column_dense, loss, (0, 1, 2), *args)
 
     x64, w64, c64 = x.astype(np.float64), w.astype(np.float64), cot.astype(np.float64)
     y_ref = np.tensordot(x64, w64, axes=1) + b
@@ -128,9 +134,8 @@ def test_row_dense(t, bias):
     loss = lambda f: lambda x, w, b: jnp.sum(f(x, w, b) * cot)
     args = (x, w, b)
     argnums = (0, 1, 2) if bias else (0, 1)
-    y_s, y_p = jax.jit(sharded)(*args), plain(*args)
-    g_s = jax.jit(jax.grad(loss(sharded), argnums=argnums))(*args)
-    g_p = jax.grad(loss(plain), argnums=argnums)(*args)
+    y_s, g_s = value_and_grads(sharded, loss, argnums, *args)
+    y_p, g_p = value_and_grads(plain, loss, argnums, *args)
 
     x64, w64, c64 = x.astype(np.float64), w.astype(np.float64), cot.astype(np.float64)
     y_ref = x64 @ w64 + (0.0 if b is None else b)
@@ -174,9 +179,9 @@ def test_vocab_embed(t, slices):
         out_specs=P(),
     )
     plain = lambda tok, tab: vocab_embed(tok, vocab_table(tab, slices, prepared), None)
-    loss = lambda f: lambda tab: jnp.sum(f(tokens, tab) * cot)
-    x_s, x_p = jax.jit(sharded)(tokens, table), plain(tokens, table)
-    g_s, g_p = jax.jit(jax.grad(loss(sharded)))(table), jax.grad(loss(plain))(table)
+    loss = lambda f: lambda tok, tab: jnp.sum(f(tok, tab) * cot)
+    x_s, (g_s,) = value_and_grads(sharded, loss, (1,), tokens, table)
+    x_p, (g_p,) = value_and_grads(plain, loss, (1,), tokens, table)
 
     g_ref = np.zeros((V, D))
     np.add.at(g_ref, tokens.ravel(), cot.reshape(-1, D).astype(np.float64))
@@ -208,12 +213,10 @@ def test_vocab_cross_entropy(t, slices):
     )
     plain = lambda h, tab, y: vocab_cross_entropy(h, vocab_table(tab, slices, prepared), y, None)
     optax_ce = lambda h, tab, y: optax.softmax_cross_entropy_with_integer_labels(h @ tab.T, y)
-    loss = lambda f: lambda h, tab: jnp.sum(f(h, tab, targets) * weights)
-    l_s, l_p = jax.jit(sharded)(h, table, targets), plain(h, table, targets)
-    l_o = optax_ce(h, table, targets)
-    g_s = jax.jit(jax.grad(loss(sharded), argnums=(0, 1)))(h, table)
-    g_p = jax.grad(loss(plain), argnums=(0, 1))(h, table)
-    g_o = jax.grad(loss(optax_ce), argnums=(0, 1))(h, table)
+    loss = lambda f: lambda h, tab, y: jnp.sum(f(h, tab, y) * weights)
+    l_s, g_s = value_and_grads(sharded, loss, (0, 1), h, table, targets)
+    l_p, g_p = value_and_grads(plain, loss, (0, 1), h, table, targets)
+    l_o, g_o = value_and_grads(optax_ce, loss, (0, 1), h, table, targets)
 
     h64, tab64 = h.astype(np.float64), table.astype(np.float64)
     logits = h64 @ tab64.T
