@@ -5,7 +5,10 @@ live arrays (measured from `addressable_shards`, by memory kind) change by the e
 factors.
 
 Every config is the tiny GPT with global batch 16 and SGD with momentum (the plain engines are the
-equivalence lab's, tests/helpers/lab.py, so the session's compilation cache serves them).
+equivalence lab's, tests/helpers/lab.py, so the session's compilation cache serves them; the
+512-token one, `VOCAB`, is this module's). Each engine is built and trained once per process
+(`run`): the RTS case with vocabulary slices and the vocabulary-slices test read one run, and
+the compiled step the tests read is the one the run compiled.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import pytest
 from jaxpod.engine import build_engine
 from jaxpod.parallel import offload
 from jaxpod.parallel.replica import NO_GATHER
-from jaxpod.run.aot import compile_to_inspect
 from jaxpod.run.mapping import bytes_per_device, most_on_one_device
 
 BASE = ("train.global_batch=16", "train.grad_accum=null", "train.micro_batch=2")
@@ -48,6 +50,7 @@ def held(tree) -> dict[int, int]:
 
 
 _RUNS: dict = {}
+VOCAB = ("model.vocab=512", "model.sequence_chunks=2")  # a table no layer matrix is shaped like
 
 
 def momentum(state):
@@ -59,22 +62,21 @@ def momentum(state):
 
 
 def run(tiny_cfg, mesh_for, shape, *extra):
-    """(engine, initial state, [metrics], final state) of STEPS train steps (memoised)."""
+    """(engine, [metrics], final state) of STEPS train steps (memoised)."""
     key = (shape, extra)
     if key not in _RUNS:
         cfg = tiny_cfg(*BASE, *extra, mesh=shape)
         engine, state = build_engine(cfg, mesh_for(cfg))
-        initial = jax.tree.map(lambda a: a.copy(), state)
         out = []
         for k in range(STEPS):
             state, m = engine.train_step(state, jax.device_put((batch(k),), engine.batch_sharding))
             out.append(jax.device_get(m))
-        _RUNS[key] = (engine, initial, out, state)
+        _RUNS[key] = (engine, out, state)
     return _RUNS[key]
 
 
 def assert_same_training(a, b, what: str) -> None:
-    (_, _, ma, sa), (_, _, mb, sb) = a, b
+    (_, ma, sa), (_, mb, sb) = a, b
     for k in range(STEPS):
         la, lb = float(ma[k]["loss"]), float(mb[k]["loss"])
         assert abs(la - lb) <= LOSS_RTOL * abs(lb), (what, k, la, lb)
@@ -88,13 +90,18 @@ def assert_same_training(a, b, what: str) -> None:
     assert worst <= PARAM_ATOL, (what, worst)
 
 
-RTS_CASES = {  # name: (mesh, overrides, weight factor, optimizer factor)
-    "rts2-2x2x2": ((2, 2, 2), ("memory.rts=2",), 2, 2),
-    "rts1-opt2-2x1x4": ((2, 1, 4), ("memory.rts=1", "memory.rts_optimizer=2"), 1, 2),
+VOCAB_SLICES = ("memory.rts=2", "memory.vocab_slices=4")
+RTS_CASES = {  # name: (mesh, both engines' overrides, RTS overrides, weight/optimizer factor)
+    # a layer gathered at a time, and the token table a slice of rows at a time: the run
+    # test_vocab_slices_gather_the_table_a_slice_at_a_time reads (the whole table is gathered
+    # in the matrix case)
+    "rts2-vocab-slices4-2x2x2": ((2, 2, 2), VOCAB, VOCAB_SLICES, 2, 2),
+    "rts1-opt2-2x1x4": ((2, 1, 4), (), ("memory.rts=1", "memory.rts_optimizer=2"), 1, 2),
     # one matrix (the MLP's in 2 panels) gathered at a time, each step a remat unit nested in
     # the layer's
     "rts2-matrix-2x2x2": (
         (2, 2, 2),
+        (),
         ("memory.rts=2", "memory.stream=matrix", "memory.mlp_panels=2", "model.remat=full"),
         2,
         2,
@@ -109,19 +116,20 @@ def test_replicated_tensor_sharding(tiny_cfg, mesh_for, name):
     the optimizer's per-parameter state drop by exactly the RTS factors (every leaf of this
     model has a dimension the group divides). With one RTS group for both, the optimizer
     state is split like the weights (the update reshards nothing)."""
-    shape, extra, k_w, k_o = RTS_CASES[name]
-    plain, rts = run(tiny_cfg, mesh_for, shape), run(tiny_cfg, mesh_for, shape, *extra)
+    shape, both, extra, k_w, k_o = RTS_CASES[name]
+    plain = run(tiny_cfg, mesh_for, shape, *both)
+    rts = run(tiny_cfg, mesh_for, shape, *both, *extra)
     assert_same_training(rts, plain, name)
-    engine, state = rts[0], rts[3]
+    engine, state = rts[0], rts[2]
     layout = engine.stages.layout
     assert (layout.opt_specs == layout.stored_specs) == (k_w == k_o)
     if k_w > 1:
         assert NO_GATHER not in jax.tree.leaves(engine.stages.layout.rts_dims)
-    p_plain, p_rts = held(plain[3].params), held(state.params)
+    p_plain, p_rts = held(plain[2].params), held(state.params)
     assert p_plain.keys() == p_rts.keys() and len(p_rts) == 8
     for d in p_plain:
         assert p_rts[d] * k_w == p_plain[d], (d, p_rts[d], p_plain[d])
-    o_plain, o_rts = held(momentum(plain[3])), held(momentum(state))
+    o_plain, o_rts = held(momentum(plain[2])), held(momentum(state))
     for d in o_plain:
         assert o_rts[d] * k_o == o_plain[d], (d, o_rts[d], o_plain[d])
     print(f"{name}: device 0 params {p_plain[0]:,} -> {p_rts[0]:,} B, ", end="")
@@ -145,7 +153,7 @@ def test_offload_and_phases(tiny_cfg, mesh_for, name):
     shape, extra = OFFLOAD_CASES[name]
     plain, off = run(tiny_cfg, mesh_for, shape), run(tiny_cfg, mesh_for, shape, *extra)
     assert_same_training(off, plain, name)
-    state, state_plain = off[3], plain[3]
+    state, state_plain = off[2], plain[2]
     opt_off = "optimizer" in extra[0]
     for a in jax.tree.leaves(state.params):
         assert a.sharding.memory_kind == offload.HOST
@@ -211,7 +219,7 @@ def test_matrix_stream_fetches_each_step_its_panels(tiny_cfg, mesh_for):
     shape = (2, 1, 4)
     plain, off = run(tiny_cfg, mesh_for, shape), run(tiny_cfg, mesh_for, shape, *STEP_FETCH)
     assert_same_training(off, plain, "step fetch")
-    engine, state = off[0], off[3]
+    engine, state = off[0], off[2]
     assert {a.sharding.memory_kind for a in jax.tree.leaves(state.params)} == {offload.HOST}
     local = lambda a: a.sharding.shard_shape(a.shape)
     layers = {k: jax.tree.map(lambda a: local(a)[1:], v) for k, v in state.params["layers"].items()}
@@ -238,7 +246,7 @@ def test_host_weights_stay_on_the_host_across_steps(tiny_cfg, mesh_for):
     them in place, the TPU/GPU program fetches them phase by phase;
     tests/planner/test_transfers.py.)"""
     shape, extra = OFFLOAD_CASES["params-phases2-2x1x4"]
-    engine, _, _, state = run(tiny_cfg, mesh_for, shape, *extra)
+    engine, _, state = run(tiny_cfg, mesh_for, shape, *extra)
     kinds = {a.sharding.memory_kind for a in jax.tree.leaves(state.params)}
     assert kinds == {"pinned_host"}
     lowered = engine.train_step.lower(state, abstract_batch(engine)).as_text()
@@ -248,28 +256,26 @@ def test_host_weights_stay_on_the_host_across_steps(tiny_cfg, mesh_for):
         assert arg in entry, arg
 
 
-VOCAB = ("model.vocab=512", "model.sequence_chunks=2")  # a table no layer matrix is shaped like
-
-
 def test_vocab_slices_gather_the_table_a_slice_at_a_time(tiny_cfg, mesh_for):
     """With `memory.vocab_slices=4` and RTS 2, the embedding and the loss head use GPT's token
     table a quarter of each tensor shard's rows at a time: the RTS dimension is D, not the
     rows; the train step (forward and backward) all-gathers slices of rows, never the
-    table; and it trains exactly like the plain engine."""
+    table; and it trains exactly like the plain engine (the run and the comparison of
+    test_replicated_tensor_sharding[rts2-vocab-slices4-2x2x2], which this reads again)."""
     shape = (2, 2, 2)
     plain = run(tiny_cfg, mesh_for, shape, *VOCAB)
-    sliced = run(tiny_cfg, mesh_for, shape, *VOCAB, "memory.rts=2", "memory.vocab_slices=4")
+    sliced = run(tiny_cfg, mesh_for, shape, *VOCAB, *VOCAB_SLICES)
     assert_same_training(sliced, plain, "vocab slices")
-    engine, state = sliced[0], sliced[3]
+    engine, state = sliced[0], sliced[2]
     assert engine.stages.layout.rts_dims["wte"] == 1
     # the optimizer state split like the table (D, not the rows): the compiled step has no
-    # all-to-all (with the rows split, the update resharded the table's gradient)
+    # all-to-all (with the rows split, the update resharded the table's gradient). The
+    # program read is the one the run compiled and ran (jit's cache: no compile here).
     assert engine.stages.layout.opt_specs == engine.stages.layout.stored_specs
-    hlo = compile_to_inspect(engine.train_step.lower(state, abstract_batch(engine))).as_text()
+    traced = engine.train_step.trace(state, abstract_batch(engine))
+    hlo = traced.lower().compile().as_text()
     assert "all-to-all(" not in hlo
-    gathered = gathered_shapes(
-        jax.make_jaxpr(engine.train_step)(state, abstract_batch(engine)).jaxpr
-    )
+    gathered = gathered_shapes(traced.jaxpr.jaxpr)
     print(f"all-gathered (per-device shapes: count): {dict(gathered)}")
     rows = 512 // shape[2]
     # the position table [64, 64] once; the embedding's slice and the head's, each gathered

@@ -34,6 +34,13 @@ ARGUMENT = re.compile(r"%arg\d+: (tensor<[^>]*>) \{([^}]*)\}")
 # for another platform needs no such device: these programs are read, never compiled.
 ACCELERATORS = ("tpu", "cuda")
 OFFLOADED_LAYERS = ("memory.offload=[params]", "model.remat=full")
+SMALL = ("model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4")
+
+
+# Each config's step is traced once and lowered once per platform in this module (several
+# tests read the same config's CPU, TPU and GPU programs): keyed by the resolved config.
+_TRACED: dict = {}
+_LOWERED: dict = {}
 
 
 def _lowered(mesh_for, *overrides, mesh=(1, 1, 2), platform: str | None = None) -> str:
@@ -41,11 +48,13 @@ def _lowered(mesh_for, *overrides, mesh=(1, 1, 2), platform: str | None = None) 
     from jaxpod.run.aot import abstract_inputs
 
     cfg = make_tiny_cfg(*overrides, mesh=mesh)
-    engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
-    if platform is None:
-        return engine.train_step.lower(state, batch).as_text()
-    traced = engine.train_step.trace(state, batch)
-    return traced.lower(lowering_platforms=(platform,)).as_text()
+    if (cfg, platform) not in _LOWERED:
+        if cfg not in _TRACED:
+            engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
+            _TRACED[cfg] = engine.train_step.trace(state, batch)
+        platforms = None if platform is None else (platform,)
+        _LOWERED[cfg, platform] = _TRACED[cfg].lower(lowering_platforms=platforms).as_text()
+    return _LOWERED[cfg, platform]
 
 
 def _placements(text: str, results: bool = False) -> Counter:
@@ -122,12 +131,15 @@ def test_an_accelerator_moves_the_host_optimizer_state_in_whole(mesh_for, platfo
 def test_xla_cpu_reads_host_optimizer_state_in_place(mesh_for):
     """The `cpu` profile's `shares_host_memory`: on XLA:CPU, where both memory kinds are one
     RAM, offloading the optimizer state leaves the step's temporaries as they were (the update
-    reads it in place), so the planner moves nothing in on that backend."""
+    reads it in place), so the planner moves nothing in on that backend. (2x1x1, d 128, seq
+    128, remat full, GA 4: without the offload, tests/planner/test_xla_copies.py's
+    `replicas-2x1x1` program, which the session's compilation cache shares.)"""
     from jaxpod.run.aot import compile_step
 
     results = []
     for offload in ("[]", "[optimizer]"):
-        cfg = make_tiny_cfg(f"memory.offload={offload}", "model.remat=full", mesh=(2, 1, 1))
+        cfg = make_tiny_cfg(*SMALL, f"memory.offload={offload}", "model.remat=full",
+                            "train.grad_accum=4", mesh=(2, 1, 1))  # fmt: skip
         results.append(compile_step(cfg, mesh_for(cfg)))
     kept, offloaded = results
     assert offloaded["temp_bytes"] == kept["temp_bytes"]

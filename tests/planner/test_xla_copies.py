@@ -23,6 +23,18 @@ from jaxpod.planner.plan import plan
 pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
 
 SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
+RTS4 = ["memory.rts=4", "memory.rts_optimizer=4"]
+# The programs compiled in this process, by resolved config (two tests read the RTS one).
+_COMPILED: dict = {}
+
+
+def compiled(cfg, mesh_for):
+    """`helpers.compiled_step` of `cfg` on its mesh, compiled once per process."""
+    if cfg not in _COMPILED:
+        _COMPILED[cfg] = compiled_step(cfg, mesh_for(cfg))
+    return _COMPILED[cfg]
+
+
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
 PARAM = re.compile(r"%(\S+) = (\w+)\[([\d,]*)\]\S* parameter\(\d+\).*?op_name=\"([^\"]+)\"")
 
@@ -39,19 +51,26 @@ def optimizer_bytes(hlo: str) -> tuple[int, int]:
     return sum(moments.values()), sum(moments[name] for name in copies if name in moments)
 
 
+# Remat full, GA 4 unless stated. The GPipe and RTS programs are tests/planner/
+# test_plan_vs_xla.py's (test_skipped_bubbles_hold_one_ticks_gradients_more's plain step, the
+# XLA case 4x1x1-full-ga2-rts4) and the replicas one test_transfers.py's: the session's
+# compilation cache compiles each once.
+RTS_CASE = ((4, 1, 1), [*RTS4, "train.grad_accum=2"])
+
+
 @pytest.mark.parametrize(
     "mesh, more",
     [
-        ((1, 2, 1), []),
+        ((1, 2, 1), ["train.grad_accum=8"]),
         ((1, 2, 1), ["train.pipeline_schedule=1f1b"]),
         ((2, 1, 1), []),
-        ((2, 1, 1), ["memory.rts=2"]),
+        RTS_CASE,
     ],
-    ids=["gpipe-1x2x1", "1f1b-1x2x1", "replicas-2x1x1", "rts2-2x1x1"],
+    ids=["gpipe-ga8-1x2x1", "1f1b-1x2x1", "replicas-2x1x1", "rts4-ga2-4x1x1"],
 )
 def test_the_optimizer_state_is_updated_in_place(mesh, more, tiny_cfg, mesh_for):
     cfg = tiny_cfg(*SMALL, "model.remat=full", "train.grad_accum=4", *more, mesh=mesh)
-    hlo = compiled_step(cfg, mesh_for(cfg)).as_text()
+    hlo = compiled(cfg, mesh_for).as_text()
     state_bytes, copied = optimizer_bytes(hlo)
     optimizer = plan(cfg)["bytes_per_device"]["optimizer"]
     print(f"{mesh} {more}: state {state_bytes / 1e6:.2f} MB, copies {copied / 1e6:.2f} MB")
@@ -102,9 +121,11 @@ def test_a_whole_weight_gradient_is_transposed_before_its_reduce_scatter(tiny_cf
     """With RTS each gathered matrix's gradient is a whole dot output, reduce-scattered to the
     replica's shard; `W_in`'s ([d, d_ff], split along d_ff) is first copied into the transposed
     layout. The planner's `scattered` is that gradient and its copy, less the gathered MLP
-    matrix the backward no longer holds (jaxpod.planner.bytes)."""
-    cfg = tiny_cfg(*SMALL, "model.remat=full", "memory.rts=4", mesh=(4, 1, 1))
-    hlo = compiled_step(cfg, mesh_for(cfg)).as_text()
+    matrix the backward no longer holds (jaxpod.planner.bytes). (RTS 4 on 4x1x1, GA 2: the
+    program `test_the_optimizer_state_is_updated_in_place[rts4-ga2-4x1x1]` reads.)"""
+    mesh, more = RTS_CASE
+    cfg = tiny_cfg(*SMALL, "model.remat=full", "train.grad_accum=4", *more, mesh=mesh)
+    hlo = compiled(cfg, mesh_for).as_text()
     dots = set(re.findall(r"%(\S+) = f32\[128,512\]\{1,0\} dot\(", hlo))
     copies = {
         name
