@@ -1,9 +1,11 @@
 """Checkpoints through the CLI: exact resume, resume after SIGKILL, reshard, refusals (the
 in-process restore onto another mesh: tests/run/test_checkpoint.py).
 
-One uninterrupted reference run (8 steps, a checkpoint every 2) is shared by the module; each
-test copies its run directory and removes the later checkpoints, which leaves exactly what a
-run stopped after that step leaves behind.
+One uninterrupted reference run (4 steps, a checkpoint after each) is shared by the module;
+each test copies its run directory and removes the later checkpoints, which leaves exactly what
+a run stopped after that step leaves behind. Its train step is the one of the other CLI
+modules' tiny 4-step runs (tests/cli/test_resume_cli.py): the session's compilation cache
+holds it once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from helpers.cli import TINY, cli_cmd, cli_env
 from jaxpod.run.metrics import read_metrics
 
 pytestmark = pytest.mark.cli
-STEPS = 8
+STEPS = 4
 COMMON = [
     f"train.steps={STEPS}",
     "train.log_every=1",
@@ -95,53 +97,53 @@ def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     logdir = tmp_path_factory.mktemp("reference") / "run"
-    proc = jaxpod_train(logdir, "train.checkpoint_every=2")
+    proc = jaxpod_train(logdir, "train.checkpoint_every=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert complete_steps(logdir) == [2, 4, 6, 8]
+    assert complete_steps(logdir) == [1, 2, 3, 4]
     assert sorted(train_records(logdir)) == list(range(1, STEPS + 1))
     return logdir
 
 
 def test_resume_is_exact_and_a_complete_run_exits_0(reference, tmp_path):
-    run = stopped_after(reference, 4, tmp_path / "run")
-    proc = jaxpod_train(run, "train.checkpoint_every=2", "train.keep_checkpoints=3")
+    run = stopped_after(reference, 2, tmp_path / "run")
+    proc = jaxpod_train(run, "train.checkpoint_every=1", "train.keep_checkpoints=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed        from step 4" in proc.stdout
+    assert "resumed        from step 2" in proc.stdout
     # Bit-identical: same mesh, same data of every step, state restored exactly.
     assert train_records(run) == train_records(reference)
-    assert complete_steps(run) == [4, 6, 8]  # keep_checkpoints=3: the oldest one is deleted
+    assert complete_steps(run) == [2, 3, 4]  # keep_checkpoints=3: the oldest one is deleted
 
     before = snapshot(run)
     again = jaxpod_train(run)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "is at step 8; nothing to do" in again.stdout
+    assert "is at step 4; nothing to do" in again.stdout
     assert "compiled" not in again.stdout
     assert snapshot(run) == before
 
 
 @pytest.mark.parametrize("mesh", [(1, 2, 4), (4, 1, 2)], ids=["1x2x4", "4x1x2"])
 def test_restore_onto_another_mesh(reference, tmp_path, mesh):
-    run = stopped_after(reference, 4, tmp_path / "run")
+    run = stopped_after(reference, 2, tmp_path / "run")
     r, p, t = mesh
     proc = jaxpod_train(run, f"mesh.replica={r}", f"mesh.pipeline={p}", f"mesh.tensor={t}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed        from step 4" in proc.stdout
+    assert "resumed        from step 2" in proc.stdout
     got, want = train_records(run), train_records(reference)
     assert sorted(got) == list(range(1, STEPS + 1))
-    for step in range(1, 5):  # kept from the saving run
+    for step in range(1, 3):  # kept from the saving run
         assert got[step] == want[step]
-    losses = np.array([got[s]["loss"] for s in range(5, STEPS + 1)])
-    ref = np.array([want[s]["loss"] for s in range(5, STEPS + 1)])
+    losses = np.array([got[s]["loss"] for s in range(3, STEPS + 1)])
+    ref = np.array([want[s]["loss"] for s in range(3, STEPS + 1)])
     # fp32 with another reduction order on another mesh: measured max rel diff 1.1e-7 (1 ulp).
     np.testing.assert_allclose(losses, ref, rtol=1e-6, atol=0)
 
 
 def test_another_model_is_refused_naming_its_keys(reference, tmp_path):
     """The saved config is compared before any array is read: the key, not an array."""
-    run = stopped_after(reference, 8, tmp_path / "run")
+    run = stopped_after(reference, STEPS, tmp_path / "run")
     before = snapshot(run)
     proc = jaxpod_train(run, "model.d_model=128")
-    assert_user_error(proc, "was trained to step 8 with another config (model.d_model 64 -> 128")
+    assert_user_error(proc, "was trained to step 4 with another config (model.d_model 64 -> 128")
     assert "compiled" not in proc.stdout
     assert snapshot(run) == before
 
@@ -156,10 +158,10 @@ def test_another_model_is_refused_naming_its_keys(reference, tmp_path):
 )
 def test_mismatched_checkpoint_is_refused(reference, tmp_path, override, needle):
     """Past the config check (`--allow-changes model`), the arrays are compared."""
-    run = stopped_after(reference, 8, tmp_path / "run")
+    run = stopped_after(reference, STEPS, tmp_path / "run")
     before = snapshot(run)
     proc = jaxpod_train(run, override, "--allow-changes", "model")
-    line = assert_user_error(proc, "checkpoints/8 does not match the model: ", needle)
+    line = assert_user_error(proc, "checkpoints/4 does not match the model: ", needle)
     assert line.endswith("use a fresh train.logdir or the same model.* and optim.*")
     assert "compiled" not in proc.stdout
     assert snapshot(run) == before
@@ -169,17 +171,17 @@ def test_mismatched_checkpoint_is_refused(reference, tmp_path, override, needle)
 def test_corrupt_checkpoint_is_refused_without_damage(reference, tmp_path, damaged):
     """Half the largest data file, or the state's manifest cut to 10 bytes: one line (the
     manifest's failed read used to leave orbax's other reads printing tracebacks)."""
-    run = stopped_after(reference, 8, tmp_path / "run")
-    files = [p for p in (run / "checkpoints" / "8").rglob("*") if p.is_file()]
+    run = stopped_after(reference, STEPS, tmp_path / "run")
+    files = [p for p in (run / "checkpoints" / "4").rglob("*") if p.is_file()]
     if damaged == "largest":
         data = max(files, key=os.path.getsize)
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     else:
-        data = run / "checkpoints" / "8" / "state" / "manifest.ocdbt"
+        data = run / "checkpoints" / "4" / "state" / "manifest.ocdbt"
         data.write_bytes(data.read_bytes()[:10])
     before = snapshot(run)
     proc = jaxpod_train(run)
-    assert_user_error(proc, "checkpoints/8 cannot be read", "delete that directory")
+    assert_user_error(proc, "checkpoints/4 cannot be read", "delete that directory")
     assert snapshot(run) == before
 
 

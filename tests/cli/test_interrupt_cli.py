@@ -21,6 +21,10 @@ from jaxpod.run.metrics import read_metrics
 
 pytestmark = pytest.mark.cli
 COMMON = ["train.steps=400", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1"]
+# A constant learning rate after the preset's 5 warm-up steps: the step does not depend on
+# train.steps, so the resumed run (another train.steps) loads the interrupted run's compiled
+# step from the session's compilation cache instead of compiling its own.
+COMMON += ["optim.schedule=constant"]
 
 
 def start(logdir: Path, *overrides: str) -> subprocess.Popen:

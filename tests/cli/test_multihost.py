@@ -1,7 +1,9 @@
 """Several processes, one mesh: JAX's multi-controller runtime on loopback (gloo on CPU).
 
 2 processes x 4 virtual CPU devices train the same 2x2x2 mesh as 1 process x 8 devices; the
-three processes run at once (each compiles its own program) to keep the wall time down.
+three processes run at once (each compiles its own program) to keep the wall time down. The
+runs take 4 steps: the one-process run is then the tiny 4-step run other CLI modules compile
+(tests/cli/test_resume_cli.py), held once in the session's compilation cache.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from jaxpod.run.metrics import read_metrics
 
 pytestmark = pytest.mark.cli
 COMMON = [
-    "train.steps=3",
+    "train.steps=4",
     "train.log_every=1",
     "train.eval_every=0",
     "train.eval_batches=1",
@@ -40,7 +42,7 @@ def test_two_processes_train_like_one(tmp_path):
     procs = start_two_processes("train", TINY, *COMMON, "devices=4", f"train.logdir={multi}")
     reference = start("train", TINY, *COMMON, "devices=8", f"train.logdir={single}")
     main_out, worker_out, _ = finish([*procs, reference], timeout=300)
-    assert "step      3/3" in main_out
+    assert "step      4/4" in main_out
     assert "step " not in worker_out and "devices " not in worker_out  # only process 0 prints
     assert '"processes": 2' in (multi / "mapping.json").read_text()
 
@@ -48,7 +50,7 @@ def test_two_processes_train_like_one(tmp_path):
     losses = {
         name: np.array([r["loss"] for r in recs if "loss" in r]) for name, recs in records.items()
     }
-    assert len(losses["multi"]) == 3
+    assert len(losses["multi"]) == 4
     # Same global batch, same data, same mesh shape; only the collectives differ (gloo
     # across processes): measured max rel diff 1e-7 (1 ulp in fp32).
     np.testing.assert_allclose(losses["multi"], losses["single"], rtol=1e-6, atol=0)
@@ -57,7 +59,7 @@ def test_two_processes_train_like_one(tmp_path):
     }
     np.testing.assert_allclose(vals["multi"], vals["single"], rtol=1e-6, atol=0)
     # Every process saved its shards into the one checkpoint, committed once.
-    assert sorted(p.name for p in (multi / "checkpoints").iterdir()) == ["3"]
+    assert sorted(p.name for p in (multi / "checkpoints").iterdir()) == ["4"]
     assert (multi / "eval.json").exists()
 
 

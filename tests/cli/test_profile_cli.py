@@ -1,7 +1,9 @@
 """`jaxpod profile` and `train.profile_steps` end to end; the run record it leaves behind.
 
-One `jaxpod profile` run (1 warm-up step, 2 traced steps) is shared by the module: it checks
+One `jaxpod profile` run (2 warm-up steps, 2 traced steps) is shared by the module: it checks
 the trace, and the parts of the run record every run writes (eval.json, the HParams summary).
+Its 4 steps make the train step the other CLI modules' tiny 4-step runs compile
+(tests/cli/test_resume_cli.py): the session's compilation cache holds it once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ FAST = ["train.eval_batches=1", "optim.warmup_steps=0"]
 def profiled(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     base = tmp_path_factory.mktemp("profile") / "tiny"
     # The config's logdir is overridden to `base`; `jaxpod profile` then writes into it as is.
-    proc = jaxpod("profile", TINY, *FAST, f"train.logdir={base}", "--steps", "2", "--warmup", "1")
+    proc = jaxpod("profile", TINY, *FAST, f"train.logdir={base}", "--steps", "2", "--warmup", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return base, proc
 
@@ -37,10 +39,10 @@ def test_profile_writes_a_trace_of_the_steps(profiled):
     assert b"train" in data and b"step_num" in data  # the StepTraceAnnotation of each step
     assert f"profile        {traces[0]}" in proc.stdout
     assert f"open it        .venv/bin/jaxpod tensorboard {logdir}" in proc.stdout
-    # 1 warm-up + 2 traced steps, every step logged, no periodic evaluation.
+    # 2 warm-up + 2 traced steps, every step logged, no periodic evaluation.
     records = read_metrics(logdir)
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
-    assert [r["step"] for r in records if "val_loss" in r] == [0, 3]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 4]
 
 
 def test_eval_record(profiled):
@@ -49,9 +51,9 @@ def test_eval_record(profiled):
     vals = {r["step"]: r["val_loss"] for r in read_metrics(logdir) if "val_loss" in r}
     train = [r for r in read_metrics(logdir) if "loss" in r]
     assert record["evals"] == [{"step": s, "val_loss": v} for s, v in vals.items()]
-    assert record["final_val_loss"] == vals[3]
+    assert record["final_val_loss"] == vals[4]
     assert record["final_loss"] == train[-1]["loss"]
-    assert record["steps_trained"] == record["steps_total"] == 3
+    assert record["steps_trained"] == record["steps_total"] == 4
     mean = sum(r["tokens_per_s"] for r in train) / len(train)
     assert record["tokens_per_s_mean"] == pytest.approx(mean)
     assert not list(logdir.glob("*.tmp"))  # written atomically, nothing left over
@@ -83,7 +85,7 @@ def test_hparams_summary_is_readable_by_tensorboard(profiled):
     assert info.hparams["model.layers"].number_value == 4
     assert info.hparams["optim.lr"].number_value == pytest.approx(3e-3)
     assert info.hparams["optim.name"].string_value == "adamw"
-    assert info.hparams["train.profile_steps"].string_value == "[2, 4]"
+    assert info.hparams["train.profile_steps"].string_value == "[3, 5]"
     assert info.hparams["processes"].number_value == 1
 
     experiment = hparams.experiment_from_metadata(

@@ -30,6 +30,7 @@ COMMON = [
     "optim.warmup_steps=0",
 ]
 TIMING = ("step_time_s", "tokens_per_s")
+READ_ONLY_CACHE_SECS = 10**9  # jax writes a cache entry only for compiles at least this long
 
 
 def user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -48,8 +49,9 @@ def train(logdir: Path, *overrides: str, limit_file_bytes: int | None = None):
     if limit_file_bytes:
         cmd = ["bash", "-c", f'ulimit -f {limit_file_bytes // 1024} && exec "$@"', "bash", *cmd]
         # a write to the session's compilation cache would leave a truncated entry that other
-        # processes then fail to read: this run keeps out of the cache
-        env = cli_env(JAX_ENABLE_COMPILATION_CACHE="false")
+        # processes then fail to read: this run only reads it (no compile is slow enough to be
+        # written), so the programs the reference run compiled are loaded, not compiled again
+        env = cli_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(READ_ONLY_CACHE_SECS))
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
 
