@@ -150,22 +150,30 @@ print("skipped steps:", skipped[-1], " final scale:", scales[-1])
 # large relative to their weights take smaller steps. Biases and normalisation scales are masked
 # out (no weight decay, no trust ratio). Here: one batch of digits through a small G16
 # EfficientNet, the gradient of the mean cross-entropy, and the ratio for each conv/dense kernel.
+# The network's weights are made by one jitted init, compiled as a program that runs once
+# (`compile_once`, as jaxpod's engine makes its own): built eagerly, each weight's random
+# init would be compiled on its own.
 
 # %%
 import optax
 from flax import nnx
 
+from jaxpod.engine.state import compile_once
 from jaxpod.models.efficientnet import normalize
 from jaxpod.run.images import load_images
 from jaxpod.models.efficientnet import EfficientNet, count_params
 from jaxpod.models.params import masks
 
+
+def make_net():
+    return EfficientNet("b0", g16=True, num_classes=10, width_mult=0.5, depth_mult=0.5,
+                        rngs=nnx.Rngs(0))
+
+
 digits = load_images("digits", image_size=32, seed=0)
 images, labels = digits.train_batch(0, 0, 64, 64)
-net = EfficientNet("b0", g16=True, num_classes=10, width_mult=0.5, depth_mult=0.5,
-                   rngs=nnx.Rngs(0))
-graphdef, state = nnx.split(net)
-params = nnx.to_pure_dict(state)
+graphdef, state = nnx.split(nnx.eval_shape(make_net))  # the structure: shapes, no weights
+params = compile_once(lambda: nnx.to_pure_dict(nnx.split(make_net())[1]), None)()
 print(f"{count_params(params):,} parameters")
 
 
