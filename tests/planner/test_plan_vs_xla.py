@@ -116,9 +116,10 @@ def test_planner_matches_compiled_memory(name, tiny_cfg, mesh_for):
 
 def test_sequence_parallel_shrinks_compiled_memory(tiny_cfg, mesh_for):
     """Splitting the residual stream over tensor (1x2x4, full remat, seq 256) cuts XLA's
-    per-device bytes by a third (measured 0.66; 0.60 under XLA's concurrency scheduler), and
-    the planner predicts the ratio (0.59). The second program is XLA_CASES'
-    1x2x4-full-ga4-sp-seq256 (planned / XLA 0.89)."""
+    per-device bytes by 30 % or more, and the planner predicts the ratio within 0.1. Measured
+    0.66 against a planned 0.59 when written (2026-11-22); 0.6998 against 0.611 on
+    2026-11-28 (an AVX2 host): both bounds nearly met. The second program is XLA_CASES'
+    1x2x4-full-ga4-sp-seq256."""
     shape = [*SMALL, "train.grad_accum=4", "model.remat=full", "model.seq_len=256"]
     out = {}
     for sp in (False, True):
@@ -128,7 +129,7 @@ def test_sequence_parallel_shrinks_compiled_memory(tiny_cfg, mesh_for):
             compiled_bytes(cfg, mesh_for),
         )
     planned, measured = out[True][0] / out[False][0], out[True][1] / out[False][1]
-    print(f"sequence parallel / not: planned {planned:.2f}, compiled {measured:.2f}")
+    print(f"sequence parallel / not: planned {planned:.3f}, compiled {measured:.4f}")
     assert measured < 0.7
     assert planned == pytest.approx(measured, abs=0.1)
 
