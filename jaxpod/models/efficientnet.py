@@ -278,8 +278,7 @@ class EfficientNet(nnx.Module):
             build_stages(
                 variant, splits=splits, num_classes=num_classes, g16=g16, groups=groups,
                 width_mult=width_mult, depth_mult=depth_mult, block_groups=block_groups,
-                dtype=dtype,
-                param_dtype=param_dtype, rngs=rngs,
+                dtype=dtype, param_dtype=param_dtype, rngs=rngs,
             )
         )  # fmt: skip
 
