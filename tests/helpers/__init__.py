@@ -35,13 +35,24 @@ def make_tiny_cfg(*overrides: str, mesh: tuple[int, int, int] | None = None, **k
     return load_config(TINY_YAML, args)
 
 
-def compiled_step(cfg, mesh):
-    """The train step of `cfg` compiled on `mesh` from abstract shapes (no weights), as
-    `jaxpod.run.aot.compile_to_inspect` compiles a program to be read."""
+_COMPILED_STEPS: dict = {}
+
+
+def compiled_step_once(cfg, mesh_for):
+    """The train step of `cfg` compiled on `mesh_for(cfg)` from abstract shapes (no weights),
+    as `jaxpod.run.aot.compile_to_inspect` compiles a program to be read; once per process,
+    keyed by the resolved config, so tests that spell the same config otherwise share it."""
     from jaxpod.run.aot import abstract_inputs, compile_to_inspect
 
-    engine, state, batch = abstract_inputs(cfg, mesh)
-    return compile_to_inspect(engine.train_step.lower(state, batch))
+    if cfg not in _COMPILED_STEPS:
+        engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
+        _COMPILED_STEPS[cfg] = compile_to_inspect(engine.train_step.lower(state, batch))
+    return _COMPILED_STEPS[cfg]
+
+
+# The planner tests' small GPT (tests/planner/): one spelling, so that their configs are the
+# same programs across files (the session's compilation cache compiles each once).
+SMALL_GPT = ("model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4")
 
 
 # The tiny EfficientNet the engine tests train (float32, LARS, 16 images a step; splits and mesh

@@ -12,13 +12,12 @@ comparison's config is an XLA case's, or another test reads the same program, it
 from __future__ import annotations
 
 import pytest
-from helpers import compiled_step
+from helpers import SMALL_GPT, compiled_step_once
 
 from jaxpod.planner.plan import plan
 
 pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
 
-SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
 RTS4 = ["memory.rts=4", "memory.rts_optimizer=4"]
 WEIGHTS = ["model.seq_len=16", "train.micro_batch=1", "model.d_model=256", "model.d_ff=1024"]
 D512 = ["model.d_model=512", "model.d_ff=2048", "model.seq_len=16", "train.micro_batch=1"]
@@ -70,20 +69,13 @@ def xla_case(tiny_cfg, name: str, *more: str):
     """The config of XLA_CASES[name] (plus `more` overrides)."""
     mesh_shape, remat, accum, overrides = XLA_CASES[name]
     overrides = [f"model.remat={remat}", f"train.grad_accum={accum}", *overrides, *more]
-    return tiny_cfg(*SMALL, *overrides, mesh=mesh_shape)
+    return tiny_cfg(*SMALL_GPT, *overrides, mesh=mesh_shape)
 
 
 # The programs compiled in this process, by resolved config: tests that compare two configs
-# share a program with the XLA_CASES or with each other (the same config, however spelled).
-_COMPILED: dict = {}
+# share a program with the XLA_CASES or with each other (the same config, however spelled):
+# `helpers.compiled_step_once`, and here `compile_step_once`.
 _COMPILE_STEP: dict = {}
-
-
-def compiled(cfg, mesh_for):
-    """`helpers.compiled_step` of `cfg` on its mesh, compiled once per process."""
-    if cfg not in _COMPILED:
-        _COMPILED[cfg] = compiled_step(cfg, mesh_for(cfg))
-    return _COMPILED[cfg]
 
 
 def compile_step_once(cfg, mesh_for) -> dict:
@@ -102,7 +94,7 @@ def total_bytes(program) -> int:
 
 
 def compiled_bytes(cfg, mesh_for) -> int:
-    return total_bytes(compiled(cfg, mesh_for))
+    return total_bytes(compiled_step_once(cfg, mesh_for))
 
 
 @pytest.mark.parametrize("name", list(XLA_CASES))
@@ -120,7 +112,7 @@ def test_sequence_parallel_shrinks_compiled_memory(tiny_cfg, mesh_for):
     0.66 against a planned 0.59 when written (2026-11-22); 0.6998 against 0.611 on
     2026-11-28 (an AVX2 host): both bounds nearly met. The second program is XLA_CASES'
     1x2x4-full-ga4-sp-seq256."""
-    shape = [*SMALL, "train.grad_accum=4", "model.remat=full", "model.seq_len=256"]
+    shape = [*SMALL_GPT, "train.grad_accum=4", "model.remat=full", "model.seq_len=256"]
     out = {}
     for sp in (False, True):
         cfg = tiny_cfg(*shape, f"model.sequence_parallel={sp}", mesh=(1, 2, 4))
@@ -140,7 +132,7 @@ def assert_planned_drop(tiny_cfg, mesh_for, mesh, shape, before, after, drop: fl
     totals are within 15 % like the XLA_CASES."""
     out = []
     for change in (before, after):
-        cfg = tiny_cfg(*SMALL, *shape, *change, mesh=mesh)
+        cfg = tiny_cfg(*SMALL_GPT, *shape, *change, mesh=mesh)
         out.append((plan(cfg)["bytes_per_device"]["device_total"], compiled_bytes(cfg, mesh_for)))
     (p_before, c_before), (p_after, c_after) = out
     planned, measured = p_before - p_after, c_before - c_after
@@ -163,7 +155,7 @@ def test_skipped_bubbles_hold_one_ticks_gradients_more(tiny_cfg, mesh_for):
     shape = ["model.remat=full", "train.grad_accum=8"]
     out = []
     for skip in (False, True):
-        cfg = tiny_cfg(*SMALL, *shape, f"train.skip_bubbles={skip}", mesh=(1, 2, 1))
+        cfg = tiny_cfg(*SMALL_GPT, *shape, f"train.skip_bubbles={skip}", mesh=(1, 2, 1))
         planned = plan(cfg)["bytes_per_device"]
         out.append((planned, compiled_bytes(cfg, mesh_for)))
     (p_plain, c_plain), (p_skip, c_skip) = out
@@ -210,11 +202,11 @@ def test_saved_layer_inputs_are_held_as_the_cpu_profile_says(tiny_cfg, mesh_for,
     if compute == "float16":
         cfg, stack = xla_case(tiny_cfg, FP16_CASE), "5,4,1,16,256"
     else:
-        cfg = tiny_cfg(*SMALL, "model.remat=full", "train.grad_accum=4",
+        cfg = tiny_cfg(*SMALL_GPT, "model.remat=full", "train.grad_accum=4",
                        f"precision.compute={compute}", mesh=(1, 2, 1))  # fmt: skip
         stack = "5,2,2,128,128"
     assert cfg.precision.compute == compute
-    hlo = compiled(cfg, mesh_for).as_text()
+    hlo = compiled_step_once(cfg, mesh_for).as_text()
     dtypes = set(re.findall(rf"= (\w+)\[{stack}\]", hlo))
     assert dtypes == held, dtypes
     assert stored_bytes(cfg) == (4 if "f32" in held else 2)
@@ -268,7 +260,7 @@ def test_a_widening_backend_converts_the_streamed_matrices_to_float32(tiny_cfg, 
     import re
 
     cfg = xla_case(tiny_cfg, FP16_CASE)
-    program = compiled(cfg, mesh_for)
+    program = compiled_step_once(cfg, mesh_for)
     hlo = program.as_text()
     for panel in ("256,512", "512,256"):
         assert re.search(rf"= f32\[{panel}\]\S* fusion\(%all_gather", hlo), panel

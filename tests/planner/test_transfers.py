@@ -23,7 +23,7 @@ import re
 from collections import Counter
 
 import pytest
-from helpers import make_tiny_cfg
+from helpers import SMALL_GPT, make_tiny_cfg
 
 from jaxpod.parallel.offload import placements
 from jaxpod.planner.plan import plan
@@ -34,7 +34,6 @@ ARGUMENT = re.compile(r"%arg\d+: (tensor<[^>]*>) \{([^}]*)\}")
 # for another platform needs no such device: these programs are read, never compiled.
 ACCELERATORS = ("tpu", "cuda")
 OFFLOADED_LAYERS = ("memory.offload=[params]", "model.remat=full")
-SMALL = ("model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4")
 
 
 # Each config's step is traced once and lowered once per platform in this module (several
@@ -138,7 +137,7 @@ def test_xla_cpu_reads_host_optimizer_state_in_place(mesh_for):
 
     results = []
     for offload in ("[]", "[optimizer]"):
-        cfg = make_tiny_cfg(*SMALL, f"memory.offload={offload}", "model.remat=full",
+        cfg = make_tiny_cfg(*SMALL_GPT, f"memory.offload={offload}", "model.remat=full",
                             "train.grad_accum=4", mesh=(2, 1, 1))  # fmt: skip
         results.append(compile_step(cfg, mesh_for(cfg)))
     kept, offloaded = results

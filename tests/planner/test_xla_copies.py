@@ -16,23 +16,13 @@ import math
 import re
 
 import pytest
-from helpers import compiled_step
+from helpers import SMALL_GPT, compiled_step_once
 
 from jaxpod.planner.plan import plan
 
 pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
 
-SMALL = ["model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4"]
 RTS4 = ["memory.rts=4", "memory.rts_optimizer=4"]
-# The programs compiled in this process, by resolved config (two tests read the RTS one).
-_COMPILED: dict = {}
-
-
-def compiled(cfg, mesh_for):
-    """`helpers.compiled_step` of `cfg` on its mesh, compiled once per process."""
-    if cfg not in _COMPILED:
-        _COMPILED[cfg] = compiled_step(cfg, mesh_for(cfg))
-    return _COMPILED[cfg]
 
 
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
@@ -69,8 +59,8 @@ RTS_CASE = ((4, 1, 1), [*RTS4, "train.grad_accum=2"])
     ids=["gpipe-ga8-1x2x1", "1f1b-1x2x1", "replicas-2x1x1", "rts4-ga2-4x1x1"],
 )
 def test_the_optimizer_state_is_updated_in_place(mesh, more, tiny_cfg, mesh_for):
-    cfg = tiny_cfg(*SMALL, "model.remat=full", "train.grad_accum=4", *more, mesh=mesh)
-    hlo = compiled(cfg, mesh_for).as_text()
+    cfg = tiny_cfg(*SMALL_GPT, "model.remat=full", "train.grad_accum=4", *more, mesh=mesh)
+    hlo = compiled_step_once(cfg, mesh_for).as_text()
     state_bytes, copied = optimizer_bytes(hlo)
     optimizer = plan(cfg)["bytes_per_device"]["optimizer"]
     print(f"{mesh} {more}: state {state_bytes / 1e6:.2f} MB, copies {copied / 1e6:.2f} MB")
@@ -124,8 +114,8 @@ def test_a_whole_weight_gradient_is_transposed_before_its_reduce_scatter(tiny_cf
     matrix the backward no longer holds (jaxpod.planner.bytes). (RTS 4 on 4x1x1, GA 2: the
     program `test_the_optimizer_state_is_updated_in_place[rts4-ga2-4x1x1]` reads.)"""
     mesh, more = RTS_CASE
-    cfg = tiny_cfg(*SMALL, "model.remat=full", "train.grad_accum=4", *more, mesh=mesh)
-    hlo = compiled(cfg, mesh_for).as_text()
+    cfg = tiny_cfg(*SMALL_GPT, "model.remat=full", "train.grad_accum=4", *more, mesh=mesh)
+    hlo = compiled_step_once(cfg, mesh_for).as_text()
     dots = set(re.findall(r"%(\S+) = f32\[128,512\]\{1,0\} dot\(", hlo))
     copies = {
         name
