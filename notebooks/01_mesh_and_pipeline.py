@@ -390,7 +390,7 @@ rows = [
     ("grad global norm, reference", float(optax.global_norm(ref_grads)), ""),
     ("max |grad diff| / max |grad|, worst param", grad_rel, "< 1e-5"),
     ("largest update |new - old| (= lr for Adam)", update_size, ""),
-    ("params after the update, max |difference|", param_diff, "(below)"),
+    ("params after the update, max |difference|", param_diff, "not bounded: below"),
     ("... vs the optimizer on the sharded grads", update_diff, "< 0.1% of the update"),
 ]
 print(f"{'quantity':46} {'value':>14}   check")

@@ -145,8 +145,8 @@ PINNED = {
 
 
 def host_isa(cpuinfo: str | None = None) -> str:
-    """The kind of host XLA:CPU compiles for: `avx512fp16`, `avx512` or `avx2` on x86-64 Linux
-    (the widest vector extension `/proc/cpuinfo` lists), else the machine's name (`arm64`, ...)."""
+    """The kind of host XLA:CPU compiles for: on x86-64 Linux `avx512fp16`, `avx512` or `avx2`,
+    the first of these extensions `/proc/cpuinfo` lists; else the machine's name (`arm64`, ...)."""
     if cpuinfo is None:
         path = Path("/proc/cpuinfo")
         cpuinfo = path.read_text() if path.exists() else ""
