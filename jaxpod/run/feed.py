@@ -43,11 +43,13 @@ class HostBatch:
 
 class DeviceFeed:
     """Iterate the device copies of `host_batches`: `next` waits for the outputs given to the
-    last `dispatched` (those of the call that read the previous batch), then copies."""
+    last `dispatched` (those of the call that read the previous batch), then copies. `after`
+    is the outputs of the call before the first batch's (another feed's call, e.g. the step
+    that computed the parameters an evaluation reads), waited for likewise."""
 
-    def __init__(self, host_batches: Iterable[HostBatch]):
+    def __init__(self, host_batches: Iterable[HostBatch], after: Any = None):
         self._host = iter(host_batches)
-        self._last: Any = None  # the outputs of the last dispatched call (never donated)
+        self._last: Any = after  # the outputs of the last dispatched call (never donated)
 
     def __iter__(self) -> Iterator[tuple]:
         return self
@@ -55,7 +57,7 @@ class DeviceFeed:
     def __next__(self) -> tuple:
         host = next(self._host)  # read ahead in host memory: may overlap the running call
         if self._last is not None:
-            jax.block_until_ready(self._last)  # that call's batch is freed once it is done
+            jax.block_until_ready(self._last)  # every device's part of that call is done
             self._last = None
         return host.put()
 

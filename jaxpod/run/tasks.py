@@ -67,17 +67,22 @@ class Task:
     def evaluate(self, params) -> dict[str, float]:
         """`val_loss` (and `val_accuracy` for classifiers): the mean over `train.eval_batches`
         validation batches (fewer if the validation set is smaller), each the sum of its
-        parts' (every part's loss is divided by the whole batch's count)."""
+        parts' (every part's loss is divided by the whole batch's count). It runs between
+        calls: its first part is copied once the step that computed `params` is done, and it
+        returns once its own calls are done on every device (`DeviceFeed`)."""
         n = self.cfg.train.eval_batches
         limit = self.dataset.val_batches(self.cfg.global_batch)
         n = n if limit is None else min(n, limit)
         k = self.cfg.train.batch_parts
-        feed = DeviceFeed(self.read(b, True, part) for b in range(n) for part in range(k))
+        reads = (self.read(b, True, part) for b in range(n) for part in range(k))
+        feed = DeviceFeed(reads, after=params)  # the step that computed `params` is done
         outs = []
         for _ in range(n * k):
             outs.append(self.engine.eval_step(params, next(feed)))
             feed.dispatched(outs[-1])
-        parts = jax.device_get(outs)
+        # Every device's calls done before the next training part is copied: `device_get` of
+        # a replicated output waits for one device's copy only.
+        parts = jax.device_get(jax.block_until_ready(outs))
         sums = [
             {m: sum(p[m] for p in parts[b * k : (b + 1) * k]) for m in parts[0]} for b in range(n)
         ]

@@ -1,7 +1,8 @@
 """The device feed (`jaxpod.run.feed`): a host batch's copy is the batch; the next part is copied
-only once the call before it is done. That a training run holds one part on the devices, each
-copied after the call before it is done, is checked on the run in parts that
-tests/run/test_batch_parts_run.py compares with the whole-batch run (one run, two claims)."""
+only once the call before it is done, across the hand-offs between training and evaluation.
+That a training run holds one part on the devices, each copied after the call before it is
+done, is checked on the run in parts that tests/run/test_batch_parts_run.py compares with the
+whole-batch run (one run, two claims)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,45 @@ def test_next_waits_for_the_call_dispatched_before(tiny_cfg, mesh_for):
     feed.dispatched({"loss": out})
     next(feed)
     assert out.is_ready()
+
+
+def test_evaluation_runs_between_the_calls_around_it(tiny_cfg, mesh_for):
+    """`Task.evaluate` copies its first part once the call that computed `params` is done, and
+    returns once its own calls are done on every device: `device_get` of a replicated output
+    waits for one device's copy only, so the next training part could otherwise be copied
+    beside a running evaluation (device 1 runs slow here, device 0 does not)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpod.run.tasks import build_task
+
+    cfg = tiny_cfg(*RUN, mesh=(2, 1, 1))
+    mesh = mesh_for(cfg)
+    task, _ = build_task(cfg, mesh)
+    fast_device, slow_device = mesh.devices.flat
+    matmuls = lambda x: jax.lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ y), x)  # noqa: E731
+    slow = jax.jit(lambda x: 0 * jnp.sum(matmuls(x)))
+    x = jax.device_put(jnp.eye(512) * 0.5, slow_device)
+    slow(x).block_until_ready()  # compiled
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def slow_on_device_1():  # a replicated scalar: 0 on device 0 now, on device 1 later
+        fast = jax.device_put(jnp.zeros(()), fast_device).block_until_ready()
+        return jax.make_array_from_single_device_arrays((), replicated, [fast, slow(x)])
+
+    params_ready, outs = [], []
+
+    def eval_step(params, batch):
+        params_ready.append(all(p.is_ready() for p in jax.tree.leaves(params)))
+        outs.append(slow_on_device_1())
+        return {"loss": outs[-1]}
+
+    params = {"w": slow_on_device_1()}
+    assert not params["w"].is_ready()  # the call "before" evaluation, still running
+    engine = task.engine._replace(eval_step=eval_step)
+    result = dataclasses.replace(task, engine=engine).evaluate(params)
+    assert result == {"loss": 0.0}
+    assert params_ready == [True, True]
+    assert all(out.is_ready() for out in outs)
