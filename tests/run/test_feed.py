@@ -15,6 +15,19 @@ RUN += ("optim.warmup_steps=0", "optim.name=sgd", "optim.grad_clip=0", "data.pre
 RUN += ("model.seq_len=40",)
 
 
+def _slow_zero(device):
+    """A compiled call that keeps `device` busy (40 matmuls of 512 x 512) and returns a zero
+    scalar there: `() -> jax.Array`, still running when it returns (dispatch is async)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.device_put(jnp.eye(512) * 0.5, device)
+    matmuls = lambda x: jax.lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ y), x)  # noqa: E731
+    slow = jax.jit(lambda x: 0 * jnp.sum(matmuls(x)))
+    slow(x).block_until_ready()  # compiled
+    return lambda: slow(x)
+
+
 def test_a_host_batch_put_is_the_batch(tiny_cfg, mesh_for):
     """`Task.read` then `HostBatch.put` gives `Task.batch`'s rows, sharded as the engine's batch."""
     import jax
@@ -35,20 +48,17 @@ def test_a_host_batch_put_is_the_batch(tiny_cfg, mesh_for):
 def test_next_waits_for_the_call_dispatched_before(tiny_cfg, mesh_for):
     """`next(feed)` returns only once the outputs given to `dispatched` are computed."""
     import jax
-    import jax.numpy as jnp
 
     from jaxpod.run.feed import DeviceFeed
     from jaxpod.run.tasks import build_task
 
     cfg = tiny_cfg(*RUN, mesh=(2, 1, 1))
     task, _ = build_task(cfg, mesh_for(cfg))
-    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ y), x))
-    x = jnp.eye(512) * 0.5
-    slow(x).block_until_ready()  # compiled
+    slow = _slow_zero(jax.devices()[0])
     feed = DeviceFeed(task.read(i) for i in range(2))
     next(feed)
-    out = slow(x)
-    assert not out.is_ready()  # dispatched, still running (~40 matmuls of 512 x 512)
+    out = slow()
+    assert not out.is_ready()  # dispatched, still running
     feed.dispatched({"loss": out})
     next(feed)
     assert out.is_ready()
@@ -70,15 +80,12 @@ def test_evaluation_runs_between_the_calls_around_it(tiny_cfg, mesh_for):
     mesh = mesh_for(cfg)
     task, _ = build_task(cfg, mesh)
     fast_device, slow_device = mesh.devices.flat
-    matmuls = lambda x: jax.lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ y), x)  # noqa: E731
-    slow = jax.jit(lambda x: 0 * jnp.sum(matmuls(x)))
-    x = jax.device_put(jnp.eye(512) * 0.5, slow_device)
-    slow(x).block_until_ready()  # compiled
+    slow = _slow_zero(slow_device)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def slow_on_device_1():  # a replicated scalar: 0 on device 0 now, on device 1 later
         fast = jax.device_put(jnp.zeros(()), fast_device).block_until_ready()
-        return jax.make_array_from_single_device_arrays((), replicated, [fast, slow(x)])
+        return jax.make_array_from_single_device_arrays((), replicated, [fast, slow()])
 
     params_ready, outs = [], []
 
