@@ -59,9 +59,7 @@ def _counting(engine, shape: tuple, most: list):
 
 def _run(task, engine, state, mode: str, start: int, steps: int, depth: int):
     """`steps` steps from `start` the loop's way (`mode` 0) or with parts put ahead (1)."""
-    import jax
-
-    from jaxpod.run.feed import DeviceFeed
+    from jaxpod.run.feed import DeviceFeed, to_host
     from jaxpod.run.prefetch import Prefetcher
 
     k = task.cfg.train.batch_parts
@@ -80,8 +78,8 @@ def _run(task, engine, state, mode: str, start: int, steps: int, depth: int):
                 state, metrics = engine.run_step(state, [next(parts) for _ in range(k)])
             pending.append(metrics)
             if len(pending) > 1:  # the loop reads step N-1 while step N runs
-                jax.device_get(pending.pop(0))
-    jax.device_get(pending)
+                to_host(pending.pop(0))
+    to_host(pending)  # the last step done on every device
     return state, (time.perf_counter() - t0) / steps
 
 

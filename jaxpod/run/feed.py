@@ -20,6 +20,13 @@ from typing import Any
 import jax
 
 
+def to_host(outputs: Any) -> Any:
+    """`outputs` (a pytree of global arrays) as numpy, once every device's shard is computed:
+    `jax.device_get` of a replicated array copies one device's shard and so waits for that
+    device alone, which would stamp a time or copy the next batch while another still runs."""
+    return jax.device_get(jax.block_until_ready(outputs))
+
+
 def index_key(index: tuple) -> tuple:
     """A device's index into a global array (a tuple of slices) as a hashable key."""
     return tuple((i.start, i.stop, i.step) for i in index)

@@ -35,7 +35,7 @@ from jaxpod.parallel.mesh import make_mesh, select_devices
 from jaxpod.planner.plan import check_budget
 from jaxpod.run.checkpoint import Checkpointer
 from jaxpod.run.distributed import is_main_process
-from jaxpod.run.feed import DeviceFeed
+from jaxpod.run.feed import DeviceFeed, to_host
 from jaxpod.run.hostmem import check_host_ram, is_oom, oom_error
 from jaxpod.run.interrupt import Interrupted, StopRequests
 from jaxpod.run.logdir import hold
@@ -315,7 +315,7 @@ class _StepLog:
         steps, log_every = self.cfg.train.steps, self.cfg.train.log_every
         while len(self.pending) > keep:
             step, metrics = self.pending.pop(0)
-            host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            host = {k: float(v) for k, v in to_host(metrics).items()}  # timed once all are done
             self.losses.append(host["loss"])
             bad = _nonfinite(self.cfg, host)
             if (step % log_every and step != steps) and not bad:

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxpod.config import Config
 from jaxpod.engine import Engine, TrainState, build_engine
-from jaxpod.run.feed import DeviceFeed, HostBatch, index_key
+from jaxpod.run.feed import DeviceFeed, HostBatch, index_key, to_host
 
 
 @dataclass
@@ -80,9 +80,7 @@ class Task:
         for _ in range(n * k):
             outs.append(self.engine.eval_step(params, next(feed)))
             feed.dispatched(outs[-1])
-        # Every device's calls done before the next training part is copied: `device_get` of
-        # a replicated output waits for one device's copy only.
-        parts = jax.device_get(jax.block_until_ready(outs))
+        parts = to_host(outs)  # every device's calls done before the next part is copied
         sums = [
             {m: sum(p[m] for p in parts[b * k : (b + 1) * k]) for m in parts[0]} for b in range(n)
         ]

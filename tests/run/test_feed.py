@@ -1,5 +1,6 @@
 """The device feed (`jaxpod.run.feed`): a host batch's copy is the batch; the next part is copied
-only once the call before it is done, across the hand-offs between training and evaluation.
+only once the call before it is done, across the hand-offs between training and evaluation;
+a step is timed once every device is done with it.
 That a training run holds one part on the devices, each copied after the call before it is
 done, is checked on the run in parts that tests/run/test_batch_parts_run.py compares with the
 whole-batch run (one run, two claims)."""
@@ -26,6 +27,23 @@ def _slow_zero(device):
     slow = jax.jit(lambda x: 0 * jnp.sum(matmuls(x)))
     slow(x).block_until_ready()  # compiled
     return lambda: slow(x)
+
+
+def _lagging_scalar(mesh):
+    """`() -> jax.Array`: a replicated zero over `mesh`'s two devices, computed on the first
+    when it returns and still running on the second (`jax.device_get` would return at once)."""
+    import jax
+    import jax.numpy as jnp
+
+    fast_device, slow_device = mesh.devices.flat
+    slow = _slow_zero(slow_device)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def lagging():
+        fast = jax.device_put(jnp.zeros(()), fast_device).block_until_ready()
+        return jax.make_array_from_single_device_arrays((), replicated, [fast, slow()])
+
+    return lagging
 
 
 def test_a_host_batch_put_is_the_batch(tiny_cfg, mesh_for):
@@ -72,21 +90,13 @@ def test_evaluation_runs_between_the_calls_around_it(tiny_cfg, mesh_for):
     import dataclasses
 
     import jax
-    import jax.numpy as jnp
 
     from jaxpod.run.tasks import build_task
 
     cfg = tiny_cfg(*RUN, mesh=(2, 1, 1))
     mesh = mesh_for(cfg)
     task, _ = build_task(cfg, mesh)
-    fast_device, slow_device = mesh.devices.flat
-    slow = _slow_zero(slow_device)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def slow_on_device_1():  # a replicated scalar: 0 on device 0 now, on device 1 later
-        fast = jax.device_put(jnp.zeros(()), fast_device).block_until_ready()
-        return jax.make_array_from_single_device_arrays((), replicated, [fast, slow()])
-
+    slow_on_device_1 = _lagging_scalar(mesh)
     params_ready, outs = [], []
 
     def eval_step(params, batch):
@@ -101,3 +111,31 @@ def test_evaluation_runs_between_the_calls_around_it(tiny_cfg, mesh_for):
     assert result == {"loss": 0.0}
     assert params_ready == [True, True]
     assert all(out.is_ready() for out in outs)
+
+
+def test_a_step_is_timed_once_every_device_is_done(tiny_cfg, mesh_for):
+    """The loop reads a step's metrics, and stamps its time, once every device has computed
+    them, so `step_time_s` is not one device's time (device 1 runs slow here)."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from jaxpod.run.loop import _StepLog
+
+    cfg = tiny_cfg(*RUN, mesh=(2, 1, 1))
+    lagging = _lagging_scalar(mesh_for(cfg))
+    task = SimpleNamespace(per_step=8, unit="tokens")
+    bar = SimpleNamespace(disable=False, set_postfix=lambda **_: None)
+    done_when_written, pushed = [], []
+
+    def write(record):  # the step's record, its time stamped
+        metrics = pushed[record["step"] - 1]
+        done_when_written.append(all(m.is_ready() for m in metrics.values()))
+
+    steplog = _StepLog(cfg, task, SimpleNamespace(write=write), bar, print, 0, ckpt=None)
+    for step in (1, 2):
+        pushed.append({"loss": lagging(), "lr": jnp.zeros(())})
+        assert not pushed[-1]["loss"].is_ready()  # dispatched, still running on device 1
+        steplog.push(step, pushed[-1])
+    steplog.flush()
+    assert done_when_written == [True, True]
