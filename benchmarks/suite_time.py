@@ -33,6 +33,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, options, run_worker, serve_worker, table, write_report  # noqa: E402
 
@@ -66,6 +68,26 @@ def pytest_configure(config) -> None:
             _record(**fields)
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that have ended (CLI
+    runs, notebook kernels): unlike a test's wall time, not inflated by what the other worker
+    runs beside it."""
+    import resource
+
+    own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Record the CPU seconds of each test (setup, call and teardown) as a `cpu_s` event."""
+    before = _cpu_seconds() if EVENTS_ENV in os.environ else None
+    yield
+    if before is not None:
+        cpu = _cpu_seconds() - before
+        _record(file=item.nodeid.split("::")[0], phase="cpu_s", s=cpu, test=item.nodeid)
 
 
 def _group(nodeid: str) -> str | None:
@@ -127,6 +149,12 @@ def long_compiles(records: list[dict]) -> list[dict]:
     """The compiles of at least `LONG_COMPILE_S`, the longest first: the test that ran each
     and the jitted function's name (where to look for programs that are nearly the same)."""
     rows = [{"test": r["test"], "fun": r["fun"], "s": r["s"]} for r in records if "fun" in r]
+    return sorted(rows, key=lambda r: -r["s"])
+
+
+def heaviest_tests(records: list[dict]) -> list[dict]:
+    """Each test's CPU seconds (its process and its ended children), the most first."""
+    rows = [{"test": r["test"], "s": r["s"]} for r in records if r["phase"] == "cpu_s"]
     return sorted(rows, key=lambda r: -r["s"])
 
 
@@ -198,7 +226,7 @@ def main() -> None:
     longest = long_compiles(records)
     if not args.events:
         os.unlink(events)
-    cols = ["test_s", "trace_s", "lower_s", "compile_s", "compiles", "cache_saved_s"]
+    cols = ["test_s", "cpu_s", "trace_s", "lower_s", "compile_s", "compiles", "cache_saved_s"]
     total = {c: sum(f.get(c, 0) for f in files.values()) for c in cols}
     ranked = sorted(files.items(), key=lambda kv: -kv[1].get("test_s", 0))
 
@@ -207,7 +235,8 @@ def main() -> None:
                 else f"{f.get(c, 0):.1f}" for c in cols]  # fmt: skip
 
     rows = [[name, *cells(f)] for name, f in ranked[: args.top]] + [["all files", *cells(total)]]
-    header = ["test file", "test s", "trace s", "lower s", "compile s", "compiles", "cache saved s"]
+    header = ["test file", "test s", "cpu s", "trace s", "lower s", "compile s", "compiles",
+              "cache saved s"]  # fmt: skip
     print(table(f"where the suite's time goes ({ran})", header, rows))
     if busy:
         rows = [[w, f"{b['test_s']:.0f}", f"{b['last_end_s']:.0f}"] for w, b in busy.items()]
@@ -215,6 +244,10 @@ def main() -> None:
     if grouped:
         rows = [[g, f"{s:.0f}"] for g, s in list(grouped.items())[: args.top]]
         print(table("the heaviest groups", ["xdist group", "test s"], rows))
+    heavy = heaviest_tests(records)
+    if heavy:
+        rows = [[r["test"], f"{r['s']:.1f}"] for r in heavy[: args.top]]
+        print(table("the tests that take the most CPU", ["test", "cpu s"], rows))
     if longest:
         rows = [[r["test"], r["fun"], f"{r['s']:.1f}"] for r in longest[: args.top]]
         title = f"the longest compiles ({len(longest)} of at least {LONG_COMPILE_S:.0f} s)"
@@ -224,7 +257,7 @@ def main() -> None:
         header = ["measured", "yardstick compile s", "test s per yardstick s"]
         print(table("the yardstick (module docstring)", header, rows))
     write_report({"ran": ran, "exit": returncode, "total": total, "files": files,
-                  "workers": busy, "groups": grouped, "long_compiles": longest,
+                  "workers": busy, "groups": grouped, "long_compiles": longest, "cpu": heavy,
                   "yardstick_s": sticks},
                  args.out)  # fmt: skip
     raise SystemExit(returncode)
