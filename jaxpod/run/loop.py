@@ -116,16 +116,20 @@ def run_training(
 def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -> RunResult:
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     mesh = make_mesh(cfg.mesh, select_devices(cfg.total_devices))
-    task, state = build_task(cfg, mesh)
+    logdir = Path(cfg.train.logdir)
+    ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints)
+    start = ckpt.latest_step() or 0
+    try:  # a resume reads the state straight into its shards: it is not initialised first
+        task, state = build_task(cfg, mesh, initialise=not start)
+    except BaseException:
+        ckpt.close()
+        raise
     engine = task.engine
     params = engine.stages.params_count
     mapping = describe(cfg, mesh, state, task.per_step, task.unit, params)
     say(format_mapping(mapping))
     say(f"data           {task.dataset.describe()}")
 
-    logdir = Path(cfg.train.logdir)
-    ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints)
-    start = ckpt.latest_step() or 0
     kept_records: list = []
     if start:  # refuses (UserError) a mismatched or damaged checkpoint before touching logdir
         try:  # the config first: a change is refused naming its keys, not an array

@@ -33,6 +33,11 @@ def bytes_per_device(tree) -> dict[int, dict[str, int]]:
     return {d: dict(kinds) for d, kinds in sorted(held.items())}
 
 
+def _nbytes(leaf) -> int:
+    """Bytes of a whole array or `ShapeDtypeStruct`."""
+    return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+
+
 def most_on_one_device(tree, kind: str | None = DEVICE) -> int:
     """The largest number of bytes of `tree` any one device holds (in memory `kind`; None:
     every kind)."""
@@ -58,7 +63,7 @@ def describe(cfg: Config, mesh: jax.sharding.Mesh, state, per_step: int, unit: s
         "unit": unit,
         "per_step": per_step,
         "params": params,
-        "param_bytes_total": sum(leaf.nbytes for leaf in jax.tree.leaves(state.params)),
+        "param_bytes_total": sum(_nbytes(leaf) for leaf in jax.tree.leaves(state.params)),
         "param_bytes_per_device": total(p_bytes[worst]),
         "optimizer_bytes_per_device": total(o_bytes.get(worst, {})),
     }

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxpod.config import Config
-from jaxpod.engine import Engine, TrainState, build_engine
+from jaxpod.engine import Engine, TrainState, abstract_engine, build_engine
 from jaxpod.run.feed import DeviceFeed, HostBatch, index_key, to_host
 
 
@@ -105,8 +105,12 @@ def load_data(cfg: Config):
     )  # fmt: skip
 
 
-def build_task(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Task, TrainState]:
-    """Load the dataset and build the engine; returns `(task, initial state)`."""
+def build_task(
+    cfg: Config, mesh: jax.sharding.Mesh, *, initialise: bool = True
+) -> tuple[Task, TrainState]:
+    """Load the dataset and build the engine; returns `(task, initial state)`, the state as
+    `ShapeDtypeStruct`s with shardings if not `initialise` (a resume restores into those:
+    nothing is initialised only to be overwritten)."""
     dataset = load_data(cfg)
-    engine, state = build_engine(cfg, mesh)
+    engine, state = (build_engine if initialise else abstract_engine)(cfg, mesh)
     return Task(cfg, dataset, engine), state

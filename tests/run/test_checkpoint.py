@@ -82,6 +82,43 @@ def test_restore_reads_into_the_new_meshs_shardings(built, tmp_path):
     assert_restored(restored, saved, engine)
 
 
+INITS = {"init_params", "init_rows"}  # the jitted inits of stacked and packed stages
+
+
+def test_a_resume_restores_without_initialising(built, tiny_cfg, mesh_for, tmp_path):
+    """`run_training` on a run directory with a checkpoint builds the state from abstract
+    shapes and restores into it: no init program is traced, and the state it returns is the
+    saved one (here a complete run, which then takes no step)."""
+    import jax
+    import jax.monitoring
+
+    from jaxpod.config import config_to_dict
+    from jaxpod.engine import build_engine
+    from jaxpod.run.checkpoint import Checkpointer
+    from jaxpod.run.loop import run_training
+
+    cfg = tiny_cfg(*BATCH, "train.steps=1", f"train.logdir={tmp_path}", mesh=(2, 2, 2))
+    saved = shifted(built(*BATCH, mesh=(2, 2, 2))[2])
+    with Checkpointer(tmp_path, keep=1) as ckpt:
+        ckpt.save(1, saved, seed=cfg.train.seed, config=config_to_dict(cfg))
+    traced, recording = [], [True]
+
+    def listen(event: str, seconds: float, fun_name: str | None = None, **_) -> None:
+        if recording[0] and event.endswith("jaxpr_trace_duration"):
+            traced.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        result = run_training(cfg, quiet=True)
+        resumed, traced[:] = list(traced), []
+        build_engine(cfg, mesh_for(cfg))  # a fresh state: its init program is traced
+    finally:
+        recording[0] = False
+    assert INITS & set(traced) and not INITS & set(resumed)
+    assert result.losses == []
+    assert_restored(result.state, saved, built(*BATCH, mesh=(2, 2, 2))[1])
+
+
 def test_one_process_writes_each_shard_whole(built, tmp_path, monkeypatch):
     """orbax's replica-parallel saving splits each replicated shard between its replicas, an
     eager `slice_in_dim` (an XLA compile) per slice; in one process each shard is written whole
