@@ -110,6 +110,8 @@ def test_ctrl_c_while_checkpoints_are_saved_exits_130_with_every_record(tmp_path
     assert [r for _, r in meta["records"]] == [read_metrics(run)[-1]]
 
 
+# docs/runs.md's tiny command profiles the tiny 4-step program of the other CLI modules (the
+# session's compilation cache holds it once); its logdir is the config's, here under tmp_path.
 def test_the_documented_profile_command_runs_as_printed(tmp_path):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     (command,) = [

@@ -1,9 +1,9 @@
 """Several processes, one mesh: JAX's multi-controller runtime on loopback (gloo on CPU).
 
-2 processes x 4 virtual CPU devices train the same 2x2x2 mesh as 1 process x 8 devices; the
-three processes run at once (each compiles its own program) to keep the wall time down. The
+2 processes x 4 virtual CPU devices train the same 2x2x2 mesh as 1 process x 8 devices. The
 runs take 4 steps: the one-process run is then the tiny 4-step run other CLI modules compile
-(tests/cli/test_resume_cli.py), held once in the session's compilation cache.
+(tests/cli/test_resume_cli.py), held once in the session's compilation cache, and run once for
+this module and test_multihost_collectives.py (`one_process_run`, tests/cli/conftest.py).
 """
 
 from __future__ import annotations
@@ -15,38 +15,31 @@ import pytest
 from helpers import ROOT, free_port
 from helpers.cli import (
     TINY,
+    TINY4,
+    TWO_PROCESSES,
     assert_user_error,
     cli_cmd,
     cli_env,
     finish,
     jaxpod,
-    start,
     start_two_processes,
 )
 
 from jaxpod.run.metrics import read_metrics
 
-pytestmark = pytest.mark.cli
-COMMON = [
-    "train.steps=4",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "optim.warmup_steps=0",
-]
+pytestmark = [pytest.mark.cli, pytest.mark.xdist_group(TWO_PROCESSES)]
 
 
-def test_two_processes_train_like_one(tmp_path):
-    multi, single = tmp_path / "multi", tmp_path / "single"
+def test_two_processes_train_like_one(tmp_path, one_process_run):
+    multi = tmp_path / "multi"
     # per process 4 devices: 2 x 4 = the 8 devices of the 2x2x2 mesh
-    procs = start_two_processes("train", TINY, *COMMON, "devices=4", f"train.logdir={multi}")
-    reference = start("train", TINY, *COMMON, "devices=8", f"train.logdir={single}")
-    main_out, worker_out, _ = finish([*procs, reference], timeout=300)
+    procs = start_two_processes("train", TINY, *TINY4, "devices=4", f"train.logdir={multi}")
+    main_out, worker_out = finish(procs, timeout=300)
     assert "step      4/4" in main_out
     assert "step " not in worker_out and "devices " not in worker_out  # only process 0 prints
     assert '"processes": 2' in (multi / "mapping.json").read_text()
 
-    records = {name: read_metrics(tmp_path / name) for name in ("multi", "single")}
+    records = {"multi": read_metrics(multi), "single": read_metrics(one_process_run)}
     losses = {
         name: np.array([r["loss"] for r in recs if "loss" in r]) for name, recs in records.items()
     }

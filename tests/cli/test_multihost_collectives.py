@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import ROOT, free_port
-from helpers.cli import TINY, cli_env, finish, start, start_two_processes
+from helpers.cli import TINY, TINY4, TWO_PROCESSES, cli_env, finish, start_two_processes
 
 from jaxpod.run.metrics import read_metrics
 
-pytestmark = pytest.mark.cli
+pytestmark = [pytest.mark.cli, pytest.mark.xdist_group(TWO_PROCESSES)]
 HERE = Path(__file__).resolve().parent
 VARIANTS = {"ring": {}, "bidirectional": {"bidirectional": True}, "hosts=2": {"hosts": 2}}
 VARIANTS |= {"hosts=4": {"hosts": 4}}
@@ -105,25 +105,18 @@ def test_ring_variants_across_two_processes():
         assert f"process {i}: ok" in out
 
 
-COMMON = [
-    "train.steps=4",  # the one-process run: the tiny 4-step run of other CLI modules
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "optim.warmup_steps=0",
-]
 OPTION = ["parallel.grad_allreduce=ring", "parallel.grad_bucket_bytes=65536", "memory.rts=2"]
 
 
-def test_ring_training_on_two_processes_equals_the_default(tmp_path):
+def test_ring_training_on_two_processes_equals_the_default(tmp_path, one_process_run):
+    """Against the one-process run of the tiny 4-step config (`one_process_run`)."""
     procs = start_two_processes(
-        "train", TINY, *COMMON, *OPTION, "devices=4", f"train.logdir={tmp_path / 'ring'}"
+        "train", TINY, *TINY4, *OPTION, "devices=4", f"train.logdir={tmp_path / 'ring'}"
     )
-    procs.append(start("train", TINY, *COMMON, "devices=8", f"train.logdir={tmp_path / 'psum'}"))
     finish(procs, timeout=600)
     losses = {
-        name: np.array([r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r])
-        for name in ("ring", "psum")
+        name: np.array([r["loss"] for r in read_metrics(logdir) if "loss" in r])
+        for name, logdir in (("ring", tmp_path / "ring"), ("psum", one_process_run))
     }
     assert len(losses["ring"]) == 4
     # The ring sums in another order than psum (and across processes through gloo): the

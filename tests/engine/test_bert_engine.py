@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import PINNED_TRANSFORMERS
 from helpers.lab import adam_state
 
-from jaxpod.engine import build_engine
+from jaxpod.engine import abstract_engine, build_engine
 from jaxpod.engine.stacked import build_model
 from jaxpod.models import mlm
 
@@ -42,8 +43,8 @@ _REF: dict = {}
 
 
 def reference(cfg, step: int = 0):
-    """Plain loss and grads of the whole batch on one device (one program per norm: the step
-    whose row keys mask the batch is an argument)."""
+    """Plain (loss, grads, initial params) of the whole batch on one device (one program per
+    norm: the step whose row keys mask the batch is an argument)."""
     if cfg.model.norm not in _REF:
         graphdef, state = nnx.split(build_model(cfg.model, cfg.train.seed))
         seed = cfg.train.seed
@@ -56,11 +57,11 @@ def reference(cfg, step: int = 0):
     fn, params, done = _REF[cfg.model.norm]
     if step not in done:
         done[step] = fn(params, batch(step), jnp.int32(step))
-    return done[step]
+    return (*done[step], params)
 
 
 # Pre-LN with every axis sharded at once (2x2x2: `test_bert_engine_trains`, whose train
-# step's first AdamW moment is 0.1 x the gradients, checked like these), post-LN on the full
+# step's first AdamW moment is 0.1 x the clipped gradients, checked like these), post-LN on the full
 # mesh, sequence-parallel and streamed matrix by matrix (RTS 2, the MLP in 2 panels:
 # `Layer.steps`' post-LN order), and post-LN with sequence parallelism on the tensor-heavy
 # mesh (tensor width 4; the embedding LayerNorm, the position table split over tensor and
@@ -82,19 +83,20 @@ CASES = [((2, 2, 2), "post", True, MATRIX), ((1, 2, 4), "post", True, "")]
 def test_sharded_mlm_loss_and_grads_match_reference(tiny_cfg, mesh_for, shape, norm, sp, more):
     """`engine.loss_and_grads` for BERT on replica/pipeline/tensor meshes == the plain model:
     loss (mean over the masked positions of the global batch) and every gradient leaf
-    (post-LN on two meshes: the same kernels in another order)."""
+    (post-LN on two meshes: the same kernels in another order), at the reference's initial
+    params put in the engine's shardings (the engine's own init: test_bert_engine_trains)."""
     extra = more.split()
     cfg = tiny_cfg(*BERT, f"model.norm={norm}", f"model.sequence_parallel={sp}", *extra, mesh=shape)
-    mesh = mesh_for(cfg)
-    engine, state = build_engine(cfg, mesh)
+    engine, state = abstract_engine(cfg, mesh_for(cfg))  # no init program: the reference's
+    params = jax.device_put(reference(cfg)[2], jax.tree.map(lambda a: a.sharding, state.params))
     tokens = jax.device_put((batch(3),), engine.batch_sharding)
-    loss, _, grads = jax.jit(engine.loss_and_grads)(state.params, tokens, None, jnp.int32(3))
+    loss, _, grads = jax.jit(engine.loss_and_grads)(params, tokens, None, jnp.int32(3))
     assert_matches_reference(cfg, loss, grads, 3, f"{shape} {norm}")
 
 
 def assert_matches_reference(cfg, loss, grads, step: int, what: str, scale: float = 1.0):
     """`loss` and `grads` (times `scale`) are the reference's of `step`'s batch and masks."""
-    want_loss, want_grads = reference(cfg, step)
+    want_loss, want_grads, _ = reference(cfg, step)
     err = abs(float(loss) - float(want_loss)) / float(want_loss)
     print(f"{what}: loss {float(loss):.6f} rel err {err:.1e}")
     assert err <= LOSS_RTOL
@@ -108,12 +110,16 @@ def assert_matches_reference(cfg, loss, grads, step: int, what: str, scale: floa
     assert errs[worst] <= GRAD_TOL, errs
 
 
+# test_pinned's bert-222 case compiles this test's program (its config, spelled alike): one
+# process compiles it once (`PINNED_TRANSFORMERS`, an xdist group the two tests share).
+@pytest.mark.xdist_group(PINNED_TRANSFORMERS)
 def test_bert_engine_trains(tiny_cfg, mesh_for):
     """`build_engine` with model.name=bert, pre-LN, on 2x2x2 (every axis sharded at once): the
     first step's loss and gradients are the reference's of step 0's masks (the gradients
-    read from AdamW's first moment, 0.1 g after one step: no clipping here), the weights
+    read from AdamW's first moment, (1 - b1) times the clipped gradient after one step: the
+    global-norm clip at `optim.grad_clip`, here below the gradient's norm), the weights
     move, and eval runs."""
-    cfg = tiny_cfg(*BERT, "optim.lr=1e-3", "optim.grad_clip=0", mesh=(2, 2, 2))
+    cfg = tiny_cfg(*BERT, mesh=(2, 2, 2))
     engine, state = build_engine(cfg, mesh_for(cfg))
     before = [np.asarray(p) for p in jax.tree.leaves(state.params)]
     losses = []
@@ -124,7 +130,12 @@ def test_bert_engine_trains(tiny_cfg, mesh_for):
         losses.append(float(metrics["loss"]))
         if k == 0:
             mu = jax.device_get(adam_state(state.opt_state).mu)  # before step 2 donates it
-    assert_matches_reference(cfg, losses[0], mu, 0, "2x2x2 pre, step 1", 1 - cfg.optim.b1)
+    ref_norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64)))
+                           for g in jax.tree.leaves(reference(cfg, 0)[1])))  # fmt: skip
+    clip = min(1.0, cfg.optim.grad_clip / ref_norm)
+    assert clip < 1.0  # the clip is exercised
+    scale = (1 - cfg.optim.b1) * clip
+    assert_matches_reference(cfg, losses[0], mu, 0, "2x2x2 pre, step 1", scale)
     assert all(np.isfinite(losses)) and float(metrics["update_norm"]) > 0
     after = [np.asarray(p) for p in jax.tree.leaves(state.params)]
     assert all(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))

@@ -13,6 +13,8 @@ once: the replica gradient reduction, the GPipe scan, Megatron's tensor psums), 
 stages, the pipelined path without replicas) and 2x1x4 (tensor width 4, replicas without a
 pipeline: the accumulation loop). 2x1x1 is 2x1x4's replica path with a size-1 tensor axis,
 1x1x2 its tensor path without replicas, 1x2x1 1x4x2's pipelined path with fewer stages.
+1x4x2's engines start their pipeline carry as NaN (the lab's `NAN_FILLED`): its steps prove
+too that no bubble tick reaches the loss, a gradient or a parameter on four stages.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def test_init_params_match_reference(lab, shape):
     only on the seed), bit-identical to the 1-device jitted init, in the engine's specs, which
     are the Megatron/pipeline layout; each device holds only its own shard and no device
     holds a whole tensor-split weight. (The state after a step: `test_one_step_matches_
-    reference`; grads straight out of `engine.loss_and_grads`: the bubble tests.)"""
+    reference`; grads straight out of `engine.loss_and_grads`: test_pipeline_equivalence.py.)"""
     cfg, mesh, engine, state = lab.engine(shape, "adamw")
     params, specs = state.params, engine.stages.specs
     assert specs == EXPECTED_SPECS

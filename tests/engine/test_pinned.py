@@ -39,7 +39,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import FP16_LARS, GPT16, TINY_VISION, grouped_cases
+from helpers import FP16_LARS, GPT16, PINNED_TRANSFORMERS, TINY_VISION, grouped_cases
 
 RTOL = 2.2e-6
 
@@ -202,7 +202,7 @@ def test_the_tolerance_is_what_the_docstring_derives():
 
 
 # EfficientNet's compiles run with the other tests of the same programs, beside the transformers'
-@pytest.mark.parametrize("name", grouped_cases(CASES, "pinned-gpt-bert"))
+@pytest.mark.parametrize("name", grouped_cases(CASES, PINNED_TRANSFORMERS))
 def test_three_steps_match_the_pinned_values(name, tiny_cfg, mesh_for):
     kind = host_isa()
     if kind not in PINNED:

@@ -51,8 +51,10 @@ def compiled_step_once(cfg, mesh_for):
 
 
 # The planner tests' small GPT (tests/planner/): one spelling, so that their configs are the
-# same programs across files (the session's compilation cache compiles each once).
+# same programs across files, and one xdist group for the files that compile the same ones
+# (test_plan_vs_xla, test_xla_copies, test_transfers): one process compiles each once.
 SMALL_GPT = ("model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.layers=4")
+PLANNER_GPT = "shared:planner-small-gpt"
 
 
 # The tiny EfficientNet the engine tests train (float32, LARS, 16 images a step; splits and mesh
@@ -80,6 +82,10 @@ FP16_LARS = (
     "precision.params=float16", "precision.compute=float16", "precision.master=same-as-params",
     "precision.loss_scale=dynamic", "optim.name=lars", "optim.lr=0.1",
 )  # fmt: skip
+
+# One xdist group for test_pinned's transformer cases and the tests elsewhere that compile one
+# of their programs (spelled as test_pinned spells it): one process, one compile each.
+PINNED_TRANSFORMERS = "shared:pinned-transformers"
 
 # One xdist group (tests/conftest.py) for the tests that compile the tiny EfficientNet's and
 # the digits config's train steps: one process compiles each program once and the session's

@@ -16,6 +16,18 @@ from helpers import ROOT, TINY_YAML, free_port
 
 TINY = str(TINY_YAML)
 
+# The tiny 4-step run (configs/tiny.yaml, 4 steps, no warm-up) of the CLI modules: one program,
+# whichever cadence of logs, evaluations and checkpoints a module adds.
+TINY4 = [
+    "train.steps=4",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "optim.warmup_steps=0",
+]
+# The multi-process modules' xdist group: one process runs their one-process reference once.
+TWO_PROCESSES = "shared:two-processes"
+
 
 # A CLI run compiles what the runs before it compiled, quick programs (eager ops) included:
 # every compile is worth a cache entry there (a cached tiny run: 3.5 s with the pytest

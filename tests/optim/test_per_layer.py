@@ -7,6 +7,8 @@ point of it is that the FP16 + LAMB update no longer holds float32 copies of the
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ STRIP = 1024  # elements: every tiny weight matrix and the embedding are updated
 F32_ATOL = 1.2e-7
 
 
+@functools.cache  # the fp16 tests share one engine and its jitted updates (nothing donated)
 def _setup(tiny_cfg, mesh_for, name, *extra):
     cfg = tiny_cfg(
         f"optim.name={name}", "optim.grad_clip=0.05", "optim.warmup_steps=0", *extra,
@@ -46,6 +49,17 @@ def _draw(params) -> dict:
     return jax.tree.map(
         lambda p: (rng.standard_normal(p.shape) * 1024.0 * 0.01).astype(p.dtype), params
     )
+
+
+_JITTED: dict = {}
+
+
+def _jitted_updates(cfg, engine):
+    """`_updates` at key 0, the layer-by-layer one jitted: once per engine (of `_setup`)."""
+    if id(engine) not in _JITTED:
+        whole, lean = _updates(cfg, engine, jax.random.key(0))
+        _JITTED[id(engine)] = whole, jax.jit(lean)
+    return _JITTED[id(engine)]
 
 
 def _updates(cfg, engine, key, min_strip=STRIP):
@@ -100,12 +114,9 @@ def test_float16_layerwise_rounds_to_a_neighbour_of_the_whole_tree_step(tiny_cfg
     by (`F32_ATOL`, test_float32_layerwise_equals_whole_tree) and the step moves most
     weights."""
     cfg, engine, params, tx, ls, grads = _setup(tiny_cfg, mesh_for, "lamb", *FP16)
-    whole, lean = _updates(cfg, engine, jax.random.key(0))
+    whole, lean = _jitted_updates(cfg, engine)
     upcast = jax.jit(lambda g, s, p, scale: whole(*map(to_float32, (g, s, p)), scale))
-    (p1, _, _, i1), (p2, _, _, i2) = (
-        upcast(grads, tx, params, ls),
-        jax.jit(lean)(grads, tx, params, ls),
-    )
+    (p1, _, _, i1), (p2, _, _, i2) = upcast(grads, tx, params, ls), lean(grads, tx, params, ls)
     assert bool(i1["finite"]) and bool(i2["finite"])
     assert {a.dtype for a in jax.tree.leaves(p1)} == {np.dtype(np.float32)}
     moved = 0
@@ -119,14 +130,14 @@ def test_float16_layerwise_rounds_to_a_neighbour_of_the_whole_tree_step(tiny_cfg
 
 
 def test_overflow_leaves_the_state_bit_identical(tiny_cfg, mesh_for):
-    """The layer-by-layer update (the previous test's program: the same shapes and shardings)
-    of gradients with one inf leaves params and optimizer state bit-identical."""
+    """The layer-by-layer update (the previous test's engine and jitted program) of gradients
+    with one inf leaves params and optimizer state bit-identical."""
     cfg, engine, params, tx, ls, grads = _setup(tiny_cfg, mesh_for, "lamb", *FP16)
     bad = _draw(params)
     bad["layers"]["attn"]["w_o"][1, 0, 0] = np.inf
     bad = jax.tree.map(lambda p, g: jax.device_put(g, p.sharding), params, bad)
-    lean = _updates(cfg, engine, jax.random.key(0))[1]
-    p2, s2, ls2, info = jax.jit(lean)(bad, tx, params, ls)
+    lean = _jitted_updates(cfg, engine)[1]
+    p2, s2, ls2, info = lean(bad, tx, params, ls)
     assert not bool(info["finite"])
     for a, b in zip(jax.tree.leaves((params, tx)), jax.tree.leaves((p2, s2)), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -12,11 +12,12 @@ comparison's config is an XLA case's, or another test reads the same program, it
 from __future__ import annotations
 
 import pytest
-from helpers import SMALL_GPT, compiled_step_once
+from helpers import PLANNER_GPT, SMALL_GPT, compiled_step_once
 
 from jaxpod.planner.plan import plan
 
-pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
+# compiles whole train steps (`make test` only), some of them test_xla_copies.py's
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group(PLANNER_GPT)]
 
 RTS4 = ["memory.rts=4", "memory.rts_optimizer=4"]
 WEIGHTS = ["model.seq_len=16", "train.micro_batch=1", "model.d_model=256", "model.d_ff=1024"]

@@ -23,7 +23,7 @@ import re
 from collections import Counter
 
 import pytest
-from helpers import SMALL_GPT, make_tiny_cfg
+from helpers import PLANNER_GPT, SMALL_GPT, make_tiny_cfg
 
 from jaxpod.parallel.offload import placements
 from jaxpod.planner.plan import plan
@@ -34,6 +34,9 @@ ARGUMENT = re.compile(r"%arg\d+: (tensor<[^>]*>) \{([^}]*)\}")
 # for another platform needs no such device: these programs are read, never compiled.
 ACCELERATORS = ("tpu", "cuda")
 OFFLOADED_LAYERS = ("memory.offload=[params]", "model.remat=full")
+
+# one process with test_xla_copies.py, which compiles a program of this module's
+pytestmark = pytest.mark.xdist_group(PLANNER_GPT)
 
 
 # Each config's step is traced once and lowered once per platform in this module (several

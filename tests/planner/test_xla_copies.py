@@ -16,11 +16,12 @@ import math
 import re
 
 import pytest
-from helpers import SMALL_GPT, compiled_step_once
+from helpers import PLANNER_GPT, SMALL_GPT, compiled_step_once
 
 from jaxpod.planner.plan import plan
 
-pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
+# compiles whole train steps (`make test` only), test_plan_vs_xla.py's and test_transfers.py's
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group(PLANNER_GPT)]
 
 RTS4 = ["memory.rts=4", "memory.rts_optimizer=4"]
 
