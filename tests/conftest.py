@@ -265,3 +265,15 @@ def lab(tiny_cfg, mesh_for):
 
     yield Lab(tiny_cfg, mesh_for)
     print_measured()
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory):
+    """The logdir of the tiny 4-step CLI run on 1 process x 8 devices (`helpers.cli.TINY4`):
+    the reference the multi-process runs of tests/cli/test_multihost*.py are compared with
+    (their xdist group, `helpers.cli.TWO_PROCESSES`, runs it once)."""
+    from helpers.cli import TINY, TINY4, finish, start
+
+    logdir = tmp_path_factory.mktemp("one-process") / "run"
+    finish([start("train", TINY, *TINY4, "devices=8", f"train.logdir={logdir}")], timeout=300)
+    return logdir

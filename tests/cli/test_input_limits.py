@@ -72,7 +72,7 @@ def test_documented_commands_parse():
     from jaxpod.cli import _parse
 
     commands = _documented_commands()
-    assert any("--warmup 5 --steps 2 mesh.tensor=1" in c for c in commands)
+    assert any("--warmup 2 --steps 2 optim.warmup_steps=0" in c for c in commands)
     for command in commands:
         args = _parse(shlex.split(command)[1:])
         if hasattr(args, "items"):

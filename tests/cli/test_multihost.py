@@ -3,7 +3,7 @@
 2 processes x 4 virtual CPU devices train the same 2x2x2 mesh as 1 process x 8 devices. The
 runs take 4 steps: the one-process run is then the tiny 4-step run other CLI modules compile
 (tests/cli/test_resume_cli.py), held once in the session's compilation cache, and run once for
-this module and test_multihost_collectives.py (`one_process_run`, tests/cli/conftest.py).
+this module and test_multihost_collectives.py (`one_process_run`, tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def tokens_of(rows: int, seq: int = 32) -> np.ndarray:
 @functools.cache
 def plain_model(model: str):
     """(graphdef, initial params as numpy, seed) of the plain model, built on one device."""
-    from conftest import make_tiny_cfg
+    from helpers import make_tiny_cfg
 
     cfg = make_tiny_cfg(*(BERT if model == "bert" else GPT), mesh=(1, 1, 1))
     graphdef, state = nnx.split(build_model(cfg.model, cfg.train.seed))
