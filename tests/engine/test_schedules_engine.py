@@ -9,9 +9,9 @@ pipeline depth 2 and 4, both models; `CASES` says which case covers what), and g
 circular with `train.skip_bubbles`; the pipeline carry starts as NaN (bubbles never reach a
 result); a circular engine's grads are put back in the logical layer order first. A train
 step of each schedule updates the params like GPipe's, and EfficientNet's packed stages
-under 1f1b give GPipe's loss and gradients (GPipe is proven against the plain models in
-test_mesh_equivalence.py and test_packed_engine.py). Tolerances are GPipe's: the same math
-summed in another order.
+under 1f1b, and under GPipe in two passes a step, give GPipe's loss and gradients (GPipe is
+proven against the plain models in test_mesh_equivalence.py and test_packed_engine.py).
+Tolerances are GPipe's: the same math summed in another order.
 """
 
 from __future__ import annotations
@@ -180,23 +180,33 @@ def test_a_train_step_updates_like_gpipe(tiny_cfg, mesh_for):
 VISION = SHALLOW_VISION
 
 
+# GPipe in two passes of one micro-batch (`train.pipeline_group=1`, gradients summed)
+PASSES = ("train.pipeline_group=1",)
+
+
 def test_1f1b_efficientnet_heterogeneous_stages(tiny_cfg, mesh_for):
-    """1F1B on EfficientNet's two packed stages (4x2x1, 2 micro-batches): GPipe's loss,
-    correct count and gradients of every stage row (GPipe's are proven against the plain
-    network in tests/engine/test_packed_engine.py)."""
+    """1F1B on EfficientNet's two packed stages (4x2x1, 2 micro-batches), and GPipe taking them
+    in two passes: GPipe's loss, correct count and gradients of every stage row (GPipe's are
+    proven against the plain network in tests/engine/test_packed_engine.py)."""
     from jaxpod.run.images import load_images
 
     digits = load_images("digits", image_size=32, seed=0)
-    results = {}
-    for name in ("gpipe", "1f1b"):
-        cfg = tiny_cfg(*VISION, *SCHEDULES[name], mesh=(4, 2, 1))
-        assert cfg.train.grad_accum == 2
-        engine, state = build_engine(cfg, mesh_for(cfg), bubble_fill=float("nan"))
+    results, params = {}, None
+    for name, extra in (("gpipe", ()), ("1f1b", SCHEDULES["1f1b"]), ("gpipe-passes", PASSES)):
+        cfg = tiny_cfg(*VISION, *extra, mesh=(4, 2, 1))
+        assert cfg.train.grad_accum == 2 and cfg.pipeline_passes == (2 if extra == PASSES else 1)
+        if params is None:  # the init (one program: it does not depend on the schedule)
+            engine, state = build_engine(cfg, mesh_for(cfg), bubble_fill=float("nan"))
+            params = state.params
+        else:
+            engine = abstract_engine(cfg, mesh_for(cfg), bubble_fill=float("nan"))[0]
         g = cfg.global_batch
         batch = jax.device_put(digits.train_batch(0, 0, g, g), engine.batch_sharding)
-        results[name] = jax.device_get(jax.jit(engine.loss_and_grads)(state.params, batch))
-    (l1, a1, g1), (l2, a2, g2) = results["gpipe"], results["1f1b"]
-    assert abs(float(l2) - float(l1)) <= LOSS_RTOL * abs(float(l1))
-    assert int(a1["correct"]) == int(a2["correct"])
-    for k in g1:
-        assert rel_err(g2[k], g1[k]) <= GRAD_TOL, (k, rel_err(g2[k], g1[k]))
+        results[name] = jax.device_get(jax.jit(engine.loss_and_grads)(params, batch))
+    l1, a1, g1 = results["gpipe"]
+    for name in ("1f1b", "gpipe-passes"):
+        l2, a2, g2 = results[name]
+        assert abs(float(l2) - float(l1)) <= LOSS_RTOL * abs(float(l1)), name
+        assert int(a1["correct"]) == int(a2["correct"]), name
+        for k in g1:
+            assert rel_err(g2[k], g1[k]) <= GRAD_TOL, (name, k, rel_err(g2[k], g1[k]))
