@@ -79,6 +79,7 @@ ENGINE_FOLDERS = ("tests/engine/",)
 # `benchmarks/suite_time.py` measured them (its "groups" table) on 2 cores.
 HEAVY_FIRST = (
     "shared:tiny-efficientnet",  # helpers.TINY_EFFICIENTNET
+    "shared:lab",  # helpers.lab.LAB_GROUP
     "shared:planner-small-gpt",  # helpers.PLANNER_GPT
     "tests/presets/test_preset_runs.py@full-size-compiles",
     "tests/presets/test_preset_runs.py@emulated-training",
@@ -86,19 +87,14 @@ HEAVY_FIRST = (
     "tests/planner/test_efficientnet_bytes.py",
     "tests/notebooks/test_notebooks.py",
     "tests/cli/test_checkpoint_cli.py",
-    "tests/engine/test_mesh_equivalence.py",
     "tests/optim/test_per_layer.py",
     "shared:pinned-transformers",  # helpers.PINNED_TRANSFORMERS
-    "tests/engine/test_memory_layouts.py",
     "tests/optim/test_per_layer.py@temporaries",
     "tests/engine/test_bert_engine.py",
     "shared:two-processes",  # helpers.cli.TWO_PROCESSES: the multi-process CLI modules
     "tests/models/test_efficientnet.py",
     "tests/engine/test_batch_parts.py",
-    "tests/engine/test_pipeline_equivalence.py",
     "tests/cli/test_resume_cli.py",
-    "tests/engine/test_engine_precision.py",
-    "tests/parallel/test_remat.py",
     "tests/cli/test_interrupt_cli.py",
 )
 

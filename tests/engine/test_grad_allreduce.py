@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from helpers.lab import (
     GRAD_TOL,
+    LAB_GROUP,
     assert_loss_close,
     assert_params_close,
     assert_trees_close,
@@ -36,6 +37,9 @@ from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
 from jaxpod.engine import abstract_engine
+
+# the equivalence lab's modules and those compiling its programs: one process (helpers.lab)
+pytestmark = pytest.mark.xdist_group(LAB_GROUP)
 
 SHAPE = (2, 2, 2)
 BUCKET = "parallel.grad_bucket_bytes=65536"  # 64 KiB: several buckets, some leaves alone

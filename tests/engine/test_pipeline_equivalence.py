@@ -20,12 +20,16 @@ import pytest
 from helpers.lab import (
     GLOBAL_BATCH,
     GRAD_TOL,
+    LAB_GROUP,
     assert_loss_close,
     assert_sharded_as,
     assert_trees_close,
     mesh_id,
     sharded_loss_and_grads,
 )
+
+# the equivalence lab's modules and those compiling its programs: one process (helpers.lab)
+pytestmark = pytest.mark.xdist_group(LAB_GROUP)
 
 NAN = float("nan")
 

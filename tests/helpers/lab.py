@@ -63,6 +63,10 @@ INIT_MAX_ULP = 1
 # measured max relative error 1.5e-7.
 NORM_RTOL = 1e-6
 
+# The xdist group (tests/conftest.py) of the modules that use the lab, and of those that compile
+# one of its programs under their own names: one process builds each engine and reference once.
+LAB_GROUP = "shared:lab"
+
 # Meshes whose lab engines pre-fill the pipeline carry with NaN, so that their train steps
 # (test_mesh_equivalence.py) also prove that no bubble reaches a loss, gradient or parameter:
 # four stages here (two: tests/engine/test_pipeline_equivalence.py). The others keep the
