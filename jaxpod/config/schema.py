@@ -107,7 +107,7 @@ class TrainConfig:
     seed: int = 0
     logdir: str = "runs/default"
     log_every: int = 10
-    eval_every: int = 50  # 0 disables periodic eval (a final eval always runs)
+    eval_every: int = 50  # 0 disables periodic eval (a fresh run's first and the final run)
     eval_batches: int = 4
     checkpoint_every: int = 0  # 0 saves only the final step (which is always saved)
     keep_checkpoints: int = 3  # newest checkpoints kept under <logdir>/checkpoints/
