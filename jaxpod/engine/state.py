@@ -20,7 +20,7 @@ from jaxpod.platform import cpu_only
 
 # XLA's LLVM optimization level for the init, a program that runs once (CPU only): at -O1 it
 # compiles faster and computes the default compile's bits (tests/engine/test_init.py; the
-# times: docs/benchmarks.md, "Compile options, the cache and checkpoints").
+# times: docs/benchmarks.md, "The test suite's time").
 INIT_OPTIONS = {"xla_backend_optimization_level": 1}
 
 

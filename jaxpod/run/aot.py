@@ -52,8 +52,8 @@ def compile_to_inspect(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
 
     On CPU the machine code is left unoptimized (`INSPECT_OPTIONS`, LLVM -O0): what is read,
     XLA's optimized HLO and its buffer assignment, is the default compile's
-    (tests/run/test_compile_to_inspect.py), in less compile time (docs/benchmarks.md,
-    "Compile options, the cache and checkpoints"); such a program would run slower. Other
+    (tests/run/test_compile_to_inspect.py), in less compile time (docs/benchmarks.md, "The
+    test suite's time"); such a program would run slower. Other
     backends compile as they always do."""
     return lowered.compile(compiler_options=inspect_options())
 
