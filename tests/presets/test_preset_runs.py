@@ -22,13 +22,13 @@ def preset(name: str, *overrides: str):
 
 
 # The GPT-3 preset warms the learning rate up over its first step, whose update is therefore
-# empty (lr 0); on 256 virtual devices a step costs ~40 s of CPU here (16-20 s on 2 cores,
-# most of it the 256 device threads meeting at each collective: docs/benchmarks.md). The test
-# runs the least that shows it training: one step without the warm-up, judged like the BERT
-# preset's 4 steps on the held-out loss a fresh run evaluates before its first step and after
-# its last (`jaxpod.run.loop`). Everything else (topology, model, precision, optimizer, memory
-# plan) is the preset's. The BERT preset's steps on 16 devices cost little beside its
-# compile: it runs as it is.
+# empty (lr 0); on 256 virtual devices a step takes 10 to 20 s on 2 cores here, most of it the
+# 256 device threads meeting at each collective (docs/benchmarks.md). The test runs the least
+# that shows it training: one step without the warm-up, judged like the BERT preset's 4 steps
+# on the held-out loss a fresh run evaluates before its first step and after its last
+# (`jaxpod.run.loop`). Everything else (topology, model, precision, optimizer, memory plan) is
+# the preset's. The BERT preset's steps on 16 devices cost little beside its compile: it runs
+# as it is.
 GPT3_ONE_STEP = ("train.steps=1", "optim.warmup_steps=0")
 
 
@@ -51,7 +51,7 @@ def test_emulated_preset_trains(name, overrides, steps, tmp_path):
     assert all(math.isfinite(r["loss"]) for r in train)
     assert any(r["lr"] > 0 for r in train)  # a step updates the weights (BERT warms up)
     evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    assert [s for s, _ in evals][0] == 0 and evals[-1][0] == steps, evals
+    assert evals[0][0] == 0 and evals[-1][0] == steps, evals
     assert evals[-1][1] < evals[0][1], evals
 
 
