@@ -24,7 +24,7 @@ def bytes_per_device(tree) -> dict[int, dict[str, int]]:
     for leaf in jax.tree.leaves(tree):
         kind = leaf.sharding.memory_kind or DEVICE
         if isinstance(leaf, jax.ShapeDtypeStruct):
-            size = math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+            size = _nbytes(leaf.sharding.shard_shape(leaf.shape), leaf.dtype)
             for device in leaf.sharding.device_set:
                 held[device.id][kind] += size
             continue
@@ -33,9 +33,9 @@ def bytes_per_device(tree) -> dict[int, dict[str, int]]:
     return {d: dict(kinds) for d, kinds in sorted(held.items())}
 
 
-def _nbytes(leaf) -> int:
-    """Bytes of a whole array or `ShapeDtypeStruct`."""
-    return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+def _nbytes(shape: tuple[int, ...], dtype) -> int:
+    """Bytes of an array of `shape` and `dtype` (a live one's or a `ShapeDtypeStruct`'s)."""
+    return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 def most_on_one_device(tree, kind: str | None = DEVICE) -> int:
@@ -63,7 +63,7 @@ def describe(cfg: Config, mesh: jax.sharding.Mesh, state, per_step: int, unit: s
         "unit": unit,
         "per_step": per_step,
         "params": params,
-        "param_bytes_total": sum(_nbytes(leaf) for leaf in jax.tree.leaves(state.params)),
+        "param_bytes_total": sum(_nbytes(x.shape, x.dtype) for x in jax.tree.leaves(state.params)),
         "param_bytes_per_device": total(p_bytes[worst]),
         "optimizer_bytes_per_device": total(o_bytes.get(worst, {})),
     }
