@@ -9,13 +9,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from helpers.lab import LAB_GROUP, batch, leaves, put, record
+from helpers.lab import LAB_PROCESS, batch, leaves, put, record
 
 from jaxpod.engine import build_engine
 
-# the equivalence lab's modules and those compiling its programs: one process (helpers.lab)
-pytestmark = pytest.mark.xdist_group(LAB_GROUP)
+pytestmark = LAB_PROCESS
 
 # bfloat16 compute vs the float32 reference: a bfloat16 forward rounds every activation to
 # 8 bits of mantissa; measured relative loss difference 3e-6 at init (the loss is dominated

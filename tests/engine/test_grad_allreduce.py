@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from helpers.lab import (
     GRAD_TOL,
-    LAB_GROUP,
+    LAB_PROCESS,
     assert_loss_close,
     assert_params_close,
     assert_trees_close,
@@ -38,8 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpod.engine import abstract_engine
 
-# the equivalence lab's modules and those compiling its programs: one process (helpers.lab)
-pytestmark = pytest.mark.xdist_group(LAB_GROUP)
+pytestmark = LAB_PROCESS
 
 SHAPE = (2, 2, 2)
 BUCKET = "parallel.grad_bucket_bytes=65536"  # 64 KiB: several buckets, some leaves alone

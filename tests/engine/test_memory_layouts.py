@@ -18,15 +18,14 @@ from collections import Counter
 import jax
 import numpy as np
 import pytest
-from helpers.lab import LAB_GROUP
+from helpers.lab import LAB_PROCESS
 
 from jaxpod.engine import build_engine
 from jaxpod.parallel import offload
 from jaxpod.parallel.replica import NO_GATHER
 from jaxpod.run.mapping import bytes_per_device, most_on_one_device
 
-# the equivalence lab's modules and those compiling its programs: one process (helpers.lab)
-pytestmark = pytest.mark.xdist_group(LAB_GROUP)
+pytestmark = LAB_PROCESS
 
 BASE = ("train.global_batch=16", "train.grad_accum=null", "train.micro_batch=2")
 BASE += ("optim.grad_clip=0", "optim.warmup_steps=0", "optim.name=sgd")

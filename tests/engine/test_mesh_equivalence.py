@@ -31,7 +31,7 @@ from helpers.lab import (
     GRAD_TOL,
     INIT_ATOL,
     INIT_MAX_ULP,
-    LAB_GROUP,
+    LAB_PROCESS,
     NORM_RTOL,
     adam_state,
     assert_loss_close,
@@ -50,8 +50,7 @@ from helpers.lab import (
 from jax.extend.core import jaxprs_in_params
 from jax.sharding import PartitionSpec as P
 
-# the equivalence lab's modules and those compiling its programs: one process (helpers.lab)
-pytestmark = pytest.mark.xdist_group(LAB_GROUP)
+pytestmark = LAB_PROCESS
 
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 2), (2, 1, 4)]
 # The meshes a train step is compiled on (module docstring): AdamW on all four (gradients via

@@ -20,7 +20,7 @@ import pytest
 from helpers.lab import (
     GLOBAL_BATCH,
     GRAD_TOL,
-    LAB_GROUP,
+    LAB_PROCESS,
     assert_loss_close,
     assert_sharded_as,
     assert_trees_close,
@@ -28,8 +28,7 @@ from helpers.lab import (
     sharded_loss_and_grads,
 )
 
-# the equivalence lab's modules and those compiling its programs: one process (helpers.lab)
-pytestmark = pytest.mark.xdist_group(LAB_GROUP)
+pytestmark = LAB_PROCESS
 
 NAN = float("nan")
 

@@ -21,6 +21,7 @@ import math
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -66,6 +67,8 @@ NORM_RTOL = 1e-6
 # The xdist group (tests/conftest.py) of the modules that use the lab, and of those that compile
 # one of its programs under their own names: one process builds each engine and reference once.
 LAB_GROUP = "shared:lab"
+# Those modules' mark (`pytestmark = LAB_PROCESS`).
+LAB_PROCESS = pytest.mark.xdist_group(LAB_GROUP)
 
 # Meshes whose lab engines pre-fill the pipeline carry with NaN, so that their train steps
 # (test_mesh_equivalence.py) also prove that no bubble reaches a loss, gradient or parameter:

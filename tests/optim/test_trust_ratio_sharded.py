@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers.lab import (
     GRAD_TOL,
-    LAB_GROUP,
+    LAB_PROCESS,
     assert_loss_close,
     assert_sharded_as,
     assert_trees_close,
@@ -23,8 +23,7 @@ from helpers.lab import (
 from jaxpod.engine import abstract_engine
 from jaxpod.parallel.mesh import shardings
 
-# the equivalence lab's modules and those compiling its programs: one process (helpers.lab)
-pytestmark = pytest.mark.xdist_group(LAB_GROUP)
+pytestmark = LAB_PROCESS
 
 # The optax chain runs under GSPMD on the globally sharded arrays, so every norm is a
 # reduction over the whole array and XLA inserts the cross-shard sums. To test exactly that,

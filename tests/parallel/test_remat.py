@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from helpers.lab import (
     GRAD_TOL,
-    LAB_GROUP,
+    LAB_PROCESS,
     assert_trees_close,
     at_reference_params,
     batch,
@@ -25,8 +25,7 @@ from jaxpod.config import CHOICES
 from jaxpod.parallel.remat import REMAT_POLICIES
 from jaxpod.run.aot import compile_to_inspect
 
-# the equivalence lab's modules and those compiling its programs: one process (helpers.lab)
-pytestmark = pytest.mark.xdist_group(LAB_GROUP)
+pytestmark = LAB_PROCESS
 
 # Remat policies recompute the same ops, but XLA fuses the recomputation differently (a few
 # ulp per op). Measured max leaf-relative difference 4.8e-7 (full vs none, wpe).
