@@ -5,8 +5,8 @@ same data and init: the summed loss, the accuracy and every updated parameter ag
 same sums, associated per part; each device sums its parts' gradients unreduced and the
 replicas reduce them once, in the last part's call). Cases:
 the tiny GPT unpipelined (micro-batches accumulated in a scan within a call) and on 2x2x1
-(1F1B, replicas), a shallow EfficientNet's packed stages on 4x2x1 (GPipe: helpers'
-`SHALLOW_VISION`, three block groups; the parts' sums are the same at any depth).
+(1F1B, replicas), the tiny EfficientNet's packed stages on 4x2x1 (GPipe: helpers'
+`TINY_VISION`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from helpers import SHALLOW_VISION, grouped_cases
+from helpers import TINY_VISION, grouped_cases
 
 from jaxpod.engine import build_engine
 
@@ -29,7 +29,7 @@ GPT += ("optim.name=sgd", "optim.grad_clip=0", "model.layers=4", "model.seq_len=
 CASES = {
     "gpt-1x1x1-parts4": (GPT, (1, 1, 1), 4),
     "gpt-2x2x1-1f1b-parts2": ((*GPT, "train.pipeline_schedule=1f1b"), (2, 2, 1), 2),
-    "effnet-4x2x1-parts2": (SHALLOW_VISION, (4, 2, 1), 2),
+    "effnet-4x2x1-parts2": (TINY_VISION, (4, 2, 1), 2),
 }
 
 

@@ -36,7 +36,7 @@ def test_the_init_computes_the_default_compiles_bits(name, tiny_cfg, mesh_for, m
     )
     paths = jax.tree_util.tree_leaves_with_path(want)
     assert len(paths) == len(jax.tree.leaves(got))
-    assert sum(np.size(w) for _, w in paths) > 50_000  # the whole model, not an empty tree
+    assert sum(np.size(w) for _, w in paths) > 20_000  # the whole model, not an empty tree
     for (path, w), g in zip(paths, jax.tree.leaves(got), strict=True):
         assert np.asarray(g).dtype == np.asarray(w).dtype
         np.testing.assert_array_equal(g, w, err_msg=jax.tree_util.keystr(path))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import SHALLOW_VISION
+from helpers import TINY_VISION
 from helpers.lab import sgd_trace
 
 from jaxpod.engine import abstract_engine, build_engine
@@ -176,8 +176,8 @@ def test_a_train_step_updates_like_gpipe(tiny_cfg, mesh_for):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=PARAM_ATOL)
 
 
-# a shallow EfficientNet (three block groups) on two packed stages, 2 micro-batches per replica
-VISION = SHALLOW_VISION
+# the tiny EfficientNet on two packed stages, 2 micro-batches per replica
+VISION = TINY_VISION
 
 
 # GPipe in two passes of one micro-batch (`train.pipeline_group=1`, gradients summed)

@@ -57,21 +57,20 @@ SMALL_GPT = ("model.d_model=128", "model.d_ff=512", "model.seq_len=128", "model.
 PLANNER_GPT = "shared:planner-small-gpt"
 
 
-# The tiny EfficientNet the engine tests train (float32, LARS, 16 images a step; splits and mesh
-# per test): tests/engine/test_pinned.py pins its first steps, test_packed_engine.py checks
-# them against a plain reference on the same meshes (the same programs).
+# The tiny EfficientNet the engine tests train (float32, LARS, 16 images a step, mesh per test):
+# the B0 recipe at a quarter width, its first three block groups on two stages (stem, 1a, 2a |
+# 3a, head), every kind of block the network has (expansion 1 and 6, kernels 3 and 5, strides 1
+# and 2, a residual) in less than half the compile of all seven groups (docs/benchmarks.md, "A
+# shallower test network"). tests/engine/test_pinned.py pins its first steps,
+# test_packed_engine.py checks them against a plain reference on the same meshes (the same
+# programs); `model.pipeline_splits=[]` puts it on one stage.
 TINY_VISION = (
     "model.name=efficientnet", "data.name=digits", "model.width_mult=0.25",
-    "model.depth_mult=0.2", "model.image_size=32", "model.num_classes=10", "model.remat=none",
+    "model.depth_mult=0.2", "model.block_groups=3", "model.pipeline_splits=[3a]",
+    "model.image_size=32", "model.num_classes=10", "model.remat=none",
     "train.micro_batch=2", "train.global_batch=16", "train.grad_accum=null", "optim.name=lars",
     "optim.lr=0.5", "optim.weight_decay=1e-4", "optim.warmup_steps=0", "optim.schedule=constant",
 )  # fmt: skip
-
-# TINY_VISION's first three block groups on two stages (stem, 1a, 2a | 3a, head): the same
-# kinds of block (expansion 1 and 6, kernels 3 and 5, strides 1 and 2, a residual), less than
-# half the tiny net's compile (docs/benchmarks.md, "A shallower test network"). For the tests
-# whose programs test_pinned does not compile anyway.
-SHALLOW_VISION = (*TINY_VISION, "model.block_groups=3", "model.pipeline_splits=[3a]")
 
 # The tiny GPT of the pinned cases (tests/engine/test_pinned.py): 16 sequences a step.
 GPT16 = ("train.global_batch=16", "train.grad_accum=null", "optim.warmup_steps=0")

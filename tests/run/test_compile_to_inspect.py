@@ -4,8 +4,8 @@ assignment and its cost are those of the default compile; only LLVM's machine co
 The memory and HLO tests (tests/planner/, `jaxpod compile`) compile this way. Checked on the
 float16 GPT step on 2x2x2 (stochastic rounding in per-layer loops, a pipeline, tensor
 parallelism: test_pinned's program, whose default compile the session's compilation cache
-serves) and a shallow EfficientNet's step on 4x2x1 (packed stages; tests/engine/
-test_batch_parts.py runs the same program).
+serves) and the tiny EfficientNet's step on 4x2x1 (packed stages: test_pinned's effnet-421
+program).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from helpers import FP16_LARS, GPT16, SHALLOW_VISION, grouped_cases
+from helpers import FP16_LARS, GPT16, TINY_VISION, grouped_cases
 
 pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
 
-CASES = {  # name -> (overrides, mesh): test_pinned's gpt-fp16-222, test_batch_parts' effnet
+CASES = {  # name -> (overrides, mesh): test_pinned's gpt-fp16-222 and effnet-421
     "gpt-fp16": ((*GPT16, *FP16_LARS), (2, 2, 2)),
-    "effnet": (SHALLOW_VISION, (4, 2, 1)),
+    "effnet": (TINY_VISION, (4, 2, 1)),
 }
 
 
