@@ -78,23 +78,23 @@ ENGINE_FOLDERS = ("tests/engine/",)
 # they are handed to the workers, before every other group: the longest first, as
 # `benchmarks/suite_time.py` measured them (its "groups" table) on 2 cores.
 HEAVY_FIRST = (
-    "shared:tiny-efficientnet",  # helpers.TINY_EFFICIENTNET
     "shared:lab",  # helpers.lab.LAB_GROUP
-    "shared:planner-small-gpt",  # helpers.PLANNER_GPT
+    "shared:tiny-efficientnet",  # helpers.TINY_EFFICIENTNET
     "tests/presets/test_preset_runs.py@full-size-compiles",
+    "shared:planner-small-gpt",  # helpers.PLANNER_GPT
+    "tests/planner/test_efficientnet_bytes.py",
     "tests/presets/test_preset_runs.py@emulated-training",
     "tests/engine/test_schedules_engine.py",
-    "tests/planner/test_efficientnet_bytes.py",
     "tests/notebooks/test_notebooks.py",
+    "shared:two-processes",  # helpers.cli.TWO_PROCESSES: the multi-process CLI modules
+    "shared:pinned-transformers",  # helpers.PINNED_TRANSFORMERS
     "tests/cli/test_checkpoint_cli.py",
     "tests/optim/test_per_layer.py",
-    "shared:pinned-transformers",  # helpers.PINNED_TRANSFORMERS
-    "tests/optim/test_per_layer.py@temporaries",
-    "tests/engine/test_bert_engine.py",
-    "shared:two-processes",  # helpers.cli.TWO_PROCESSES: the multi-process CLI modules
-    "tests/models/test_efficientnet.py",
     "tests/engine/test_batch_parts.py",
     "tests/cli/test_resume_cli.py",
+    "tests/models/test_efficientnet.py",
+    "tests/optim/test_per_layer.py@temporaries",
+    "tests/engine/test_bert_engine.py",
     "tests/cli/test_interrupt_cli.py",
 )
 
