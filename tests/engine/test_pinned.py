@@ -13,12 +13,12 @@ pins the cases it was read on: `avx512` every case, `avx2` (an AMD EPYC, 2026-11
 `avx512fp16` (an Intel Xeon with AVX512-FP16 and AMX, 2026-11-28, told apart by its
 `avx512_fp16` flag) the transformers'. A case a kind does not pin skips, naming the kind.
 
-The transformer rows are the values the engine produced before it was restructured (so are
-the `avx2` and `avx512fp16` rows: the code before the restructuring, c2a5067, gives them on
-those hosts). The EfficientNet rows are the three-block-group net's (helpers.TINY_VISION),
-read on 2026-12-02 at the commit that moved these cases to it from the seven-group net, whose
-pre-refactor values the code still reproduced then (docs/benchmarks.md, "The one-engine
-refactor changed no number").
+The `avx512` transformer rows are the values the engine produced before it was restructured;
+the other kinds' were read after it (the code before it, c2a5067, gives the `avx512fp16` rows
+on that host but for the key change below). The EfficientNet rows are the three-block-group
+net's (helpers.TINY_VISION), read on 2026-12-02 at the commit that moved these cases to it
+from the seven-group net, whose pre-refactor values the code still reproduced then
+(docs/benchmarks.md, "The one-engine refactor changed no number").
 
 Tolerance: RTOL is four times the largest relative difference between the one-device and the
 sharded run of the same float32 config (the same math summed in another order) over the
