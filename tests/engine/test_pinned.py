@@ -9,16 +9,17 @@ the sharded mesh.
 Values are pinned per kind of host: XLA:CPU compiles for the host's widest vector extension,
 so a float32 sum runs in another order with AVX-512 than with AVX2, and float16 steps, whose
 stochastic rounding turns such differences into other roundings, move by up to 2e-3. A kind
-pins the cases it was read on: `avx512` every case, `avx2` (an AMD EPYC, 2026-11-27) and
-`avx512fp16` (an Intel Xeon with AVX512-FP16 and AMX, 2026-11-28, told apart by its
-`avx512_fp16` flag) the transformers'. A case a kind does not pin skips, naming the kind.
+pins the cases it was read on: `avx512` and `avx2` (AMD EPYCs, 2026-11-27 and 2026-12-02)
+every case, `avx512fp16` (an Intel Xeon with AVX512-FP16 and AMX, 2026-11-28, told apart by
+its `avx512_fp16` flag) the transformers'. A case a kind does not pin skips, naming the kind.
 
 The `avx512` transformer rows are the values the engine produced before it was restructured;
 the other kinds' were read after it (the code before it, c2a5067, gives the `avx512fp16` rows
 on that host but for the key change below). The EfficientNet rows are the three-block-group
-net's (helpers.TINY_VISION), read on 2026-12-02 at the commit that moved these cases to it
-from the seven-group net, whose pre-refactor values the code still reproduced then
-(docs/benchmarks.md, "The one-engine refactor changed no number").
+net's (helpers.TINY_VISION): the `avx512` rows read on 2026-12-02 at the commit that moved
+these cases to it from the seven-group net, whose pre-refactor values the code still
+reproduced then (docs/benchmarks.md, "The one-engine refactor changed no number"); the `avx2`
+rows read later that day, on an AMD EPYC without AVX-512, at 20150eb.
 
 Tolerance: RTOL is four times the largest relative difference between the one-device and the
 sharded run of the same float32 config (the same math summed in another order) over the
@@ -103,9 +104,18 @@ PINNED = {
         "bert-222": [(5.670468330383301, 2.8813164234161377),
                      (5.282444477081299, 2.9253554344177246),
                      (5.136386871337891, 2.406846046447754)],
+        "effnet-111": [(2.612982749938965, 4.262213230133057),
+                       (2.4285380840301514, 4.306015491485596),
+                       (2.583292245864868, 4.305561542510986)],
+        "effnet-421": [(2.612982749938965, 4.262213230133057),
+                       (2.4285378456115723, 4.306015491485596),
+                       (2.5832924842834473, 4.305561542510986)],
         "gpt-fp16-222": [(5.487250328063965, 3.942797899246216),
                          (5.308175563812256, 3.177743434906006),
                          (5.2794270515441895, 2.349146604537964)],
+        "effnet-fp16-421": [(2.6130552291870117, 4.261857032775879),
+                            (2.5004186630249023, 4.598604202270508),
+                            (2.9412906169891357, 5.61079740524292)],
     },
     "avx512fp16": {
         "gpt-111": [(5.487242698669434, 3.942423105239868),
@@ -154,10 +164,15 @@ def three_steps(cfg, mesh) -> list[tuple[float, float]]:
     return out
 
 
-def test_every_kind_of_host_pins_the_transformers_and_one_kind_every_case():
+# The kinds of host that pin every case (the others pin the transformers').
+EVERY_CASE = ("avx512", "avx2")
+
+
+def test_every_kind_of_host_pins_the_transformers_and_two_kinds_every_case():
     transformers = {name for name in CASES if not name.startswith("effnet")}
-    assert PINNED["avx512"].keys() == CASES.keys()
-    assert all(rows.keys() == transformers for kind, rows in PINNED.items() if kind != "avx512")
+    assert all(PINNED[kind].keys() == CASES.keys() for kind in EVERY_CASE)
+    others = [rows for kind, rows in PINNED.items() if kind not in EVERY_CASE]
+    assert others and all(rows.keys() == transformers for rows in others)
 
 
 def test_the_host_kind_is_read_from_the_cpu_flags():
