@@ -9,9 +9,10 @@ the sharded mesh.
 Values are pinned per kind of host: XLA:CPU compiles for the host's widest vector extension,
 so a float32 sum runs in another order with AVX-512 than with AVX2, and float16 steps, whose
 stochastic rounding turns such differences into other roundings, move by up to 2e-3. A kind
-pins the cases it was read on: `avx512` and `avx2` (AMD EPYCs, 2026-11-27 and 2026-12-02)
-every case, `avx512fp16` (an Intel Xeon with AVX512-FP16 and AMX, 2026-11-28, told apart by
-its `avx512_fp16` flag) the transformers'. A case a kind does not pin skips, naming the kind.
+pins the cases it was read on: `avx512` (an AMD EPYC) and `avx2` (an AMD EPYC without
+AVX-512: its transformer rows read 2026-11-27, its EfficientNet rows 2026-12-02) every case,
+`avx512fp16` (an Intel Xeon with AVX512-FP16 and AMX, 2026-11-28, told apart by its
+`avx512_fp16` flag) the transformers'. A case a kind does not pin skips, naming the kind.
 
 The `avx512` transformer rows are the values the engine produced before it was restructured;
 the other kinds' were read after it (the code before it, c2a5067, gives the `avx512fp16` rows
