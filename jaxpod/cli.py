@@ -4,7 +4,7 @@
                                          --num-processes N --process-id I | --distributed auto]
     jaxpod profile CONFIG [KEY=VALUE ...] [--steps N] [--warmup W] [same multi-host flags]
     jaxpod plan CONFIG [KEY=VALUE ...] [--json] [--chart FILE.png]
-    jaxpod compile CONFIG [KEY=VALUE ...] [--json]
+    jaxpod compile CONFIG [KEY=VALUE ...] [--json] [--target TARGET]
     jaxpod runs [DIR] [--json]
     jaxpod tensorboard [LOGDIR] [--host H] [--port P]
 
@@ -161,21 +161,48 @@ def _warn_host_ram(cfg) -> None:
 def _compile(args: argparse.Namespace) -> None:
     import json
 
-    from jaxpod.config import load_config
     from jaxpod.platform import use_virtual_cpu_devices
 
-    cfg = load_config(*_split_config_and_overrides(args.items, "compile"))
+    config, overrides = _split_config_and_overrides(args.items, "compile")
+    target, cfg = _load_for_target(config, overrides, args.target)
     _warn(cfg)
     use_virtual_cpu_devices(cfg.devices)  # before jax starts
-    from jaxpod.parallel.mesh import make_mesh, select_devices
-    from jaxpod.run.aot import compile_step, format_compile
+    from jaxpod.run.aot import compile_for_target, compile_step, format_compile
 
-    if not args.json:
-        print(
-            f"lowering and compiling the train step on {cfg.total_devices} devices ...", flush=True
-        )
-    result = compile_step(cfg, make_mesh(cfg.mesh, select_devices(cfg.total_devices)))
+    progress = None if args.json else _progress
+    if target is None:
+        from jaxpod.parallel.mesh import make_mesh, select_devices
+
+        mesh = make_mesh(cfg.mesh, select_devices(cfg.total_devices))
+        result = compile_step(cfg, mesh, progress=progress)
+    else:
+        result = compile_for_target(cfg, target, progress=progress)
     print(json.dumps(result, indent=2) if args.json else format_compile(result))
+
+
+def _progress(text: str) -> None:
+    """A progress line on stderr (a full-size compile takes minutes)."""
+    print(f"jaxpod: {text} ...", file=sys.stderr, flush=True)
+
+
+MESH_AXES = ("replica", "pipeline", "tensor")
+
+
+def _load_for_target(config: str, overrides: list[str], text: str | None):
+    """`(target, cfg)`: the config as given, or for `--target` with `devices` set to the
+    target's chips (so `mesh.replica=-1` fills from them) after checking the mesh fits."""
+    from jaxpod.config import load_config
+
+    if text is None:
+        return None, load_config(config, overrides)
+    from jaxpod.config import peek
+    from jaxpod.target.spec import check_mesh_fits, parse_target
+
+    target = parse_target(text)
+    replica, pipeline, tensor = (peek(config, overrides, f"mesh.{a}") for a in MESH_AXES)
+    if replica != -1:
+        check_mesh_fits(target, replica * pipeline * tensor)
+    return target, load_config(config, [*overrides, f"devices={target.chips}"])
 
 
 def _runs(args: argparse.Namespace) -> None:
@@ -288,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comp.add_argument("items", nargs="+", metavar="CONFIG [KEY=VALUE ...]")
     comp.add_argument("--json", action="store_true", help="print one JSON object")
+    comp.add_argument(
+        "--target",
+        metavar="TARGET",
+        help="compile for these accelerators, none attached: tpu-v5p:2x2x4, tpu-v5e:4x4, "
+        "tpu-v4:2x2x2, tpu-v6e:4x4, h100:8 (default: this machine's devices)",
+    )
     comp.set_defaults(run=_compile)
 
     runs = sub.add_parser("runs", help="a table of the runs under DIR (default: runs)")

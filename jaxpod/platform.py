@@ -3,7 +3,9 @@ time), and the compiler options that apply to XLA's CPU backend only."""
 
 from __future__ import annotations
 
+import glob
 import os
+from pathlib import Path
 
 # XLA's CPU backend schedules for thread parallelism by default, holding independent work
 # alive at once; a pod's compiler schedules for memory, and so must the emulation that
@@ -24,10 +26,47 @@ def virtual_cpu_flags(count: int, existing: str = "") -> str:
 
 def use_virtual_cpu_devices(count: int) -> None:
     """Ask XLA for `count` virtual CPU devices (ignored by TPU/GPU backends) with
-    `virtual_cpu_flags`. Must run before jax initialises its backend: the flags are read once,
-    at start-up.
+    `virtual_cpu_flags`, and keep libtpu quiet where no TPU is attached (`quiet_tpu_runtime`).
+    Must run before jax initialises its backend: the flags are read once, at start-up.
     """
     os.environ["XLA_FLAGS"] = virtual_cpu_flags(count, os.environ.get("XLA_FLAGS", ""))
+    quiet_tpu_runtime()
+
+
+# What a TPU chip reports in /sys/bus/pci/devices/*/{vendor,device} (v3 to TPU7x; the same
+# table jax's own start-up reads)
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICES = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"}
+
+# With libtpu installed (it compiles `--target tpu-...` programs) but no TPU attached, the TPU
+# runtime asks the cloud metadata server about TPU hosts and prints its failure at every jax
+# start. These say "one host, this one" (a deviceless topology keeps its own host count),
+# and let several processes load libtpu at once (it locks a file for the chips they would
+# share; with no chips there is nothing to share: parallel test workers and compiles).
+NO_TPU_HOSTS = {
+    "TPU_SKIP_MDS_QUERY": "1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "TPU_HOST_BOUNDS": "1,1,1",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
+
+
+def tpu_chips_attached(pci_root: str = "/sys/bus/pci/devices") -> int:
+    """How many Google TPU chips this machine has on its PCI bus (as jax itself counts them)."""
+    chips = 0
+    for vendor in glob.glob(f"{pci_root}/*/vendor"):
+        if Path(vendor).read_text().strip() == GOOGLE_PCI_VENDOR:
+            device = Path(vendor).with_name("device").read_text().strip()
+            chips += device in TPU_PCI_DEVICES
+    return chips
+
+
+def quiet_tpu_runtime() -> None:
+    """On a machine without TPU chips, set `NO_TPU_HOSTS` (unless already set) so that
+    libtpu starts silently; on a TPU VM change nothing (its runtime needs the real hosts)."""
+    if tpu_chips_attached() == 0:
+        for key, value in NO_TPU_HOSTS.items():
+            os.environ.setdefault(key, value)
 
 
 def cpu_only(options: dict) -> dict:

@@ -22,8 +22,9 @@ BACKEND_PROFILES = {"cpu": "cpu"}
 
 def backend_plan(cfg: Config, backend: str, params_override: int | None = None) -> dict:
     """`{"profile", "device_total", "arguments", "temporaries", "host_total"}` bytes per
-    device, planned for `backend` (its profile if it has one, else `memory.device`'s)."""
-    name = BACKEND_PROFILES.get(backend, cfg.memory.device)
+    device, planned for `backend`: a device profile's name (a `--target`'s), a jax backend
+    with a profile of its own (`BACKEND_PROFILES`), else `memory.device`'s profile."""
+    name = backend if backend in PROFILES else BACKEND_PROFILES.get(backend, cfg.memory.device)
     memory = dataclasses.replace(cfg.memory, device=PROFILES[name].name, device_budget=None)
     p = plan(dataclasses.replace(cfg, memory=memory), params_override)
     b = p["bytes_per_device"]

@@ -37,6 +37,7 @@ class DeviceProfile:
     # an RTS weight gradient is copied into the transposed layout (in the gradients' dtype)
     # before its reduce-scatter, both alive in the layer's backward (XLA:CPU; xla_peak.py)
     transposes_scattered_grads: bool = False
+    chips_per_host: int = 1  # devices sharing one host's streaming memory
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -68,12 +69,39 @@ PROFILES: dict[str, DeviceProfile] = {
             256 * GiB,
             "NVIDIA H100 SXM 80 GB HBM3; streaming = host DRAM, nominal 256 GiB per GPU "
             "(2 TiB per 8-GPU node)",
+            chips_per_host=8,
+        ),
+        DeviceProfile(
+            "tpu-v4",
+            32 * GiB,
+            407 * GB // 4,
+            "Google TPU v4: 32 GiB HBM per chip, 3-D torus; streaming = host DRAM, 407 GB per "
+            "4-chip host (nominal, the TPU VM's)",
+            chips_per_host=4,
         ),
         DeviceProfile(
             "tpu-v5e",
             16 * GiB,
-            48 * GiB,
-            "Google TPU v5e: 16 GiB HBM per chip; streaming = host DRAM, nominal 48 GiB per chip",
+            512 * GiB // 8,
+            "Google TPU v5e: 16 GiB HBM per chip, 2-D torus; streaming = host DRAM, 512 GiB "
+            "per 8-chip host",
+            chips_per_host=8,
+        ),
+        DeviceProfile(
+            "tpu-v5p",
+            95 * GiB,
+            448 * GB // 4,
+            "Google TPU v5p: 95 GiB HBM per chip, 3-D torus; streaming = host DRAM, 448 GB per "
+            "4-chip host (nominal, the TPU VM's)",
+            chips_per_host=4,
+        ),
+        DeviceProfile(
+            "tpu-v6e",
+            32 * GiB,
+            1536 * GiB // 8,
+            "Google TPU v6e (Trillium): 32 GiB HBM per chip, 2-D torus; streaming = host DRAM, "
+            "1536 GiB per 8-chip host",
+            chips_per_host=8,
         ),
     )
 }

@@ -17,9 +17,10 @@ from pathlib import Path
 
 from jaxpod.config import Config
 from jaxpod.errors import UserError
+from jaxpod.platform import tpu_chips_attached
 
 MEMINFO = Path("/proc/meminfo")
-_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
+_GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")
 
 
 def available_bytes(meminfo: str | Path = MEMINFO) -> int | None:
@@ -36,11 +37,15 @@ def available_bytes(meminfo: str | Path = MEMINFO) -> int | None:
 
 
 def on_virtual_cpu_devices() -> bool:
-    """True if jax will run on the CPU (so every device shares this host's RAM)."""
+    """True if jax will run on the CPU (so every device shares this host's RAM): JAX_PLATFORMS
+    says so, or no accelerator can start (libtpu compiles for TPUs, and runs only where TPU
+    chips are attached; a GPU plugin is taken to mean a GPU)."""
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
-    return not any(importlib.util.find_spec(name) for name in _ACCELERATOR_PLUGINS)
+    if importlib.util.find_spec("libtpu") and tpu_chips_attached():
+        return False
+    return not any(importlib.util.find_spec(name) for name in _GPU_PLUGINS)
 
 
 def needed_bytes(cfg: Config) -> tuple[int, int]:

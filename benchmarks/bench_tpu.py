@@ -1,0 +1,98 @@
+"""The planner against XLA:TPU: mappings compiled for TPU topologies with no TPU attached.
+
+    python benchmarks/bench_tpu.py [--set heldout|presets] [--only TEXT] [--out FILE]
+
+(heldout) the rows of benchmarks/heldout_tpu.yaml, fixed in a commit before the planner had
+any TPU term, never tuned on; (presets) the full-size TPU presets, configs/*_tpu_*.yaml, each
+on the target its comment names. Each row is compiled in a fresh subprocess as
+`jaxpod compile CONFIG --target TARGET` compiles it (`jaxpod.run.aot.compile_for_target`):
+XLA:TPU's HBM bytes per chip (its buffer assignment's device memory space) beside the
+planner's for the target's profile, the host bytes, the compile time. Prints a table, writes
+JSON (benchmarks/results/tpu-<set>.json).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, ROOT, options, run_worker, serve_worker, table, write_report  # noqa: E402
+
+TARGET_LINE = re.compile(r"^# target: (\S+)", re.MULTILINE)
+
+
+def rows(which: str) -> list[dict]:
+    """`{"name", "base", "target", "overrides"}` of the set."""
+    if which == "heldout":
+        out = []
+        for row in yaml.safe_load((ROOT / "benchmarks" / "heldout_tpu.yaml").read_text()):
+            r, p, t = row["mesh"]
+            mesh = [f"mesh.replica={r}", f"mesh.pipeline={p}", f"mesh.tensor={t}"]
+            out.append({**row, "overrides": mesh + list(row["overrides"])})
+        return out
+    presets = sorted((ROOT / "configs").glob("*_tpu_*.yaml"))
+    return [
+        {"name": p.stem, "base": f"configs/{p.name}", "overrides": [],
+         "target": TARGET_LINE.search(p.read_text()).group(1)}
+        for p in presets
+    ]  # fmt: skip
+
+
+def _worker(job: dict) -> dict:
+    from jaxpod.config import load_config
+    from jaxpod.run.aot import compile_for_target
+    from jaxpod.target.spec import parse_target
+
+    target = parse_target(job["target"])
+    cfg = load_config(ROOT / job["base"], [*job["overrides"], f"devices={target.chips}"])
+    return compile_for_target(cfg, target)
+
+
+def _row(name: str, r: dict) -> list:
+    mb = lambda n: f"{n / 1e6:,.1f}"  # noqa: E731
+    return [
+        name, r["target"],
+        f"{mb(r['device_argument_bytes'])} / {mb(r['planned_device_argument_bytes'])}",
+        mb(r["device_total_bytes"]), mb(r["planned_device_total_bytes"]),
+        f"{r['planned_ratio']:.2f}",
+        f"{mb(r['host_argument_bytes'] + r['host_temp_bytes'])} / {mb(r['planned_host_bytes'])}",
+        f"{r['compile_s']:.0f}",
+    ]  # fmt: skip
+
+
+def main() -> None:
+    ap = options(__doc__, only="", only_help="rows whose name contains this text")
+    ap.add_argument("--set", default="heldout", choices=["heldout", "presets"])
+    args = ap.parse_args()
+    if serve_worker(args, _worker):
+        return
+    results, table_rows = {}, []
+    for row in rows(args.set):
+        if args.only not in row["name"]:
+            continue
+        t0 = time.perf_counter()
+        print(f"{row['name']}: compiling for {row['target']} ...", file=sys.stderr, flush=True)
+        try:
+            job = {k: row[k] for k in ("base", "target", "overrides")}
+            r = run_worker(__file__, job, 1)
+        except RuntimeError as e:
+            print(f"  failed: {str(e).splitlines()[-1]}", file=sys.stderr)
+            table_rows.append([row["name"], row["target"], "failed", "", "", "", "", ""])
+            continue
+        results[row["name"]] = r
+        table_rows.append(_row(row["name"], r))
+        print(f"  {time.perf_counter() - t0:.0f} s, planned / XLA {r['planned_ratio']:.2f}",
+              file=sys.stderr)  # fmt: skip
+    header = ["config", "target", "HBM args MB XLA / plan", "XLA HBM MB", "planned MB",
+              "plan / XLA", "host MB XLA / plan", "compile s"]  # fmt: skip
+    print(table(f"planner vs XLA:TPU, {args.set}", header, table_rows))
+    write_report(results, args.out or RESULTS / f"tpu-{args.set}.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Bytes per memory space of a compiled TPU program: what its buffer assignment puts in HBM.
+
+`memory_analysis()` of an XLA:TPU program adds every memory space into its temporaries: the
+chip's on-chip scratch (VMEM, SMEM: sized by the chip, a few MiB, held by any program)
+beside HBM. What must fit in a chip's HBM is the buffer assignment's `default` memory space:
+every allocation there (arguments resident in HBM, temporaries, constants, thread-local
+scratch), each once. XLA writes it per memory space in its memory-usage report, which a
+compile dumps when asked (`xla_dump_to`, a compile option of this compile only).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import jax
+
+# The compile options that make XLA dump the optimized program's reports (text only).
+DUMP_OPTIONS = {"xla_dump_hlo_as_text": True}
+_SPACE = re.compile(r"^Memory Space: (\S+) \(color=(\d+)\)\nTotal bytes: (\d+)", re.MULTILINE)
+
+
+def memory_spaces(report: str) -> dict[str, int]:
+    """`{"default": bytes, "vmem": bytes, ...}`: the total of each memory space of XLA's
+    memory-usage report (`*memory-usage-report.txt`)."""
+    return {name: int(total) for name, _, total in _SPACE.findall(report)}
+
+
+def compile_with_spaces(
+    lowered: jax.stages.Lowered, options: dict
+) -> tuple[jax.stages.Compiled, dict[str, int]]:
+    """`lowered` compiled with `options`, and its bytes per memory space (`memory_spaces`;
+    empty where the backend writes no such report, as XLA:CPU)."""
+    with tempfile.TemporaryDirectory(prefix="jaxpod-xla-dump-") as folder:
+        compiled = lowered.compile(
+            compiler_options={**options, **DUMP_OPTIONS, "xla_dump_to": folder}
+        )
+        reports = sorted(Path(folder).glob("*memory-usage-report.txt"))
+        spaces = memory_spaces(reports[-1].read_text()) if reports else {}
+    return compiled, spaces
