@@ -19,13 +19,19 @@ PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 .PHONY: demo test test-fast lint format tensorboard profile runs bench notebooks figures clean
 
 # The virtualenv: uv installs the pinned packages (and byte-compiles them) in a third of pip's
-# time; pip does it if uv cannot.
+# time; pip does it if uv cannot. XLA:GPU's compiler (pyproject's `gpu-target` extra, for
+# `jaxpod compile --target h100:N`) goes to $(VENV)/gpu-target, off jax's plugin path: where
+# no GPU is, a CUDA plugin jax finds at start-up logs warnings (jaxpod/target/gpu.py).
 UV := uv==0.13.9
+GPU_COMPILER := jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(UV)
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e ".[dev]" \
 		|| $(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps --target $(VENV)/gpu-target \
+		$(GPU_COMPILER) || $(BIN)/pip install --quiet --no-deps --target $(VENV)/gpu-target \
+		$(GPU_COMPILER)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -167,6 +167,9 @@ def _compile(args: argparse.Namespace) -> None:
     target, cfg = _load_for_target(config, overrides, args.target)
     _warn(cfg)
     use_virtual_cpu_devices(cfg.devices)  # before jax starts
+    if target is not None:  # compile-only devices: no local accelerator is started, and an
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # executable for them cannot be loaded
+        os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # from jax's persistent cache
     from jaxpod.run.aot import compile_for_target, compile_step, format_compile
 
     progress = None if args.json else _progress

@@ -15,13 +15,20 @@ to host buffers), and `cost_analysis()` returns None.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import sys
+import tempfile
 from pathlib import Path
 
 from jaxpod.errors import UserError
 
 SPECS = Path(__file__).resolve().parent / "specs"
+# Where `make` installs XLA:GPU's compiler (the `gpu-target` extra) apart from the packages jax
+# looks for plugins in at every start: where no GPU is, a loaded CUDA plugin logs warnings.
+# A GPU target puts it on the path before jax starts a backend.
+SIDE_DIR = Path(sys.prefix) / "gpu-target"
 SPEC_FILES = {"h100": "h100_sxm.txtpb"}  # model -> its GpuTargetConfigProto text
 GPUS_PER_HOST = 8
 
@@ -52,10 +59,11 @@ def gpu_topology_devices(model: str, count: int) -> list:
 
     spec = SPECS / SPEC_FILES[model]
     try:
-        topo = topologies.get_topology_desc(
-            platform="cuda", topology_name=topology, topology=topology,
-            target_config=spec.read_text(),
-        )  # fmt: skip
+        with _without_driver_notice():
+            topo = topologies.get_topology_desc(
+                platform="cuda", topology_name=topology, topology=topology,
+                target_config=spec.read_text(),
+            )  # fmt: skip
     except NotImplementedError as e:  # the plugin did not register: its CUDA check failed
         raise UserError(
             f"jax's CUDA plugin did not start ({e}): jax started before its CUDA check could "
@@ -68,8 +76,35 @@ def gpu_topology_devices(model: str, count: int) -> list:
     return sorted(topo.devices, key=lambda d: d.id)
 
 
+# What the CUDA plugin logs when it loads where there is no GPU, as expected for a compile for
+# GPUs that are not attached: dropped; anything else it writes is passed on.
+DRIVER_NOTICE = ("All log messages before absl::InitializeLog()", "Could not find cuda drivers")
+
+
+@contextlib.contextmanager
+def _without_driver_notice():
+    """Run the block with file descriptor 2 (C++ logging writes there) captured, then write
+    back every captured line but the CUDA plugin's `DRIVER_NOTICE`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(x for x in lines if not any(n in x for n in DRIVER_NOTICE)))
+
+
 def _cuda_plugin_installed() -> bool:
-    """Whether jax's CUDA 12 or 13 plugin is installed (neither is imported)."""
+    """Whether jax's CUDA 12 or 13 plugin is installed (neither is imported); one in
+    `SIDE_DIR` is put on the path."""
+    if SIDE_DIR.is_dir() and str(SIDE_DIR) not in sys.path:
+        sys.path.append(str(SIDE_DIR))
+        importlib.invalidate_caches()
     if importlib.util.find_spec("jax_plugins") is None:
         return False
     return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))

@@ -85,3 +85,34 @@ def test_libtpu_starts_quietly_without_tpus(quiet):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert (proc.stderr == "") == quiet, proc.stderr
+
+
+def test_without_libtpu_the_target_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    from jaxpod.errors import UserError
+    from jaxpod.target import devices
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a)
+    )
+    with pytest.raises(UserError, match=r"pip install 'libtpu==0\.0\.42\.\*'"):
+        devices.target_devices(parse_target("tpu-v5p:2x2x2"))
+
+
+def test_without_the_cuda_plugin_a_gpu_target_says_what_to_install(monkeypatch, tmp_path):
+    import importlib.util
+
+    from jaxpod.errors import UserError
+    from jaxpod.target import gpu
+
+    monkeypatch.setattr(gpu, "SIDE_DIR", tmp_path / "absent")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a),
+    )
+    with pytest.raises(UserError, match="pip install 'jax-cuda12-plugin=="):
+        gpu.gpu_topology_devices("h100", 8)

@@ -1,0 +1,90 @@
+"""`jaxpod compile CONFIG --target ...` through the CLI: XLA:TPU's and XLA:GPU's programs of
+the tiny step with no accelerator attached, every key of `--json`, the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import ROOT
+from helpers.cli import assert_user_error, jaxpod
+
+pytestmark = pytest.mark.cli
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+KEYS = (
+    "device_total_bytes argument_bytes temp_bytes peak_bytes host_argument_bytes "
+    "host_temp_bytes flops_per_device collectives transfers compile_s "
+    "planned_device_total_bytes planned_profile planned_ratio target layout memory_spaces"
+).split()
+KINDS = {"all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all"}
+
+
+@pytest.fixture(scope="module")
+def tpu_json():
+    proc = jaxpod("compile", TINY, "--target", "tpu-v5p:2x2x2", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_a_tpu_compile_reports_every_key(tpu_json):
+    r = json.loads(tpu_json.stdout)
+    assert set(KEYS) <= set(r)
+    assert (r["platform"], r["devices"], r["planned_profile"]) == ("tpu", 8, "tpu-v5p")
+    assert set(r["collectives"]) == KINDS
+    assert set(r["transfers"]) == {"to_device", "to_host"}
+    # the HBM total is the buffer assignment's device memory space, arguments included
+    assert r["device_total_bytes"] == r["memory_spaces"]["default"]
+    assert r["device_total_bytes"] > r["device_argument_bytes"] > 0
+    assert r["memory_spaces"]["vmem"] > 0  # on-chip scratch, reported apart
+    # a 2x2x2 mesh: the pipeline sends activations, tensor and replica axes all-reduce
+    assert r["collectives"]["collective-permute"]["count"] > 0
+    assert r["collectives"]["all-reduce"]["executed"] >= r["collectives"]["all-reduce"]["count"]
+    assert r["flops_per_device"] > 0 and r["peak_bytes"] > 0
+    assert r["planned_ratio"] == pytest.approx(
+        r["planned_device_total_bytes"] / r["device_total_bytes"]
+    )
+    assert "tensor 2 on" in r["layout"]
+    assert tpu_json.stderr == ""  # --json: no progress lines, and libtpu starts quietly
+
+
+def test_the_text_report_shows_progress_and_the_torus():
+    proc = jaxpod("compile", TINY, "--target", "tpu-v5p:2x2x2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    progress = proc.stderr.strip().splitlines()
+    assert all(line.startswith("jaxpod: ") for line in progress), proc.stderr
+    assert any("compiling it with XLA:TPU" in line for line in progress)
+    assert "on the torus   replica 2 on" in proc.stdout
+    assert "planner: device profile 'tpu-v5p'" in proc.stdout
+
+
+def test_the_replica_axis_fills_from_the_target():
+    proc = jaxpod("compile", TINY, "mesh.replica=-1", "--target", "tpu-v5e:4x4", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["mesh"] == {"replica": 4, "pipeline": 2, "tensor": 2}
+    assert r["planned_profile"] == "tpu-v5e"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--target", "tpu-v5p:2x2x4"], "--target tpu-v5p:2x2x4 has 16 chips but the mesh has 8"),
+        (["--target", "v5p-16"], "--target v5p-16 names no target"),
+        (["--target", "tpu-v5e:2x2x2"], "TPU v5e is a 2-D torus"),
+    ],
+)
+def test_a_target_that_does_not_fit_is_one_line(args, needle):
+    assert_user_error(jaxpod("compile", TINY, *args), needle)
+
+
+def test_a_gpu_compile_reports_every_key():
+    """XLA:GPU for 8 compile-only H100s (jax's CUDA plugin, which `make` installs apart)."""
+    proc = jaxpod("compile", TINY, "--target", "h100:8", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert set(KEYS) <= set(r)
+    assert (r["platform"], r["devices"], r["planned_profile"]) == ("gpu", 8, "h100-80gb")
+    assert r["collectives"]["collective-permute"]["count"] > 0
+    assert r["layout"] == ""  # NVLink joins a host's GPUs all to all: no torus
+    assert proc.stderr == ""
