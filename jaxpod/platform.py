@@ -40,14 +40,18 @@ TPU_PCI_DEVICES = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "
 
 # With libtpu installed (it compiles `--target tpu-...` programs) but no TPU attached, the TPU
 # runtime asks the cloud metadata server about TPU hosts and prints its failure at every jax
-# start. These say "one host, this one" (a deviceless topology keeps its own host count),
-# and let several processes load libtpu at once (it locks a file for the chips they would
-# share; with no chips there is nothing to share: parallel test workers and compiles).
-NO_TPU_HOSTS = {
+# start. These say "one host, this one" (a deviceless topology keeps its own host count);
+# let several processes load libtpu at once (it locks a file for the chips they would share;
+# with no chips there is nothing to share: parallel test workers and compiles); and keep the
+# runtime's log files (/tmp/tpu_logs, gigabytes of compiler warnings for a large program)
+# to fatal errors: a failed compile is an exception all the same.
+QUIET_TPU_RUNTIME = {
     "TPU_SKIP_MDS_QUERY": "1",
     "TPU_WORKER_HOSTNAMES": "localhost",
     "TPU_HOST_BOUNDS": "1,1,1",
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    "TPU_MIN_LOG_LEVEL": "3",
+    "TPU_STDERR_LOG_LEVEL": "3",
 }
 
 
@@ -62,10 +66,10 @@ def tpu_chips_attached(pci_root: str = "/sys/bus/pci/devices") -> int:
 
 
 def quiet_tpu_runtime() -> None:
-    """On a machine without TPU chips, set `NO_TPU_HOSTS` (unless already set) so that
+    """On a machine without TPU chips, set `QUIET_TPU_RUNTIME` (unless already set) so that
     libtpu starts silently; on a TPU VM change nothing (its runtime needs the real hosts)."""
     if tpu_chips_attached() == 0:
-        for key, value in NO_TPU_HOSTS.items():
+        for key, value in QUIET_TPU_RUNTIME.items():
             os.environ.setdefault(key, value)
 
 

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxpod.platform import NO_TPU_HOSTS
+from jaxpod.platform import QUIET_TPU_RUNTIME
 from jaxpod.target.devices import _snake, torus_layout, torus_mesh
 from jaxpod.target.spec import parse_target
 
@@ -73,18 +73,24 @@ def test_a_snake_visits_every_point_one_step_at_a_time(sizes):
 
 
 @pytest.mark.parametrize("quiet", [True, False])
-def test_libtpu_starts_quietly_without_tpus(quiet):
-    """With libtpu installed and no TPU attached, a jax start prints nothing once
-    `quiet_tpu_runtime` ran; without it, libtpu complains about TPU hosts (so the test can
-    fail)."""
-    drop = {"JAX_PLATFORMS", "XLA_FLAGS", *NO_TPU_HOSTS}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    code = "import jax; jax.devices()"
+def test_libtpu_starts_quietly_without_tpus(quiet, tmp_path):
+    """With libtpu installed and no TPU attached, a jax start and a topology print nothing and
+    write no log file once `quiet_tpu_runtime` ran; without it, libtpu complains about TPU
+    hosts and logs to files (so the test can fail)."""
+    drop = {"JAX_PLATFORMS", "XLA_FLAGS", *QUIET_TPU_RUNTIME}
+    logs = tmp_path / "tpu_logs"
+    env = {k: v for k, v in os.environ.items() if k not in drop} | {"TPU_LOG_DIR": str(logs)}
+    code = (
+        "import jax; jax.devices(); from jax.experimental import topologies; "
+        "topologies.get_topology_desc(platform='tpu', topology_name='v5p:2x2x1')"
+    )
     if quiet:
         code = "from jaxpod.platform import quiet_tpu_runtime; quiet_tpu_runtime(); " + code
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert (proc.stderr == "") == quiet, proc.stderr
+    written = sorted(p.name for p in logs.glob("*")) if logs.exists() else []
+    assert (written == []) == quiet, written
 
 
 def test_without_libtpu_the_target_says_what_to_install(monkeypatch):
