@@ -19,7 +19,7 @@ from jaxpod.config import Config
 from jaxpod.engine import Engine, TrainState, abstract_engine
 from jaxpod.planner.backend import backend_plan
 from jaxpod.run.mapping import most_on_one_device
-from jaxpod.target.buffers import compile_with_spaces
+from jaxpod.target.buffers import compile_with_spaces, device_memory_bytes
 from jaxpod.target.devices import describe_layout, target_devices, torus_layout, torus_mesh
 from jaxpod.target.hlo import collectives, transfers
 from jaxpod.target.spec import Target
@@ -130,8 +130,8 @@ def read_program(compiled: jax.stages.Compiled, args: tuple, spaces: dict | None
     (`memory_analysis`; by memory space, `spaces`, where the backend reports them), its FLOPs
     (`cost_analysis`, loops counted once), and from its optimized HLO the collectives and
     the host<->device transfers (`jaxpod.target.hlo`). `device_total_bytes` is what the
-    planner's device total counts: the device memory space's allocations where known (HBM:
-    `jaxpod.target.buffers`), else the device-resident arguments (`args`' bytes in device
+    planner's device total counts: the allocations in HBM where the backend reports memory
+    spaces (`jaxpod.target.buffers`), else the device-resident arguments (`args`' bytes in device
     memory) plus the temporaries."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -150,7 +150,9 @@ def read_program(compiled: jax.stages.Compiled, args: tuple, spaces: dict | None
         "host_argument_bytes": int(mem.host_argument_size_in_bytes),
         "host_temp_bytes": int(mem.host_temp_size_in_bytes),
         "device_argument_bytes": device_args,
-        "device_total_bytes": spaces.get("default", device_args + int(mem.temp_size_in_bytes)),
+        "device_total_bytes": device_memory_bytes(spaces)
+        if spaces
+        else device_args + int(mem.temp_size_in_bytes),
         "memory_spaces": spaces,
         "flops_per_device": float(cost.get("flops", 0.0)),
         "collectives": collectives(hlo),

@@ -33,8 +33,9 @@ def test_a_tpu_compile_reports_every_key(tpu_json):
     assert (r["platform"], r["devices"], r["planned_profile"]) == ("tpu", 8, "tpu-v5p")
     assert set(r["collectives"]) == KINDS
     assert set(r["transfers"]) == {"to_device", "to_host"}
-    # the HBM total is the buffer assignment's device memory space, arguments included
-    assert r["device_total_bytes"] == r["memory_spaces"]["default"]
+    # the HBM total is the buffer assignment's memory spaces but the on-chip ones
+    spaces = r["memory_spaces"]
+    assert r["device_total_bytes"] == sum(spaces.values()) - spaces["vmem"] - spaces["smem"]
     assert r["device_total_bytes"] > r["device_argument_bytes"] > 0
     assert r["memory_spaces"]["vmem"] > 0  # on-chip scratch, reported apart
     # a 2x2x2 mesh: the pipeline sends activations, tensor and replica axes all-reduce
