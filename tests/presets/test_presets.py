@@ -109,3 +109,30 @@ def test_emulated_keeps_the_topology_and_recipe(emulated, full):
     assert (e.memory.rts, e.memory.rts_optimizer) == (f.memory.rts, f.memory.rts_optimizer)
     assert e.memory.stream == f.memory.stream  # the MLP in 2 blocks, not 8: 3 steps in 65 s
     assert (e.memory.vocab_slices > 1) == (f.memory.vocab_slices > 1)
+
+
+# The TPU companions of the full-size presets and the slice each is compiled for (as
+# benchmarks/bench_tpu.py compiles them; docs/targets.md).
+TPU_PRESETS = {
+    "bert_large_tpu_v5p": "tpu-v5p:2x2x4",
+    "gpt3_175b_tpu_v5p": "tpu-v5p:8x8x4",
+    "efficientnet_b4_g16_tpu_v5e16": "tpu-v5e:4x4",
+    "efficientnet_b4_g16_tpu_v5e256": "tpu-v5e:16x16",
+}
+
+
+@pytest.mark.parametrize(("name", "target"), TPU_PRESETS.items())
+def test_a_tpu_preset_is_planned_for_its_slice(name, target):
+    """The mesh has the slice's chips, the plan is the slice's TPU profile and fits it, and
+    the preset triggers none of the tool's warnings; EfficientNet keeps the seed's global
+    batch of 6144 on both slices."""
+    from jaxpod.target.spec import parse_target
+
+    cfg, t = preset(name), parse_target(target)
+    assert math.prod(cfg.mesh.shape) == cfg.devices == t.chips
+    p = plan(cfg)
+    assert p["device_profile"] == t.profile and p["fits"]
+    assert cfg.precision.params == "bfloat16"  # the TPU's 16-bit type
+    assert cfg.warnings() == []
+    if cfg.model.name == "efficientnet":
+        assert cfg.global_batch == 6144
