@@ -2,11 +2,13 @@
 
 `memory_analysis()` of an XLA:TPU program adds every memory space into its temporaries: the
 chip's on-chip scratch (VMEM, SMEM: sized by the chip, a few MiB, held by any program)
-beside HBM. What must fit in a chip's HBM is every allocation of the other memory spaces
-(arguments resident in HBM, temporaries, constants, thread-local scratch), each once: on v5e,
-v5p and v6e the `default` space, on v4 the `default` and `hbm` spaces together. XLA writes the
-total of each space in its memory-usage report, which a compile dumps when asked
-(`xla_dump_to`, a compile option of this compile only).
+beside HBM, and the host memory that offloaded state and activations live in (`cmem`: its
+total is `host_argument_bytes + host_temp_bytes` in every offloaded program read). What must
+fit in a chip's HBM is every allocation of the other memory spaces (arguments resident in
+HBM, temporaries, constants, thread-local scratch), each once: on v5e, v5p and v6e the
+`default` space, on v4 the `default` and `hbm` spaces together. XLA writes the total of each
+space in its memory-usage report, which a compile dumps when asked (`xla_dump_to`, a compile
+option of this compile only).
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ def memory_spaces(report: str) -> dict[str, int]:
     return {name: int(total) for name, _, total in _SPACE.findall(report)}
 
 
-ON_CHIP = ("vmem", "smem")  # scratch memories inside the chip, not HBM
+ON_CHIP = ("vmem", "smem")  # scratch memories inside the chip
+HOST = ("cmem", "host")  # the host's memory (`pinned_host`)
 
 
 def device_memory_bytes(spaces: dict[str, int]) -> int:
-    """The bytes a program holds in the chip's HBM: every memory space but `ON_CHIP`."""
-    return sum(n for name, n in spaces.items() if name not in ON_CHIP)
+    """The bytes a program holds in the chip's HBM: every memory space but `ON_CHIP` and
+    `HOST`."""
+    return sum(n for name, n in spaces.items() if name not in (*ON_CHIP, *HOST))
 
 
 def compile_with_spaces(

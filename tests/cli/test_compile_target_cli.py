@@ -33,7 +33,8 @@ def test_a_tpu_compile_reports_every_key(tpu_json):
     assert (r["platform"], r["devices"], r["planned_profile"]) == ("tpu", 8, "tpu-v5p")
     assert set(r["collectives"]) == KINDS
     assert set(r["transfers"]) == {"to_device", "to_host"}
-    # the HBM total is the buffer assignment's memory spaces but the on-chip ones
+    # the HBM total is the buffer assignment's memory spaces but the on-chip ones (and the
+    # host's, which this program has none of)
     spaces = r["memory_spaces"]
     assert r["device_total_bytes"] == sum(spaces.values()) - spaces["vmem"] - spaces["smem"]
     assert r["device_total_bytes"] > r["device_argument_bytes"] > 0
