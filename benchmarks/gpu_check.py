@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, table  # noqa: E402
+from common import ROOT, machine, table, time_steps  # noqa: E402
 
 H100_BF16_PEAK = 989e12  # FLOP/s, dense BF16, H100 SXM
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -228,15 +228,7 @@ def part_c(gpu, overrides: list[str], warmup: int, repeats: int) -> tuple[dict, 
     t0 = time.perf_counter()
     step = engine.train_step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
-    for _ in range(warmup):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
+    state, metrics, times = time_steps(step, state, batch, repeats, warmup)
     step_s = float(np.median(times))
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
     model_flops = 3 * flops_per_example(cfg) * tokens_per_step  # forward + backward (2x)

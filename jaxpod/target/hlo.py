@@ -6,30 +6,13 @@ ops the module's text holds, `executed` how many run per step: each op weighted 
 of its computation (`hlo_runs.runs`: a loop body its trip count times, each branch of a
 conditional once per run of the conditional).
 
-What XLA:TPU emits for jaxpod's train steps (tpu-v5p, the tiny preset and its options):
-
-- all-reduce, all-gather, reduce-scatter: synchronous ops, `%psum_invariant.220 =
-  f32[2,64,64]{2,1,0:T(8,128)} all-reduce(%fusion.463), replica_groups={{0,1},...}`,
-  tuple-typed where XLA combined several (`(f32[64]{..}, f32[64,64]{..}) all-reduce(%a,
-  %b)`: one op, its operands' bytes summed), in loop bodies, conditional branches and the
-  entry. `reduce-scatter(...)` stays one op (its emitter, in the backend_config, is
-  `SingleInputAllReduceScatterFusion`).
-- collective-permute: the pipeline's stage-to-stage send, an async pair: `(f32[2,64,64]{..
-  S(1)}, f32[2,64,64]{..}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%x)` ...
-  `collective-permute-done(%collective-permute-start)`: counted once, its operand's bytes.
-- with libtpu's `--xla_tpu_enable_async_collective_fusion` flags: an all-gather fused with
-  compute, `%async-collective-start = (...) fusion(%x), kind=kCustom, calls=%c`, `%c`
-  holding the `all-gather` and a custom-call `AsyncCollectiveStart`; the fusions that carry
-  it on (`continuation_config` in their backend_config) and its `%async-collective-done`
-  fusion repeat the all-gather in their computations: counted once, at the start (the
-  totals equal those of the same program compiled without the flags).
-
-Forms XLA emits elsewhere, counted the same way though these programs hold none:
-`all-gather-start`/`all-reduce-start` with their `-done` (once, at the start; an
-all-gather's bytes its done's result), `async-start` wrapping a collective (the wrapped
-computation's op, once), XLA:TPU's all-reduce-scatter fusion (`fusion(%g), kind=kCustom,
-calls=%all-reduce-scatter.5`, whose root dynamic-slices an all-reduce: a reduce-scatter of
-the all-reduce's operand), and `all-to-all`.
+Each collective counts once: an async pair (`collective-permute-start`/`-done`) at its
+start, a tuple-typed op that XLA combined from several with its operands' bytes summed, an
+async collective fusion (libtpu's `--xla_tpu_enable_async_collective_fusion`) at its start
+fusion, not in the continuation and done fusions that repeat it, XLA:TPU's
+all-reduce-scatter fusion as a reduce-scatter of its all-reduce's operand. A host transfer
+is a copy between memory space `S(5)` and device memory; `S(1)` (VMEM) copies are on chip.
+tests/target/test_hlo.py pins each form on lines XLA emits.
 """
 
 from __future__ import annotations
