@@ -1,10 +1,12 @@
 """The planner against XLA:TPU: mappings compiled for TPU topologies with no TPU attached.
 
-    python benchmarks/bench_tpu.py [--set heldout|presets] [--only TEXT] [--out FILE]
+    python benchmarks/bench_tpu.py [--set heldout|calibration|presets] [--only TEXT]
+                                   [--out FILE]
 
 (heldout) the rows of benchmarks/heldout_tpu.yaml, fixed in a commit before the planner had
-any TPU term, never tuned on; (presets) the full-size TPU presets (`PRESETS`), each on its
-slice. Each row is compiled in a fresh subprocess as
+any TPU term, never tuned on; (calibration) benchmarks/calibration_tpu.yaml, the rows TPU
+terms may be read off; (presets) the full-size TPU presets (`PRESETS`), each on its slice.
+Each row is compiled in a fresh subprocess as
 `jaxpod compile CONFIG --target TARGET` compiles it (`jaxpod.run.aot.compile_for_target`):
 XLA:TPU's HBM bytes per chip (its buffer assignment's device memory space) beside the
 planner's for the target's profile, the host bytes, the compile time. Prints a table, writes
@@ -31,11 +33,15 @@ PRESETS = {
 }
 
 
+ROW_FILES = {"heldout": "heldout_tpu.yaml", "calibration": "calibration_tpu.yaml"}
+
+
 def rows(which: str) -> list[dict]:
-    """`{"name", "base", "target", "overrides"}` of the set."""
-    if which == "heldout":
+    """`{"name", "base", "target", "overrides"}` of the set: a row file's rows with their mesh
+    as overrides, or the presets."""
+    if which in ROW_FILES:
         out = []
-        for row in yaml.safe_load((ROOT / "benchmarks" / "heldout_tpu.yaml").read_text()):
+        for row in yaml.safe_load((ROOT / "benchmarks" / ROW_FILES[which]).read_text()):
             r, p, t = row["mesh"]
             mesh = [f"mesh.replica={r}", f"mesh.pipeline={p}", f"mesh.tensor={t}"]
             out.append({**row, "overrides": mesh + list(row["overrides"])})
@@ -73,7 +79,7 @@ def _row(name: str, r: dict) -> list:
 
 def main() -> None:
     ap = options(__doc__, only="", only_help="rows whose name contains this text")
-    ap.add_argument("--set", default="heldout", choices=["heldout", "presets"])
+    ap.add_argument("--set", default="heldout", choices=[*ROW_FILES, "presets"])
     args = ap.parse_args()
     if serve_worker(args, _worker):
         return

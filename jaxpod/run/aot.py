@@ -140,6 +140,7 @@ def read_program(compiled: jax.stages.Compiled, args: tuple, spaces: dict | None
     hlo = compiled.as_text()
     spaces = spaces or {}
     device_args = most_on_one_device(args)
+    device_total = device_memory_bytes(spaces) if spaces else device_args + mem.temp_size_in_bytes
     peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
     return {
         "argument_bytes": int(mem.argument_size_in_bytes),
@@ -150,9 +151,9 @@ def read_program(compiled: jax.stages.Compiled, args: tuple, spaces: dict | None
         "host_argument_bytes": int(mem.host_argument_size_in_bytes),
         "host_temp_bytes": int(mem.host_temp_size_in_bytes),
         "device_argument_bytes": device_args,
-        "device_total_bytes": device_memory_bytes(spaces)
-        if spaces
-        else device_args + int(mem.temp_size_in_bytes),
+        # the device total's temporaries: on TPU those in HBM, without the on-chip scratch
+        "device_temp_bytes": int(device_total) - device_args,
+        "device_total_bytes": int(device_total),
         "memory_spaces": spaces,
         "flops_per_device": float(cost.get("flops", 0.0)),
         "collectives": collectives(hlo),
@@ -185,7 +186,7 @@ def format_compile(r: dict) -> str:
         f"{'arguments':15}{mib(r['device_argument_bytes']):>14}"
         f"{mib(r['planned_device_argument_bytes']):>14}   device-resident state + batch"
         + (" part + summed gradients" if parts > 1 else ""),
-        f"{'temporaries':15}{mib(r['temp_bytes']):>14}{mib(r['planned_temp_bytes']):>14}",
+        f"{'temporaries':15}{mib(r['device_temp_bytes']):>14}{mib(r['planned_temp_bytes']):>14}",
         f"{'device total':15}{mib(r['device_total_bytes']):>14}"
         f"{mib(r['planned_device_total_bytes']):>14}   planned / XLA {r['planned_ratio']:.2f}",
         f"flops          {r['flops_per_device']:.3e} per device per {call} (loops counted once)",

@@ -38,6 +38,8 @@ def test_a_tpu_compile_reports_every_key(tpu_json):
     spaces = r["memory_spaces"]
     assert r["device_total_bytes"] == sum(spaces.values()) - spaces["vmem"] - spaces["smem"]
     assert r["device_total_bytes"] > r["device_argument_bytes"] > 0
+    assert r["device_temp_bytes"] == r["device_total_bytes"] - r["device_argument_bytes"]
+    assert r["device_temp_bytes"] < r["temp_bytes"]  # XLA's temporaries include the VMEM
     assert r["memory_spaces"]["vmem"] > 0  # on-chip scratch, reported apart
     # a 2x2x2 mesh: the pipeline sends activations, tensor and replica axes all-reduce
     assert r["collectives"]["collective-permute"]["count"] > 0
