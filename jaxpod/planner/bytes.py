@@ -60,7 +60,10 @@ def device_bytes(
     local = layout["local"]
     offload = set(mem.offload)
 
-    weights_all = local / rts * mb + (local / rts * pb if mb != pb else 0)
+    # the state stores the master weights; a 16-bit working copy (the forward's cast) is a
+    # temporary of the step, made on the device, alive from the forward to the backward
+    master_all = local / rts * mb
+    weights_all = master_all + (local / rts * pb if mb != pb else 0)
     moment_bytes = 4 if cfg.optim.moments == "float32" else mb
     optimizer_all = local / rts_opt * MOMENTS[cfg.optim.name] * moment_bytes
     accumulated = cfg.part_micro > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
@@ -105,9 +108,9 @@ def device_bytes(
             scattered = max(scattered - mlp_matrix, 0)  # net of the freed matrix, if any
 
     # what rests on the host: every weight with params offloaded, the layer stack with phases
-    host_weights = weights_all if "params" in offload else 0
+    host_weights = master_all if "params" in offload else 0
     if "params" not in offload and mem.phases > 1:
-        host_weights = weights_all * layout["local_layers"] / max(local, 1)
+        host_weights = master_all * layout["local_layers"] / max(local, 1)
     # Host-resident weights are on the device for the whole step: the CPU lowering fetches no
     # piece of them (its per-phase / per-matrix device_puts lower to nothing; the TPU/GPU
     # lowering keeps them, uncredited: jaxpod.parallel.offload), and a pipelined stage
@@ -170,7 +173,7 @@ def device_bytes(
     host_total = host_weights + (optimizer_all - optimizer) + acts.get("host", 0)
     # what the device stores between steps (XLA's device-resident arguments): the weights
     # that do not rest on the host, the optimizer state unless offloaded, and the batch
-    stored = weights_all - host_weights
+    stored = master_all - host_weights
     return {
         "weights": int(weights),
         "grads": int(grads),
