@@ -43,8 +43,7 @@ def main() -> None:
 
     from jaxpod.config import load_config
     from jaxpod.engine import build_engine
-    from jaxpod.engine.stacked import build_model
-    from jaxpod.models import mlm
+    from jaxpod.models.family import build_model, row_keys
     from jaxpod.parallel.mesh import make_mesh
 
     args = options(__doc__, out="schedules_check.json").parse_args()
@@ -62,7 +61,7 @@ def main() -> None:
         if (model, rows) not in refs:
             cfg = cfg_of(model, (1, 1, 1), rows, [])
             graphdef, state = nnx.split(build_model(cfg.model, cfg.train.seed))
-            keys = mlm.row_keys(cfg.train.seed, 0, jnp.arange(rows))
+            keys = row_keys(cfg.train.seed, 0, jnp.arange(rows))
             args = (keys,) if model == "bert" else ()
             fn = lambda p: nnx.merge(graphdef, p)(tokens, *args)  # noqa: E731
             refs[(model, rows)] = jax.jit(jax.value_and_grad(fn))(nnx.to_pure_dict(state))

@@ -59,7 +59,7 @@ from jaxpod.config import load_config
 from jaxpod.parallel.mesh import LOGICAL_TO_MESH, make_mesh
 from jaxpod.optim.chains import make_optimizer
 from jaxpod.engine import build_engine
-from jaxpod.engine.stacked import build_model
+from jaxpod.models.family import build_model
 from jaxpod.models.params import masks
 
 # %matplotlib inline

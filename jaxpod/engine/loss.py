@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxpod.config import Config
-from jaxpod.models import mlm
+from jaxpod.models.family import EVAL_STREAM, TRAIN_STREAM
 from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.pipeline import forward_ticks
 from jaxpod.parallel.pipeline_train import train_ticks
@@ -126,7 +126,7 @@ def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: 
         return jax.lax.psum(out, stages.data_axes)
 
     def eval_loss(params, batch, step):
-        ex = stages.examples(params, batch, step, mlm.EVAL_STREAM)
+        ex = stages.examples(params, batch, step, EVAL_STREAM)
         params = vary_params(params, stages.stored_specs, stages.data_axes)
         micro = (ex.inputs, ex.targets, ex.weights)
         if not pipelined:
@@ -139,7 +139,7 @@ def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: 
         """(loss, aux, grads). `partial`: this device's unreduced gradient sum of the batch's
         earlier parts, added before the reduction; `reduce=False` returns the unreduced sum
         (`train.batch_parts`: the replicas reduce once a step, in the last part's call)."""
-        ex = stages.examples(params, batch, step, mlm.TRAIN_STREAM)
+        ex = stages.examples(params, batch, step, TRAIN_STREAM)
         params = vary_params(params, stages.stored_specs, stages.data_axes)
         batches = (ex.inputs, ex.targets, ex.weights)
         per_pass = pipeline_train if pipelined and schedule.explicit_backward else pipeline_loss

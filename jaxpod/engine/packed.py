@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpod.config import Config
 from jaxpod.engine.loss import Examples
 from jaxpod.engine.state import OptState, TrainState, compile_once, with_shardings
-from jaxpod.models.efficientnet import build_stages, normalize
+from jaxpod.models.family import family
 from jaxpod.models.params import masks
 from jaxpod.optim.chains import make_optimizer
 from jaxpod.optim.guarded import guarded_update, unscaled_sum_squares
@@ -54,13 +54,13 @@ _NOTHING = jax.checkpoint_policies.nothing_saveable
 
 
 def _stage_modules(cfg: Config) -> list:
-    md, pr = cfg.model, cfg.precision
-    return build_stages(
-        md.variant, splits=list(md.pipeline_splits), num_classes=md.num_classes, g16=md.g16,
-        groups=md.norm_groups, width_mult=md.width_mult, depth_mult=md.depth_mult,
-        block_groups=md.block_groups,
-        dtype=compute_dtype(pr), param_dtype=master_dtype(pr), rngs=nnx.Rngs(cfg.train.seed),
-    )  # fmt: skip
+    pr = cfg.precision
+    return family(cfg.model.name).build(
+        cfg.model,
+        rngs=nnx.Rngs(cfg.train.seed),
+        dtype=compute_dtype(pr),
+        param_dtype=master_dtype(pr),
+    )
 
 
 class PackedStages:
@@ -162,7 +162,7 @@ class PackedStages:
 
     def _embed(self, images):
         """uint8 `[..., H, W, 3]` -> the float32 carry `[..., A]` (normalised, zero padded)."""
-        x = normalize(images, jnp.float32)
+        x = family(self.cfg.model.name).prepare_inputs(images, jnp.float32)
         x = x.reshape(*images.shape[:-3], -1)
         pad = [(0, 0)] * (x.ndim - 1) + [(0, self.carry_size - x.shape[-1])]
         return jnp.pad(x, pad)
@@ -242,9 +242,17 @@ class PackedStages:
 
         def local_update(grads, tx, params, loss_scale, key):
             rows, opt_rows, ls, info = guarded_update(
-                apply, first(grads), first(tx), first(params), loss_scale, key, cfg.precision,
-                max_norm=cfg.optim.grad_clip, grad_sum_squares=unscaled_sum_squares, total=total,
-            )  # fmt: skip
+                apply,
+                first(grads),
+                first(tx),
+                first(params),
+                loss_scale,
+                key,
+                cfg.precision,
+                max_norm=cfg.optim.grad_clip,
+                grad_sum_squares=unscaled_sum_squares,
+                total=total,
+            )
             info["param_norm"] = jnp.sqrt(total(sum_squares(rows)))
             stack = lambda tree: {k: v[None] for k, v in tree.items()}  # noqa: E731
             return stack(rows), stack(opt_rows), ls, info

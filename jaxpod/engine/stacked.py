@@ -1,9 +1,10 @@
 """Stacked stages: models whose pipeline stages are parts of one stack of identical layers.
 
-GPT and BERT keep their layers as one `Layer` with a leading `[L]` axis, split over
-`pipeline`; a stage scans its part (`jaxpod.parallel.stream.run_stack`). A stacked model
-offers `embed(tokens, tp)`, `layers` (the stack), `token_loss(h, targets, tp)`,
-`inputs_and_targets(tokens, keys)` and `masked`. Around it, from the config:
+A stacked family's model (`jaxpod.models.family.StackedModel`, built in or registered)
+keeps its layers as one module with a leading `[L]` axis, split over `pipeline`; a stage
+scans its part (`jaxpod.parallel.stream.run_stack`). The model offers `embed(tokens, tp)`,
+the stack, `token_loss(h, targets, tp)`, `inputs_and_targets(tokens, keys)` and `masked`.
+Around it, from the config:
 
     params   nested dicts, each leaf sharded by its logical axes (+ the RTS split), in device
              or host memory (`engine.layout`); inside `shard_map` the non-layer weights are
@@ -33,7 +34,7 @@ from jaxpod.engine.state import (
     optimizer_shardings,
     with_shardings,
 )
-from jaxpod.models import mlm
+from jaxpod.models.family import build_model, row_keys
 from jaxpod.models.layers import token_loss_in_chunks
 from jaxpod.models.params import STACK, in_stack, masks
 from jaxpod.optim.chains import make_optimizer
@@ -50,15 +51,6 @@ from jaxpod.parallel.stream import run_stack
 from jaxpod.parallel.tensor import VocabSlices, gather_sequence
 
 TP = "tensor"  # a size-1 axis costs nothing: XLA drops single-device collectives
-
-
-def build_model(cfg, seed: int) -> nnx.Module:
-    """The transformer named by `cfg.name` (gpt or bert), initialised from `seed`."""
-    if cfg.name == "bert":
-        from jaxpod.models.bert import BERT as Model
-    else:
-        from jaxpod.models.gpt import GPT as Model
-    return Model(cfg, rngs=nnx.Rngs(seed))
 
 
 def _cast(tree, dtype):
@@ -140,7 +132,7 @@ class StackedStages:
         keys = None
         if model.masked:
             rows = jax.lax.axis_index(batch_axes) * tokens.shape[0]
-            keys = mlm.row_keys(cfg.train.seed, step, rows + jnp.arange(tokens.shape[0]), stream)
+            keys = row_keys(cfg.train.seed, step, rows + jnp.arange(tokens.shape[0]), stream)
         inputs, targets, weights = model.inputs_and_targets(tokens, keys)
         micro, mb = cfg.part_micro, cfg.train.micro_batch
         split = lambda a: None if a is None else a.reshape(micro, mb, *a.shape[1:])

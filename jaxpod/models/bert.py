@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpod.config import ModelConfig
+from jaxpod.models.family import Family
+from jaxpod.models.kinds import KINDS
 from jaxpod.models.layers import INIT_STD, Layer, LayerNorm, apply_layers
 from jaxpod.models.mlm import check_vocab, mask_tokens
 from jaxpod.models.params import NO_DECAY, TABLE, param
@@ -99,3 +101,6 @@ class BERT(nnx.Module):
         inputs, targets, weights = self.inputs_and_targets(tokens, keys)
         loss = self.token_loss(apply_layers(self.layers, self.embed(inputs)), targets)
         return jnp.sum(loss * weights) / jnp.sum(weights)
+
+
+FAMILY = Family(KINDS["bert"], BERT)

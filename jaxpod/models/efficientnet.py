@@ -47,6 +47,8 @@ from jaxpod.models.efficientnet_specs import (  # noqa: F401 (re-exported)
     split_specs,
     stem_head_channels,
 )
+from jaxpod.models.family import Family
+from jaxpod.models.kinds import KINDS
 from jaxpod.models.params import NO_DECAY, metadata, param
 
 F32 = jnp.float32
@@ -326,3 +328,15 @@ def stage_io_shapes(
         out.append((x, y))
         x = y
     return out
+
+
+def _stages_of(md, *, rngs: nnx.Rngs, dtype=F32, param_dtype=F32) -> list:
+    """The pipeline stages of the model config `md` (`build_stages` of its fields)."""
+    return build_stages(
+        md.variant, splits=list(md.pipeline_splits), num_classes=md.num_classes, g16=md.g16,
+        groups=md.norm_groups, width_mult=md.width_mult, depth_mult=md.depth_mult,
+        block_groups=md.block_groups, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+    )  # fmt: skip
+
+
+FAMILY = Family(KINDS["efficientnet"], _stages_of, prepare_inputs=normalize)

@@ -6,10 +6,10 @@ bytes. In every row exactly `round(0.15 * seq_len)` positions (at least 1) are c
 those, 80 % are replaced by the `[MASK]` id, 10 % by a random byte, 10 % kept (each chosen
 position draws its fate independently). The loss is taken on the chosen positions only.
 
-Randomness: row `r` (its index in the *global* batch) of optimizer step `k` uses
-`fold_in(fold_in(fold_in(key(seed), stream), k), r)`: the masks depend on (seed, step, row),
-never on the mesh or on how rows are split over replicas. Evaluation uses its own stream
-(step 0 of `EVAL_STREAM`): every validation batch masks the same positions of a row.
+Randomness: row `r` (its index in the *global* batch) of optimizer step `k` is masked with
+`jaxpod.models.family.row_keys(seed, k, r)`: the masks depend on (seed, step, row), never on
+the mesh or on how rows are split over replicas. Evaluation uses its own stream (step 0 of
+`EVAL_STREAM`): every validation batch masks the same positions of a row.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from jaxpod.errors import ConfigError
 
 MASK_ID = BYTE_VOCAB  # 256: the first id after the byte values
 MASK_FRACTION = 0.15
-TRAIN_STREAM, EVAL_STREAM = 1, 2
 
 
 def check_vocab(vocab: int) -> None:
@@ -37,12 +36,6 @@ def check_vocab(vocab: int) -> None:
 def masked_count(seq_len: int) -> int:
     """Positions chosen per row: round(0.15 * seq_len), at least 1."""
     return max(1, round(MASK_FRACTION * seq_len))
-
-
-def row_keys(seed: int, step: jax.Array, rows: jax.Array, stream: int = TRAIN_STREAM):
-    """One key per global row index in `rows[B]` for optimizer step `step`."""
-    base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), step)
-    return jax.vmap(lambda r: jax.random.fold_in(base, r))(rows)
 
 
 def mask_tokens(tokens: jax.Array, keys: jax.Array):

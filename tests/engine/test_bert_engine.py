@@ -2,8 +2,8 @@
 single-device model's; the masking is exact, deterministic and independent of the mesh.
 
 The reference is `BERT.__call__` on the whole global batch on one device, with the row keys
-of `jaxpod.models.mlm.row_keys(seed, step, arange(G))`; the engine masks each replica's rows inside
-`shard_map` from the same (seed, step, global row) keys.
+of `jaxpod.models.family.row_keys(seed, step, arange(G))`; the engine masks each replica's rows
+inside `shard_map` from the same (seed, step, global row) keys.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from helpers import PINNED_TRANSFORMERS
 from helpers.lab import adam_state
 
 from jaxpod.engine import abstract_engine, build_engine
-from jaxpod.engine.stacked import build_model
-from jaxpod.models import mlm
+from jaxpod.models.family import build_model, row_keys
 
 # fp32 throughout; the mesh only reorders sums. Measured maxima over the meshes below: loss
 # 2.6e-7 relative, gradients 1.1e-6 leaf-relative (max |got - want| / max |want|). The
@@ -50,7 +49,7 @@ def reference(cfg, step: int = 0):
         seed = cfg.train.seed
 
         def loss(p, tokens, step):
-            keys = mlm.row_keys(seed, step, jnp.arange(GLOBAL_BATCH))
+            keys = row_keys(seed, step, jnp.arange(GLOBAL_BATCH))
             return nnx.merge(graphdef, p)(tokens, keys)
 
         _REF[cfg.model.norm] = (jax.jit(jax.value_and_grad(loss)), nnx.to_pure_dict(state), {})

@@ -27,8 +27,7 @@ from helpers import TINY_VISION
 from helpers.lab import sgd_trace
 
 from jaxpod.engine import abstract_engine, build_engine
-from jaxpod.engine.stacked import build_model
-from jaxpod.models import mlm
+from jaxpod.models.family import build_model, row_keys
 
 LOSS_RTOL = 1e-6
 GRAD_TOL = 3e-6
@@ -66,7 +65,7 @@ def reference(model: str, rows: int):
     graphdef, params, seed = plain_model(model)
     tokens = tokens_of(rows)
     if model == "bert":
-        keys = mlm.row_keys(seed, 0, jnp.arange(rows))
+        keys = row_keys(seed, 0, jnp.arange(rows))
         fn = lambda p: nnx.merge(graphdef, p)(tokens, keys)  # noqa: E731
     else:
         fn = lambda p: nnx.merge(graphdef, p)(tokens)  # noqa: E731

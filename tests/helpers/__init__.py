@@ -123,7 +123,7 @@ def model_params_and_specs(cfg):
     no mesh (the model's own logical layout)."""
     from flax import nnx
 
-    from jaxpod.engine.stacked import build_model
+    from jaxpod.models.family import build_model
     from jaxpod.parallel.mesh import param_specs
 
     state = nnx.state(nnx.eval_shape(lambda: build_model(cfg.model, cfg.train.seed)))

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpod.engine import abstract_engine, build_engine
-from jaxpod.engine.stacked import build_model
+from jaxpod.models.family import build_model
 from jaxpod.models.params import masks
 from jaxpod.optim.chains import make_optimizer
 

@@ -127,8 +127,8 @@ def test_masks_from_the_models_parameter_roles():
     MBConv blocks are not stacked and its biases and GroupNorm parameters are not decayed."""
     from flax import nnx
 
-    from jaxpod.engine.stacked import build_model
     from jaxpod.models.efficientnet import build_stages
+    from jaxpod.models.family import build_model
     from jaxpod.models.params import masks
 
     cfg = load_config("configs/tiny.yaml", ["model.tie_embeddings=false"])
