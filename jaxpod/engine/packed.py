@@ -77,7 +77,7 @@ class PackedStages:
             make_optimizer(cfg.optim, cfg.train.steps, decay_mask=m.decay, clip=False)[0]
             for m in self.masks
         ]
-        self.schedule = make_optimizer(cfg.optim, cfg.train.steps)[1]
+        self.lr_schedule = make_optimizer(cfg.optim, cfg.train.steps)[1]
         self.packing = StagePacking(trees)
         inits = zip(self.optimizers, trees, strict=True)
         self.opt_packing = StagePacking([jax.eval_shape(opt.init, t) for opt, t in inits])

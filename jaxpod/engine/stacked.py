@@ -75,7 +75,7 @@ class StackedStages:
         self.mesh, self.data_axes = layout.mesh, layout.data_axes
         self.stored_specs = layout.stored_specs
         self.batch_specs = (layout.batch_spec,)
-        self.optimizer, self.schedule = make_optimizer(
+        self.optimizer, self.lr_schedule = make_optimizer(
             cfg.optim, cfg.train.steps, decay_mask=self.masks.decay,
             stacked_mask=self.masks.stacked, clip=False,
         )  # fmt: skip

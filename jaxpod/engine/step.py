@@ -53,8 +53,9 @@ class Engine(NamedTuple):
     accumulate_step: Callable | None  # batch_parts > 1: (state, part, grad_sum) -> the same
 
     @property
-    def schedule(self):
-        return self.stages.schedule
+    def lr_schedule(self):
+        """The learning rate of each optimizer step (an optax schedule)."""
+        return self.stages.lr_schedule
 
     def updating_arguments(self, state: TrainState, batch: tuple) -> tuple:
         """The arguments of the call that updates, to lower it: `(state, batch)`, and in parts
@@ -162,7 +163,7 @@ def make_engine(stages, cfg: Config, *, bubble_fill: float = 0.0, unroll: bool =
             "grad_norm": info["grad_norm"],
             "update_norm": jnp.where(info["finite"], jnp.sqrt(info["update_sq"]), 0.0),
             "param_norm": info["param_norm"],
-            "lr": stages.schedule(state.step),
+            "lr": stages.lr_schedule(state.step),
             "loss_scale": ls.scale,
             "skipped_steps": new_ls.skipped,
         }

@@ -55,12 +55,12 @@ def one_step(lab, *extra):
     cfg, mesh, default, initial = lab.engine(SHAPE, "sgd")
     if not extra:
         new_state, metrics = lab.steps(SHAPE, "sgd", 1)[0]
-        return initial, new_state, metrics, float(default.stages.schedule(0))
+        return initial, new_state, metrics, float(default.stages.lr_schedule(0))
 
     def run():
         engine, _ = abstract_engine(lab.cfg(SHAPE, "sgd", *extra), mesh)
         new_state, metrics = engine.train_step(copy_tree(initial), put(engine, batch(0)))
-        return new_state, jax.device_get(metrics), float(engine.stages.schedule(0))
+        return new_state, jax.device_get(metrics), float(engine.stages.lr_schedule(0))
 
     return initial, *lab.memo(("grad_allreduce", extra), run)
 
