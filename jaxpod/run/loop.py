@@ -29,13 +29,14 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxpod.config import Config, config_to_dict, dump_yaml
+from jaxpod.data.feed import DeviceFeed, to_host
+from jaxpod.data.prefetch import Prefetcher
 from jaxpod.engine import TrainState
 from jaxpod.errors import UserError
 from jaxpod.parallel.mesh import make_mesh, select_devices
 from jaxpod.planner.plan import check_budget
 from jaxpod.run.checkpoint import Checkpointer
 from jaxpod.run.distributed import is_main_process
-from jaxpod.run.feed import DeviceFeed, to_host
 from jaxpod.run.hostmem import check_host_ram, is_oom, oom_error
 from jaxpod.run.interrupt import Interrupted, StopRequests
 from jaxpod.run.logdir import hold
@@ -48,7 +49,6 @@ from jaxpod.run.metrics import (
     read_metrics,
     write_json_atomic,
 )
-from jaxpod.run.prefetch import Prefetcher
 from jaxpod.run.profiling import PROFILE_DIR, StepProfiler, check_profile_steps
 from jaxpod.run.resume import (
     check_changes,

@@ -37,7 +37,7 @@ def _batch(cfg) -> tuple:
     """The whole step's batch as host arrays, the same for every `batch_parts`."""
     g = cfg.global_batch
     if cfg.kind.data == "images":
-        from jaxpod.run.images import load_images
+        from jaxpod.data.images import load_images
 
         digits = load_images("digits", image_size=cfg.model.image_size, seed=0)
         return digits.train_batch(0, 0, g, g)
