@@ -170,7 +170,7 @@ def _compile(args: argparse.Namespace) -> None:
     if target is not None:  # compile-only devices: no local accelerator is started, and an
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # executable for them cannot be loaded
         os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # from jax's persistent cache
-    from jaxpod.run.aot import compile_for_target, compile_step, format_compile
+    from jaxpod.inspect.compile import compile_for_target, compile_step, format_compile
 
     progress = None if args.json else _progress
     if target is None:
@@ -209,7 +209,7 @@ def _load_for_target(config: str, overrides: list[str], text: str | None):
 
 
 def _runs(args: argparse.Namespace) -> None:
-    from jaxpod.run.runs import format_runs, list_runs
+    from jaxpod.inspect.runs import format_runs, list_runs
 
     runs = list_runs(args.dir)
     if args.json:
