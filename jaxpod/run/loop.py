@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from jaxpod.config import Config, config_to_dict, dump_yaml
@@ -46,8 +45,7 @@ from jaxpod.run.metrics import (
     METRICS_FILE,
     MetricsWriter,
     flat_hparams,
-    read_metrics,
-    write_json_atomic,
+    write_eval_record,
 )
 from jaxpod.run.profiling import PROFILE_DIR, StepProfiler, check_profile_steps
 from jaxpod.run.resume import (
@@ -242,36 +240,6 @@ class _Recorder:
 
     def __getattr__(self, name: str):
         return getattr(self.writer, name)
-
-
-def write_eval_record(logdir: Path, cfg: Config, unit: str = "tokens") -> dict:
-    """Write `<logdir>/eval.json` (atomically) from the run's `metrics.jsonl`; return it.
-
-    Holds every evaluation (`evals`: step, val_loss[, val_accuracy]), the final validation
-    and training loss (and accuracy for classifiers), the steps trained and configured, and
-    the mean `<unit>_per_s` (tokens or images) of the logged steps.
-    """
-    records = read_metrics(logdir)
-    evals = [
-        {k: v for k, v in r.items() if k in ("step", "val_loss", "val_accuracy")}
-        for r in records
-        if "val_loss" in r
-    ]
-    train = [r for r in records if "loss" in r]
-    rate = f"{unit}_per_s"
-    speeds = [r[rate] for r in train if isinstance(r.get(rate), float)]
-    record = {
-        "steps_trained": max((r["step"] for r in records), default=0),
-        "steps_total": cfg.train.steps,
-        "final_val_loss": evals[-1]["val_loss"] if evals else None,
-        "final_loss": train[-1]["loss"] if train else None,
-        f"{rate}_mean": float(np.mean(speeds)) if speeds else None,
-        "evals": evals,
-    }
-    if evals and "val_accuracy" in evals[-1]:
-        record["final_val_accuracy"] = evals[-1]["val_accuracy"]
-    write_json_atomic(logdir / EVAL_FILE, record)
-    return record
 
 
 def _say_where(say, logdir: Path) -> None:
