@@ -3,8 +3,8 @@
 The loop dispatches step N+1 before it reads step N's metrics to the host, so the device
 queue never runs dry while Python formats numbers.
 
-Around the loop (`jaxpod.run.logdir`, `hostmem`, `resume`, `interrupt`): the run directory is
-locked, the host's RAM checked, a resume refused if the config changed where results would;
+Around the loop (`jaxpod.run.preflight`, `resume`, `interrupt`): the checks before training run
+once (budget, host RAM, the lock), a resume is refused if the config changed where results would;
 a non-finite loss or parameter norm stops the run before a checkpoint of it is written; Ctrl-C
 saves the current step and stops. A step's records are read and written before its checkpoint
 is saved, and kept in it, so the record is never missing a checkpointed step.
@@ -33,12 +33,10 @@ from jaxpod.data.prefetch import Prefetcher
 from jaxpod.engine import TrainState
 from jaxpod.errors import UserError
 from jaxpod.parallel.mesh import make_mesh, select_devices
-from jaxpod.planner.plan import check_budget
 from jaxpod.run.checkpoint import Checkpointer
 from jaxpod.run.distributed import is_main_process
-from jaxpod.run.hostmem import check_host_ram, is_oom, oom_error
+from jaxpod.run.hostmem import is_oom, oom_error
 from jaxpod.run.interrupt import Interrupted, StopRequests
-from jaxpod.run.logdir import hold
 from jaxpod.run.mapping import describe, format_mapping
 from jaxpod.run.metrics import (
     EVAL_FILE,
@@ -47,7 +45,8 @@ from jaxpod.run.metrics import (
     flat_hparams,
     write_eval_record,
 )
-from jaxpod.run.profiling import PROFILE_DIR, StepProfiler, check_profile_steps
+from jaxpod.run.preflight import Cleared, preflight
+from jaxpod.run.profiling import PROFILE_DIR, StepProfiler
 from jaxpod.run.resume import (
     check_changes,
     check_saved_config,
@@ -82,7 +81,11 @@ def _prepare_logdir(logdir: Path) -> None:
 
 
 def run_training(
-    cfg: Config, *, quiet: bool = False, allow_changes: Collection[str] = ()
+    cfg: Config,
+    *,
+    quiet: bool = False,
+    allow_changes: Collection[str] = (),
+    cleared: Cleared | None = None,
 ) -> RunResult:
     """Train `cfg` and leave the run record in `cfg.train.logdir`.
 
@@ -92,23 +95,21 @@ def run_training(
     they are in `allow_changes` (dotted keys, sections, or "all"). `cfg.devices` counts the
     devices of each process (`jaxpod.run.distributed`); the mesh spans those of every process.
     Only process 0 writes files, holds the logdir's lock and prints. A SIGINT/SIGTERM during
-    the steps saves the current step and raises `Interrupted`.
+    the steps saves the current step and raises `Interrupted`. `cleared`: `preflight(cfg)`
+    where the caller ran it (the CLI, before jax starts); otherwise the loop runs it first.
     """
-    check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
-    check_budget(cfg)  # a mapping over memory.device_budget is refused before anything runs
-    if jax.process_count() == 1:
-        check_host_ram(cfg)  # virtual devices share this host's RAM
+    if cleared is None:
+        cleared = preflight(cfg, processes=jax.process_count(), main=is_main_process())
+    elif cleared.cfg is not cfg:
+        raise ValueError("`cleared` is the preflight of another config")
     main = is_main_process()
-    lock = hold(cfg.train.logdir) if main else None
-    try:
-        return _run(cfg, quiet or not main, main, allow_changes)
-    except Exception as exc:
-        if is_oom(exc):
-            raise oom_error(exc, cfg) from None
-        raise
-    finally:
-        if lock is not None:
-            lock.release()
+    with cleared:  # releases the run directory's lock
+        try:
+            return _run(cfg, quiet or not main, main, allow_changes)
+        except Exception as exc:
+            if is_oom(exc):
+                raise oom_error(exc, cfg) from None
+            raise
 
 
 def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -> RunResult:
