@@ -1,4 +1,4 @@
-"""Feeding the step one part at a time (`jaxpod.run.feed.DeviceFeed`) against putting parts ahead.
+"""Feeding the step one part at a time (`jaxpod.data.feed.DeviceFeed`) against putting parts ahead.
 
     python benchmarks/bench_feed.py [--only tiny,digits] [--out FILE]
 
@@ -59,8 +59,8 @@ def _counting(engine, shape: tuple, most: list):
 
 def _run(task, engine, state, mode: str, start: int, steps: int, depth: int):
     """`steps` steps from `start` the loop's way (`mode` 0) or with parts put ahead (1)."""
-    from jaxpod.run.feed import DeviceFeed, to_host
-    from jaxpod.run.prefetch import Prefetcher
+    from jaxpod.data.feed import DeviceFeed, to_host
+    from jaxpod.data.prefetch import Prefetcher
 
     k = task.cfg.train.batch_parts
     if mode == MODES[0]:

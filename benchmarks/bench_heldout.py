@@ -10,9 +10,9 @@ became a `lax.cond`;
 (presets) every config in configs/, at its real size; (calibration-efficientnet) the rows of
 benchmarks/calibration_efficientnet.yaml, the configs EfficientNet's byte model was read off.
 Each row is compiled in a fresh subprocess with its own virtual device count
-(`jaxpod.run.aot.compile_step`, which reports XLA's device-resident arguments and temporaries
-beside the planner's prediction for the CPU backend's device profile). Prints a table,
-writes JSON (benchmarks/results/<set>.json).
+(`jaxpod.inspect.compile.compile_step`, which reports XLA's device-resident arguments and
+temporaries beside the planner's prediction for the CPU backend's device profile). Prints a
+table, writes JSON (benchmarks/results/<set>.json).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def _overrides(row: dict) -> list[str]:
 
 def _worker(job: dict) -> dict:
     from jaxpod.config import load_config
+    from jaxpod.inspect.compile import compile_step
     from jaxpod.parallel.mesh import make_mesh, select_devices
-    from jaxpod.run.aot import compile_step
 
     cfg = load_config(ROOT / job["base"], job["overrides"])
     return compile_step(cfg, make_mesh(cfg.mesh, select_devices(cfg.total_devices)))

@@ -46,8 +46,8 @@ def _worker(job: dict) -> dict:
     import numpy as np
 
     from jaxpod.engine import build_engine
+    from jaxpod.inspect.compile import compile_step
     from jaxpod.planner import plan
-    from jaxpod.run.aot import compile_step
 
     cfg, mesh = tiny_on_mesh(job["mesh"], [*MODEL, *job["overrides"]])
     if job["kind"] == "memory":

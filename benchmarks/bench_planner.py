@@ -116,9 +116,9 @@ def measure(case) -> dict:
     import jax
 
     from jaxpod.config import load_config
+    from jaxpod.inspect.compile import abstract_inputs, compile_to_inspect
     from jaxpod.parallel.mesh import make_mesh
     from jaxpod.planner.plan import plan
-    from jaxpod.run.aot import abstract_inputs, compile_to_inspect
 
     (r, p, t), remat, accum, extra = case
     overrides = [

@@ -50,8 +50,8 @@ def _worker(job: dict) -> dict:
     import numpy as np
 
     from jaxpod.engine import abstract_engine, build_engine
+    from jaxpod.inspect.compile import compile_step
     from jaxpod.planner import plan
-    from jaxpod.run.aot import compile_step
 
     cfg, mesh = tiny_on_mesh(job["mesh"], [*MODEL, *job["overrides"]])
     shape = (cfg.global_batch, cfg.model.seq_len + 1)

@@ -7,7 +7,7 @@
 any TPU term, never tuned on; (calibration) benchmarks/calibration_tpu.yaml, the rows TPU
 terms may be read off; (presets) the full-size TPU presets (`PRESETS`), each on its slice.
 Each row is compiled in a fresh subprocess as
-`jaxpod compile CONFIG --target TARGET` compiles it (`jaxpod.run.aot.compile_for_target`):
+`jaxpod compile CONFIG --target TARGET` compiles it (`jaxpod.inspect.compile.compile_for_target`):
 XLA:TPU's HBM bytes per chip (its buffer assignment's device memory space) beside the
 planner's for the target's profile, the host bytes, the compile time. Prints a table, writes
 JSON (benchmarks/results/tpu-<set>.json).
@@ -57,7 +57,7 @@ def _worker(job: dict) -> dict:
 
     jax.config.update("jax_enable_compilation_cache", False)  # compile-only: nothing to load
     from jaxpod.config import load_config
-    from jaxpod.run.aot import compile_for_target
+    from jaxpod.inspect.compile import compile_for_target
     from jaxpod.target.spec import parse_target
 
     target = parse_target(job["target"])

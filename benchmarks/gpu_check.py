@@ -142,7 +142,7 @@ def part_a(gpu, steps: int) -> tuple[dict, str]:
 
 def compiled_bytes(cfg, mesh) -> dict:
     """`memory_analysis()` of the tiny step lowered from abstract inputs (as `jaxpod compile`)."""
-    from jaxpod.run.aot import abstract_inputs
+    from jaxpod.inspect.compile import abstract_inputs
 
     engine, state, batch = abstract_inputs(cfg, mesh)
     lowered = engine.train_step.lower(*engine.updating_arguments(state, batch))

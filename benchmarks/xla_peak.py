@@ -111,8 +111,8 @@ def main() -> None:
     from jaxpod.config import load_config
 
     if args.worker:  # inside the subprocess: XLA_FLAGS already set
+        from jaxpod.inspect.compile import compile_step, format_compile
         from jaxpod.parallel.mesh import make_mesh, select_devices
-        from jaxpod.run.aot import compile_step, format_compile
 
         cfg = load_config(args.config, args.overrides)
         print(

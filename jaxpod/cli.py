@@ -9,8 +9,9 @@
     jaxpod tensorboard [LOGDIR] [--host H] [--port P]
 
 User mistakes (config, data, mesh, flags) and failed runs print one line `jaxpod: error: ...`
-and exit 2, with no traceback; the config, the run directory (`jaxpod.run.logdir`: checked and
-locked) and the host's RAM are checked before jax even starts. Ctrl-C exits 130 (SIGTERM 143).
+and exit 2, with no traceback; the config and the checks before training (`jaxpod.run.preflight`:
+budget, host RAM, the run directory checked and locked) run before jax even starts (one process;
+with several, the loop runs them once the processes have joined). Ctrl-C exits 130 (SIGTERM 143).
 Options and KEY=VALUE overrides may come in any order.
 """
 
@@ -54,17 +55,14 @@ def _warn(cfg) -> None:
         print(f"jaxpod: warning: {warning}", file=sys.stderr)
 
 
-def _claim(cfg, spec) -> None:
-    """Before jax starts (one process, or process 0 with explicit flags): the host's RAM,
-    then the run directory, checked and locked until the process ends."""
-    if spec.enabled and spec.process_id != 0:
-        return
-    from jaxpod.run.hostmem import check_host_ram
-    from jaxpod.run.logdir import hold
+def _preflight(cfg, spec):
+    """One process: the checks before training, before jax starts (`Cleared`, for the loop).
+    Several: None; the loop runs them once the processes have joined (each knows its role)."""
+    if spec.enabled:
+        return None
+    from jaxpod.run.preflight import preflight
 
-    if not spec.enabled:
-        check_host_ram(cfg)
-    hold(cfg.train.logdir)
+    return preflight(cfg)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -76,12 +74,12 @@ def _train(args: argparse.Namespace) -> None:
     config, overrides = _split_config_and_overrides(args.items, "train")
     spec = _spec(args)
     cfg = load_run_config(config, overrides, spec)  # joins the runtime, before jax
+    cleared = _preflight(cfg, spec)
     _warn(cfg)
-    _claim(cfg, spec)
     from jaxpod.run.loop import run_training
 
     allow = [k.strip() for k in (args.allow_changes or "").split(",") if k.strip()]
-    run_training(cfg, allow_changes=allow)
+    run_training(cfg, allow_changes=allow, cleared=cleared)
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -96,11 +94,11 @@ def _profile(args: argparse.Namespace) -> None:
     check_spec(spec)
     overrides = profile_overrides(config, overrides, args.steps, args.warmup)
     cfg = load_run_config(config, overrides, spec)
-    _claim(cfg, spec)
+    cleared = _preflight(cfg, spec)
     from jaxpod.run.loop import run_training
     from jaxpod.run.profiling import how_to_open
 
-    result = run_training(cfg)
+    result = run_training(cfg, cleared=cleared)
     if is_main_process():
         print(how_to_open(result.trace, cfg.train.logdir), flush=True)
 
@@ -170,7 +168,7 @@ def _compile(args: argparse.Namespace) -> None:
     if target is not None:  # compile-only devices: no local accelerator is started, and an
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # executable for them cannot be loaded
         os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # from jax's persistent cache
-    from jaxpod.run.aot import compile_for_target, compile_step, format_compile
+    from jaxpod.inspect.compile import compile_for_target, compile_step, format_compile
 
     progress = None if args.json else _progress
     if target is None:
@@ -209,7 +207,7 @@ def _load_for_target(config: str, overrides: list[str], text: str | None):
 
 
 def _runs(args: argparse.Namespace) -> None:
-    from jaxpod.run.runs import format_runs, list_runs
+    from jaxpod.inspect.runs import format_runs, list_runs
 
     runs = list_runs(args.dir)
     if args.json:

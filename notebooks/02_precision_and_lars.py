@@ -160,7 +160,7 @@ from flax import nnx
 
 from jaxpod.engine.state import compile_once
 from jaxpod.models.efficientnet import normalize
-from jaxpod.run.images import load_images
+from jaxpod.data.images import load_images
 from jaxpod.models.efficientnet import EfficientNet, count_params
 from jaxpod.models.params import masks
 

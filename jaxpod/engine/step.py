@@ -71,7 +71,7 @@ class Engine(NamedTuple):
         earlier parts' gradients summed by `accumulate_step`, the last part's `train_step`
         adding them and updating; loss and accuracy are the parts' sums. A part is taken from
         `parts` just before its call and not held after it; `dispatched(outputs)` is told each
-        call's small outputs (never donated) once it is dispatched (`jaxpod.run.feed`)."""
+        call's small outputs (never donated) once it is dispatched (`jaxpod.data.feed`)."""
         parts, told = iter(parts), dispatched or (lambda outputs: None)
         if self.accumulate_step is None:
             state, metrics = self.train_step(state, next(parts))

@@ -1,6 +1,6 @@
 """Masked-language-model examples from byte windows, on the device, deterministic.
 
-BERT trains on the same byte corpora as GPT (`jaxpod.run.data`: stdlib-code, synthetic,
+BERT trains on the same byte corpora as GPT (`jaxpod.data.text`: stdlib-code, synthetic,
 text-files); each window of `seq_len + 1` bytes gives one example of its first `seq_len`
 bytes. In every row exactly `round(0.15 * seq_len)` positions (at least 1) are chosen; of
 those, 80 % are replaced by the `[MASK]` id, 10 % by a random byte, 10 % kept (each chosen

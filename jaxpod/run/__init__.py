@@ -1,1 +1,2 @@
-"""Running a config: data, the loop, the run record, checkpoints, profiles, AOT compile."""
+"""The loop and its record: preflight, the loop, checkpoints, resume, the run directory,
+metrics, interrupts, profiles, several processes."""

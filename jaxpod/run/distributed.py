@@ -160,12 +160,9 @@ def load_run_config(config: str, overrides: list[str], spec: DistributedSpec) ->
     config file is refused: a run of every default is never what was meant.
     """
     from jaxpod.platform import use_virtual_cpu_devices
-    from jaxpod.run.profiling import check_profile_steps
 
     def load(processes: int) -> Config:
-        cfg = load_config(config, overrides, processes=processes, allow_empty=False)
-        check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
-        return cfg
+        return load_config(config, overrides, processes=processes, allow_empty=False)
 
     check_spec(spec)
     if not spec.enabled:

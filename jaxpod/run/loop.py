@@ -3,8 +3,8 @@
 The loop dispatches step N+1 before it reads step N's metrics to the host, so the device
 queue never runs dry while Python formats numbers.
 
-Around the loop (`jaxpod.run.logdir`, `hostmem`, `resume`, `interrupt`): the run directory is
-locked, the host's RAM checked, a resume refused if the config changed where results would;
+Around the loop (`jaxpod.run.preflight`, `resume`, `interrupt`): the checks before training run
+once (budget, host RAM, the lock), a resume is refused if the config changed where results would;
 a non-finite loss or parameter norm stops the run before a checkpoint of it is written; Ctrl-C
 saves the current step and stops. A step's records are read and written before its checkpoint
 is saved, and kept in it, so the record is never missing a checkpointed step.
@@ -25,31 +25,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from jaxpod.config import Config, config_to_dict, dump_yaml
+from jaxpod.data.feed import DeviceFeed, to_host
+from jaxpod.data.prefetch import Prefetcher
 from jaxpod.engine import TrainState
 from jaxpod.errors import UserError
 from jaxpod.parallel.mesh import make_mesh, select_devices
-from jaxpod.planner.plan import check_budget
 from jaxpod.run.checkpoint import Checkpointer
 from jaxpod.run.distributed import is_main_process
-from jaxpod.run.feed import DeviceFeed, to_host
-from jaxpod.run.hostmem import check_host_ram, is_oom, oom_error
+from jaxpod.run.hostmem import is_oom, oom_error
 from jaxpod.run.interrupt import Interrupted, StopRequests
-from jaxpod.run.logdir import hold
 from jaxpod.run.mapping import describe, format_mapping
 from jaxpod.run.metrics import (
     EVAL_FILE,
     METRICS_FILE,
     MetricsWriter,
     flat_hparams,
-    read_metrics,
-    write_json_atomic,
+    write_eval_record,
 )
-from jaxpod.run.prefetch import Prefetcher
-from jaxpod.run.profiling import PROFILE_DIR, StepProfiler, check_profile_steps
+from jaxpod.run.preflight import Cleared, preflight
+from jaxpod.run.profiling import PROFILE_DIR, StepProfiler
 from jaxpod.run.resume import (
     check_changes,
     check_saved_config,
@@ -84,7 +81,11 @@ def _prepare_logdir(logdir: Path) -> None:
 
 
 def run_training(
-    cfg: Config, *, quiet: bool = False, allow_changes: Collection[str] = ()
+    cfg: Config,
+    *,
+    quiet: bool = False,
+    allow_changes: Collection[str] = (),
+    cleared: Cleared | None = None,
 ) -> RunResult:
     """Train `cfg` and leave the run record in `cfg.train.logdir`.
 
@@ -94,23 +95,21 @@ def run_training(
     they are in `allow_changes` (dotted keys, sections, or "all"). `cfg.devices` counts the
     devices of each process (`jaxpod.run.distributed`); the mesh spans those of every process.
     Only process 0 writes files, holds the logdir's lock and prints. A SIGINT/SIGTERM during
-    the steps saves the current step and raises `Interrupted`.
+    the steps saves the current step and raises `Interrupted`. `cleared`: `preflight(cfg)`
+    where the caller ran it (the CLI, before jax starts); otherwise the loop runs it first.
     """
-    check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
-    check_budget(cfg)  # a mapping over memory.device_budget is refused before anything runs
-    if jax.process_count() == 1:
-        check_host_ram(cfg)  # virtual devices share this host's RAM
+    if cleared is None:
+        cleared = preflight(cfg, processes=jax.process_count(), main=is_main_process())
+    elif cleared.cfg is not cfg:
+        raise ValueError("`cleared` is the preflight of another config")
     main = is_main_process()
-    lock = hold(cfg.train.logdir) if main else None
-    try:
-        return _run(cfg, quiet or not main, main, allow_changes)
-    except Exception as exc:
-        if is_oom(exc):
-            raise oom_error(exc, cfg) from None
-        raise
-    finally:
-        if lock is not None:
-            lock.release()
+    with cleared:  # releases the run directory's lock
+        try:
+            return _run(cfg, quiet or not main, main, allow_changes)
+        except Exception as exc:
+            if is_oom(exc):
+                raise oom_error(exc, cfg) from None
+            raise
 
 
 def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -> RunResult:
@@ -242,36 +241,6 @@ class _Recorder:
 
     def __getattr__(self, name: str):
         return getattr(self.writer, name)
-
-
-def write_eval_record(logdir: Path, cfg: Config, unit: str = "tokens") -> dict:
-    """Write `<logdir>/eval.json` (atomically) from the run's `metrics.jsonl`; return it.
-
-    Holds every evaluation (`evals`: step, val_loss[, val_accuracy]), the final validation
-    and training loss (and accuracy for classifiers), the steps trained and configured, and
-    the mean `<unit>_per_s` (tokens or images) of the logged steps.
-    """
-    records = read_metrics(logdir)
-    evals = [
-        {k: v for k, v in r.items() if k in ("step", "val_loss", "val_accuracy")}
-        for r in records
-        if "val_loss" in r
-    ]
-    train = [r for r in records if "loss" in r]
-    rate = f"{unit}_per_s"
-    speeds = [r[rate] for r in train if isinstance(r.get(rate), float)]
-    record = {
-        "steps_trained": max((r["step"] for r in records), default=0),
-        "steps_total": cfg.train.steps,
-        "final_val_loss": evals[-1]["val_loss"] if evals else None,
-        "final_loss": train[-1]["loss"] if train else None,
-        f"{rate}_mean": float(np.mean(speeds)) if speeds else None,
-        "evals": evals,
-    }
-    if evals and "val_accuracy" in evals[-1]:
-        record["final_val_accuracy"] = evals[-1]["val_accuracy"]
-    write_json_atomic(logdir / EVAL_FILE, record)
-    return record
 
 
 def _say_where(say, logdir: Path) -> None:

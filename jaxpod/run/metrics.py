@@ -18,11 +18,14 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+from jaxpod.config import Config
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
@@ -187,3 +190,33 @@ def read_metrics(logdir: str | Path) -> list[dict]:
     """All records of `<logdir>/metrics.jsonl`, in order."""
     path = Path(logdir) / METRICS_FILE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_eval_record(logdir: Path, cfg: Config, unit: str = "tokens") -> dict:
+    """Write `<logdir>/eval.json` (atomically) from the run's `metrics.jsonl`; return it.
+
+    Holds every evaluation (`evals`: step, val_loss[, val_accuracy]), the final validation
+    and training loss (and accuracy for classifiers), the steps trained and configured, and
+    the mean `<unit>_per_s` (tokens or images) of the logged steps.
+    """
+    records = read_metrics(logdir)
+    evals = [
+        {k: v for k, v in r.items() if k in ("step", "val_loss", "val_accuracy")}
+        for r in records
+        if "val_loss" in r
+    ]
+    train = [r for r in records if "loss" in r]
+    rate = f"{unit}_per_s"
+    speeds = [r[rate] for r in train if isinstance(r.get(rate), float)]
+    record = {
+        "steps_trained": max((r["step"] for r in records), default=0),
+        "steps_total": cfg.train.steps,
+        "final_val_loss": evals[-1]["val_loss"] if evals else None,
+        "final_loss": train[-1]["loss"] if train else None,
+        f"{rate}_mean": float(np.mean(speeds)) if speeds else None,
+        "evals": evals,
+    }
+    if evals and "val_accuracy" in evals[-1]:
+        record["final_val_accuracy"] = evals[-1]["val_accuracy"]
+    write_json_atomic(logdir / EVAL_FILE, record)
+    return record

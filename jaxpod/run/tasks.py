@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from jaxpod.config import Config
+from jaxpod.data.feed import DeviceFeed, HostBatch, index_key, to_host
 from jaxpod.engine import Engine, TrainState, abstract_engine, build_engine
-from jaxpod.run.feed import DeviceFeed, HostBatch, index_key, to_host
 
 
 @dataclass
@@ -90,14 +90,14 @@ class Task:
 def load_data(cfg: Config):
     """The dataset of `cfg.data`, cut for the model: byte windows or labelled images."""
     if cfg.kind.data == "images":
-        from jaxpod.run.images import load_images
+        from jaxpod.data.images import load_images
 
         return load_images(
             cfg.data.name, image_size=cfg.model.image_size, seed=cfg.train.seed,
             path=cfg.data.path, val_fraction=cfg.data.val_fraction,
             num_classes=cfg.model.num_classes,
         )  # fmt: skip
-    from jaxpod.run.data import load_dataset
+    from jaxpod.data.text import load_dataset
 
     return load_dataset(
         cfg.data.name, seq_len=cfg.model.seq_len, seed=cfg.train.seed, path=cfg.data.path,

@@ -37,7 +37,7 @@ def _batch(cfg) -> tuple:
     """The whole step's batch as host arrays, the same for every `batch_parts`."""
     g = cfg.global_batch
     if cfg.kind.data == "images":
-        from jaxpod.run.images import load_images
+        from jaxpod.data.images import load_images
 
         digits = load_images("digits", image_size=cfg.model.image_size, seed=0)
         return digits.train_batch(0, 0, g, g)
@@ -86,9 +86,9 @@ def test_the_updating_call_holds_the_most(tiny_cfg, mesh_for, case):
     """`jaxpod compile` (and the planner's comparison) reads the call that updates: the first
     call holds less (no summed gradients in, no update), a middle call no more than it but
     for its scalars (the same arguments, no update). Read from the default compile, whose
-    memory analysis is `compile_to_inspect`'s (tests/run/test_compile_to_inspect.py): these
+    memory analysis is `compile_to_inspect`'s (tests/inspect/test_compile_to_inspect.py): these
     are the programs `test_parts_train_like_the_whole_batch` ran, served by the cache."""
-    from jaxpod.run.aot import abstract_inputs
+    from jaxpod.inspect.compile import abstract_inputs
     from jaxpod.run.mapping import most_on_one_device
 
     overrides, mesh, parts = CASES[case]
@@ -126,7 +126,7 @@ def _all_reduces(lowered) -> list[tuple[str, str]]:
 def test_the_replicas_reduce_the_gradients_once_a_step(tiny_cfg, mesh_for):
     """On 2x2x1 in 4 parts, the first and middle calls all-reduce only the loss (a scalar);
     the last call reduces exactly the gradients one whole-batch call reduces."""
-    from jaxpod.run.aot import abstract_inputs
+    from jaxpod.inspect.compile import abstract_inputs
 
     cfg = tiny_cfg(*GPT, "train.batch_parts=4", mesh=(2, 2, 1))
     engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.xdist_group(TINY_EFFICIENTNET)  # the programs test_pin
 
 @pytest.fixture(scope="module")
 def digits():
-    from jaxpod.run.images import load_images
+    from jaxpod.data.images import load_images
 
     return load_images("digits", image_size=32, seed=0)
 

@@ -187,7 +187,7 @@ def test_1f1b_efficientnet_heterogeneous_stages(tiny_cfg, mesh_for):
     """1F1B on EfficientNet's two packed stages (4x2x1, 2 micro-batches), and GPipe taking them
     in two passes: GPipe's loss, correct count and gradients of every stage row (GPipe's are
     proven against the plain network in tests/engine/test_packed_engine.py)."""
-    from jaxpod.run.images import load_images
+    from jaxpod.data.images import load_images
 
     digits = load_images("digits", image_size=32, seed=0)
     results, params = {}, None

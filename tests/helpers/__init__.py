@@ -40,9 +40,9 @@ _COMPILED_STEPS: dict = {}
 
 def compiled_step_once(cfg, mesh_for):
     """The train step of `cfg` compiled on `mesh_for(cfg)` from abstract shapes (no weights),
-    as `jaxpod.run.aot.compile_to_inspect` compiles a program to be read; once per process,
+    as `jaxpod.inspect.compile.compile_to_inspect` compiles a program to be read; once per process,
     keyed by the resolved config, so tests that spell the same config otherwise share it."""
-    from jaxpod.run.aot import abstract_inputs, compile_to_inspect
+    from jaxpod.inspect.compile import abstract_inputs, compile_to_inspect
 
     if cfg not in _COMPILED_STEPS:
         engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from jaxpod.engine import abstract_engine, build_engine
+from jaxpod.inspect.compile import compile_to_inspect
 from jaxpod.optim.guarded import guarded_update, whole_tree
 from jaxpod.optim.per_layer import per_layer
 from jaxpod.optim.precision import to_float32
 from jaxpod.optim.strips import MIN_STRIP, strips
-from jaxpod.run.aot import compile_to_inspect
 
 pytestmark = pytest.mark.engine  # compiles whole train steps: `make test` only
 

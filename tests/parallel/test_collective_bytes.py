@@ -19,9 +19,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpod.inspect.compile import compile_to_inspect
 from jaxpod.parallel.collectives import ring_all_reduce
 from jaxpod.parallel.replica import group_into_buckets, reduction_axes
-from jaxpod.run.aot import compile_to_inspect
 
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
 # compiled HLO: `%name = f32[125]{0} collective-permute(%x), ..., source_target_pairs={{0,1},...}`

@@ -22,8 +22,8 @@ from helpers.lab import (
 from jax.extend.core import jaxprs_in_params
 
 from jaxpod.config import CHOICES
+from jaxpod.inspect.compile import compile_to_inspect
 from jaxpod.parallel.remat import REMAT_POLICIES
-from jaxpod.run.aot import compile_to_inspect
 
 pytestmark = LAB_PROCESS
 

@@ -173,7 +173,7 @@ CASES = {  # calibration rows (benchmarks/calibration_efficientnet.yaml)
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_planned_total_matches_xla(name):
-    from jaxpod.run.aot import compile_step
+    from jaxpod.inspect.compile import compile_step
 
     r, p, over = CASES[name]
     cfg = _cfg(r, p, *over)
@@ -189,8 +189,8 @@ def test_a_depthwise_convs_gradient_is_a_dense_kernel_on_this_backend():
     grouped convolutions (the digits preset on its two stages: the `digits-1x2x1` calibration
     row's program, compiled above), has no such buffer. The planner counts it (`dense_grad`):
     within 10 % of XLA on this probe (1.03)."""
+    from jaxpod.inspect.compile import abstract_inputs, compile_to_inspect
     from jaxpod.planner.plan import plan
-    from jaxpod.run.aot import abstract_inputs, compile_to_inspect
 
     r, p, over = CASES["digits-1x2x1"]
     found = {}

@@ -1,7 +1,7 @@
 """The planner's byte model checked against XLA.
 
 Each check compiles the real train step on virtual CPU devices from abstract shapes (no
-weights: `jaxpod.run.aot.abstract_inputs`) and compares the planner's per-device total with
+weights: `jaxpod.inspect.compile.abstract_inputs`) and compares the planner's per-device total with
 `memory_analysis()`: argument bytes (params + optimizer state + batch, per device for an SPMD
 program) + temp bytes (everything the step allocates). Within 15 %.
 
@@ -80,8 +80,8 @@ _COMPILE_STEP: dict = {}
 
 
 def compile_step_once(cfg, mesh_for) -> dict:
-    """`jaxpod.run.aot.compile_step` of `cfg` on its mesh, once per process."""
-    from jaxpod.run.aot import compile_step
+    """`jaxpod.inspect.compile.compile_step` of `cfg` on its mesh, once per process."""
+    from jaxpod.inspect.compile import compile_step
 
     if cfg not in _COMPILE_STEP:
         _COMPILE_STEP[cfg] = compile_step(cfg, mesh_for(cfg))

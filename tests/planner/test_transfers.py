@@ -47,7 +47,7 @@ _LOWERED: dict = {}
 
 def _lowered(mesh_for, *overrides, mesh=(1, 1, 2), platform: str | None = None) -> str:
     """The tiny step's StableHLO as jax lowers it for this backend, or for `platform`."""
-    from jaxpod.run.aot import abstract_inputs
+    from jaxpod.inspect.compile import abstract_inputs
 
     cfg = make_tiny_cfg(*overrides, mesh=mesh)
     if (cfg, platform) not in _LOWERED:
@@ -136,7 +136,7 @@ def test_xla_cpu_reads_host_optimizer_state_in_place(mesh_for):
     reads it in place), so the planner moves nothing in on that backend. (2x1x1, d 128, seq
     128, remat full, GA 4: without the offload, tests/planner/test_xla_copies.py's
     `replicas-2x1x1` program, which the session's compilation cache shares.)"""
-    from jaxpod.run.aot import compile_step
+    from jaxpod.inspect.compile import compile_step
 
     results = []
     for offload in ("[]", "[optimizer]"):

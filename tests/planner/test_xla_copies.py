@@ -77,7 +77,7 @@ def _copied_moments(guard: str) -> int:
     import jax.numpy as jnp
     import optax
 
-    from jaxpod.run.aot import compile_to_inspect
+    from jaxpod.inspect.compile import compile_to_inspect
 
     opt = optax.adamw(1e-3)
     params = {"w": jnp.zeros((512, 512))}

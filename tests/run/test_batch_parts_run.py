@@ -1,8 +1,8 @@
 """`train.batch_parts` through the training loop (`jaxpod.run.loop`): a run fed in parts logs
 the losses, validation losses and checkpoint of the run fed whole batches (the engine's step
 against the whole batch: tests/engine/test_batch_parts.py), and the device feed
-(`jaxpod.run.feed`) holds one part on the devices at a time (its unit tests:
-tests/run/test_feed.py).
+(`jaxpod.data.feed`) holds one part on the devices at a time (its unit tests:
+tests/data/test_feed.py).
 
 One pair of runs is shared by the module: 3 steps on 2x1x1, whole batches and in 4 parts, the
 run in parts with every jitted call of its engine recorded."""

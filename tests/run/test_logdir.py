@@ -20,7 +20,7 @@ from jaxpod.run.logdir import LOCK_FILE, check_logdir, hold
 def test_lock_is_taken_released_and_leaves_nothing(tmp_path):
     run = tmp_path / "a" / "b"
     lock = hold(run)
-    assert hold(run) is lock  # the same process may claim it again (CLI, then the loop)
+    assert hold(run) is lock  # the same process may claim it again (profile, then preflight)
     holder = (run / LOCK_FILE).read_text()
     assert f'"pid": {os.getpid()}' in holder
     lock.release()

@@ -309,7 +309,7 @@ def compile_tiny():
     once per module."""
     from helpers import make_tiny_cfg
 
-    from jaxpod.run.aot import abstract_inputs
+    from jaxpod.inspect.compile import abstract_inputs
     from jaxpod.target.devices import target_devices, torus_mesh
     from jaxpod.target.spec import parse_target
 
@@ -399,7 +399,7 @@ def test_offloaded_activations_under_full_remat_move_nothing(compile_tiny):
 def test_derived_trip_counts_equal_the_ones_xla_cpu_records(tiny_cfg, mesh_for):
     """XLA:CPU records each loop's trip count; read from the loop instead (as on TPU), every
     loop of the tiny step gives the same count."""
-    from jaxpod.run.aot import abstract_inputs
+    from jaxpod.inspect.compile import abstract_inputs
 
     cfg = tiny_cfg()
     engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))

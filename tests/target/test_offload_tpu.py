@@ -17,7 +17,7 @@ WIDE = ("model.d_model=256", "model.heads=2", "model.d_ff=1024", "model.vocab=10
 
 
 def _compiled(*overrides: str):
-    from jaxpod.run.aot import abstract_inputs, compile_for_target
+    from jaxpod.inspect.compile import abstract_inputs, compile_for_target
     from jaxpod.target.devices import target_devices, torus_mesh
     from jaxpod.target.spec import parse_target
 

@@ -19,7 +19,7 @@ SCALARS = 64
 
 @pytest.fixture(scope="module", params=["device", "offloaded"])
 def case(request):
-    from jaxpod.run.aot import compile_for_target
+    from jaxpod.inspect.compile import compile_for_target
     from jaxpod.target.spec import parse_target
 
     more = ["memory.offload=[params,optimizer]"] if request.param == "offloaded" else []

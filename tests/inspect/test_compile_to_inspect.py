@@ -44,7 +44,7 @@ def _read(compiled) -> dict:
 
 @pytest.mark.parametrize("name", grouped_cases(CASES))
 def test_the_inspected_program_is_the_default_compile(name, tiny_cfg, mesh_for):
-    from jaxpod.run.aot import INSPECT_OPTIONS, abstract_inputs, compile_to_inspect
+    from jaxpod.inspect.compile import INSPECT_OPTIONS, abstract_inputs, compile_to_inspect
 
     overrides, mesh = CASES[name]
     cfg = tiny_cfg(*overrides, mesh=mesh)

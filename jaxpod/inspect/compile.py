@@ -55,7 +55,7 @@ def compile_to_inspect(lowered: jax.stages.Lowered, platform: str = "cpu") -> ja
 
     On CPU the machine code is left unoptimized (`INSPECT_OPTIONS`, LLVM -O0): what is read,
     XLA's optimized HLO and its buffer assignment, is the default compile's
-    (tests/run/test_compile_to_inspect.py), in less compile time; such a program would run
+    (tests/inspect/test_compile_to_inspect.py), in less compile time; such a program would run
     slower. Other platforms (`platform`: the devices' own, "tpu" for a `--target` compile)
     compile as they always do."""
     return lowered.compile(compiler_options=inspect_options(platform))

@@ -2,7 +2,7 @@
 
 The training loop wraps its host reads in one (`data.prefetch` batches or parts ahead, in
 host memory), so reading step N+1.. overlaps the device's work on step N
-(`jaxpod.run.feed.DeviceFeed` copies each to the device when its call comes).
+(`jaxpod.data.feed.DeviceFeed` copies each to the device when its call comes).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests for jaxpod.run.data: byte-level datasets, determinism, slicing invariance, errors."""
+"""Tests for jaxpod.data.text: byte-level datasets, determinism, slicing invariance, errors."""
 
 import subprocess
 import sys
@@ -7,8 +7,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from jaxpod.data.text import SEPARATOR, TokenDataset, decode, load_dataset
 from jaxpod.errors import DataError
-from jaxpod.run.data import SEPARATOR, TokenDataset, decode, load_dataset
 
 SMALL = 2 * 2**20  # a 2 MiB stdlib corpus keeps most tests fast
 
@@ -244,5 +244,5 @@ def test_decode():
 
 
 def test_no_jax_import():
-    code = "import sys, jaxpod.run.data; assert 'jax' not in sys.modules, 'jax imported'"
+    code = "import sys, jaxpod.data.text; assert 'jax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image  # a dependency of jaxpod (pyproject.toml): missing, this must fail
 
+from jaxpod.data.images import SYNTHETIC_POOL, ImageDataset, _synthetic_pool, load_images
 from jaxpod.errors import DataError
-from jaxpod.run.images import SYNTHETIC_POOL, ImageDataset, _synthetic_pool, load_images
 
 
 def _digits(image_size=16, seed=0) -> ImageDataset:

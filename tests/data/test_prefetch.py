@@ -1,11 +1,11 @@
-"""The Prefetcher (`jaxpod.run.prefetch`): order, errors, early close, bounded depth."""
+"""The Prefetcher (`jaxpod.data.prefetch`): order, errors, early close, bounded depth."""
 
 import threading
 import time
 
 import pytest
 
-from jaxpod.run.prefetch import Prefetcher
+from jaxpod.data.prefetch import Prefetcher
 
 
 @pytest.mark.parametrize("depth", [0, 1, 3])

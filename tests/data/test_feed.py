@@ -1,4 +1,4 @@
-"""The device feed (`jaxpod.run.feed`): a host batch's copy is the batch; the next part is copied
+"""The device feed (`jaxpod.data.feed`): a host batch's copy is the batch; the next part is copied
 only once the call before it is done, across the hand-offs between training and evaluation;
 a step is timed once every device is done with it.
 That a training run holds one part on the devices, each copied after the call before it is
@@ -67,7 +67,7 @@ def test_next_waits_for_the_call_dispatched_before(tiny_cfg, mesh_for):
     """`next(feed)` returns only once the outputs given to `dispatched` are computed."""
     import jax
 
-    from jaxpod.run.feed import DeviceFeed
+    from jaxpod.data.feed import DeviceFeed
     from jaxpod.run.tasks import build_task
 
     cfg = tiny_cfg(*RUN, mesh=(2, 1, 1))

@@ -11,7 +11,7 @@ Datasets: ``digits`` (scikit-learn's bundled 8x8 handwritten digits, upscaled, n
 ``synthetic-imagenet`` (random images for throughput tests) and ``image-folder`` (a directory
 with one subdirectory per class). Host-side only: numpy + standard library at import (Pillow
 and scikit-learn are imported by the loaders that need them), no jax.
-`jaxpod.run.prefetch.Prefetcher` reads the next few batches in a background thread.
+`jaxpod.data.prefetch.Prefetcher` reads the next few batches in a background thread.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from jaxpod.data.text import epoch_permutation, global_indices
 from jaxpod.errors import DataError
-from jaxpod.run.data import epoch_permutation, global_indices
 
 NAMES = ("digits", "synthetic-imagenet", "image-folder")
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif"})
