@@ -247,7 +247,7 @@ class StackedStages:
     def forward(self, params, pipelined: bool):
         """`(embed, stage, head)` of this device. Pipelined, the host-resident stack is
         fetched once per step before the ticks (a transfer inside the tick scan makes its
-        transpose accumulate host-typed cotangents, which jax 0.10.2 rejects), and the head
+        transpose accumulate host-typed cotangents, which jax rejects), and the head
         runs on 1/S of the last stage's outputs on every stage (`spread_over_stages`)."""
         model = self._model(params, fetched_layers=pipelined)
         sp = self.cfg.model.sequence_parallel
@@ -281,7 +281,7 @@ class StackedStages:
         """For schedules that differentiate stage by stage (1F1B): `(embed(p, inputs),
         stage(p, x), head(p, y, targets, weights, denominator), params)`, each a function of
         the params, with every host-resident leaf fetched to the device once, here, before
-        the ticks (a transfer inside the tick scan is rejected by jax 0.10.2)."""
+        the ticks (jax rejects a transfer inside the tick scan)."""
         if self.any_host:
             params = jax.tree.map(
                 lambda a, h: offload.to_device(a) if h else a, params, self.layout.host

@@ -52,7 +52,7 @@ def _rbg(key: jax.Array) -> jax.Array:
     """An `rbg` key (XLA's RngBitGenerator) drawn from a threefry `key`, for the rounding of
     the small non-layer leaves, updated whole: its bits cost no temporaries, where threefry
     needs ~3x their size. Not inside the loops (layers, strips): there XLA partitions
-    RngBitGenerator badly (docs/benchmarks.md)."""
+    RngBitGenerator badly: many times the bytes of the same loops with threefry."""
     return jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
 
 

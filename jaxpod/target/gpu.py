@@ -8,7 +8,7 @@ bandwidth, compute capability), kept in `specs/` (XLA's own spec files). A mesh 
 compiles to XLA:GPU's optimized program and buffer assignment (`memory_analysis()`). Each
 device's `coords` are `[slice, host, GPU]`: no torus (NVLink joins a host's GPUs all to all).
 
-Limits seen with jax 0.10.2: the devices have no memory spaces, so a `pinned_host` sharding of
+Limits of these devices: they have no memory spaces, so a `pinned_host` sharding of
 an argument falls back to device memory (a `device_put` to the host inside jit still compiles
 to host buffers), and `cost_analysis()` returns None.
 """
