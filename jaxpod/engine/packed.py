@@ -56,11 +56,18 @@ _NOTHING = jax.checkpoint_policies.nothing_saveable
 def _stage_modules(cfg: Config) -> list:
     md, pr = cfg.model, cfg.precision
     return build_stages(
-        md.variant, splits=list(md.pipeline_splits), num_classes=md.num_classes, g16=md.g16,
-        groups=md.norm_groups, width_mult=md.width_mult, depth_mult=md.depth_mult,
+        md.variant,
+        splits=list(md.pipeline_splits),
+        num_classes=md.num_classes,
+        g16=md.g16,
+        groups=md.norm_groups,
+        width_mult=md.width_mult,
+        depth_mult=md.depth_mult,
         block_groups=md.block_groups,
-        dtype=compute_dtype(pr), param_dtype=master_dtype(pr), rngs=nnx.Rngs(cfg.train.seed),
-    )  # fmt: skip
+        dtype=compute_dtype(pr),
+        param_dtype=master_dtype(pr),
+        rngs=nnx.Rngs(cfg.train.seed),
+    )
 
 
 class PackedStages:
@@ -242,9 +249,17 @@ class PackedStages:
 
         def local_update(grads, tx, params, loss_scale, key):
             rows, opt_rows, ls, info = guarded_update(
-                apply, first(grads), first(tx), first(params), loss_scale, key, cfg.precision,
-                max_norm=cfg.optim.grad_clip, grad_sum_squares=unscaled_sum_squares, total=total,
-            )  # fmt: skip
+                apply,
+                first(grads),
+                first(tx),
+                first(params),
+                loss_scale,
+                key,
+                cfg.precision,
+                max_norm=cfg.optim.grad_clip,
+                grad_sum_squares=unscaled_sum_squares,
+                total=total,
+            )
             info["param_norm"] = jnp.sqrt(total(sum_squares(rows)))
             stack = lambda tree: {k: v[None] for k, v in tree.items()}  # noqa: E731
             return stack(rows), stack(opt_rows), ls, info

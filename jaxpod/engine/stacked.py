@@ -84,9 +84,12 @@ class StackedStages:
         self.stored_specs = layout.stored_specs
         self.batch_specs = (layout.batch_spec,)
         self.optimizer, self.schedule = make_optimizer(
-            cfg.optim, cfg.train.steps, decay_mask=self.masks.decay,
-            stacked_mask=self.masks.stacked, clip=False,
-        )  # fmt: skip
+            cfg.optim,
+            cfg.train.steps,
+            decay_mask=self.masks.decay,
+            stacked_mask=self.masks.stacked,
+            clip=False,
+        )
         self.dtype = compute_dtype(cfg.precision)
         self.sliced = cfg.memory.vocab_slices > 1  # token tables used a slice of rows at a time
         self.any_host = any(jax.tree.leaves(layout.host))
@@ -314,9 +317,16 @@ class StackedStages:
         else:
             grad_sq, apply = unscaled_sum_squares, whole_tree(self.optimizer)
         params, tx, loss_scale, info = guarded_update(
-            apply, grads, tx, params, loss_scale, key, cfg.precision,
-            max_norm=cfg.optim.grad_clip, grad_sum_squares=grad_sq,
-        )  # fmt: skip
+            apply,
+            grads,
+            tx,
+            params,
+            loss_scale,
+            key,
+            cfg.precision,
+            max_norm=cfg.optim.grad_clip,
+            grad_sum_squares=grad_sq,
+        )
         info["param_norm"] = optax.tree.norm(params)
         params = jax.device_put(params, sharding.params)
         tx = jax.device_put(tx, sharding.opt_state.tx)

@@ -130,13 +130,29 @@ class ConvNorm(nnx.Module):
     out_ch]` (SAME padding, spatial size `ceil(H / stride)`)."""
 
     def __init__(
-        self, in_ch, out_ch, kernel, stride=1, *, feature_groups=1, act=True, groups, dtype,
-        param_dtype, rngs,
-    ):  # fmt: skip
+        self,
+        in_ch,
+        out_ch,
+        kernel,
+        stride=1,
+        *,
+        feature_groups=1,
+        act=True,
+        groups,
+        dtype,
+        param_dtype,
+        rngs,
+    ):
         self.conv = _conv(
-            in_ch, out_ch, kernel, stride, feature_groups=feature_groups, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
+            in_ch,
+            out_ch,
+            kernel,
+            stride,
+            feature_groups=feature_groups,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
         self.norm = GroupNorm(out_ch, groups, param_dtype=param_dtype)
         self.act = act
 
@@ -180,9 +196,13 @@ class Head(nnx.Module):
             in_ch, head_ch, 1, groups=groups, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
         self.classifier = _dense(
-            head_ch, num_classes, init=_uniform_fan_out(num_classes), dtype=F32,
-            param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
+            head_ch,
+            num_classes,
+            init=_uniform_fan_out(num_classes),
+            dtype=F32,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         pooled = jnp.mean(self.conv(x).astype(F32), axis=(1, 2))
@@ -276,11 +296,19 @@ class EfficientNet(nnx.Module):
     ):
         self.stages = nnx.List(
             build_stages(
-                variant, splits=splits, num_classes=num_classes, g16=g16, groups=groups,
-                width_mult=width_mult, depth_mult=depth_mult, block_groups=block_groups,
-                dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                variant,
+                splits=splits,
+                num_classes=num_classes,
+                g16=g16,
+                groups=groups,
+                width_mult=width_mult,
+                depth_mult=depth_mult,
+                block_groups=block_groups,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
             )
-        )  # fmt: skip
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         for stage in self.stages:

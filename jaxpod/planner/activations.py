@@ -191,9 +191,17 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         moments = MOMENTS[cfg.optim.name]
         sr_rows = (1 + moments * opt16) if pb < 4 else 0
         return efficientnet.activation_bytes(
-            cfg, cb, act, row, pb, sr_rows, pb, stage_params, moments,
+            cfg,
+            cb,
+            act,
+            row,
+            pb,
+            sr_rows,
+            pb,
+            stage_params,
+            moments,
             dense_depthwise=profile.dense_depthwise_grads,
-        )  # fmt: skip
+        )
     sb = stored_bytes(cfg, profile)
     sets = _layer_sets(cfg, cb, sb)
     # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)

@@ -381,8 +381,9 @@ def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, p
                 steplog.flush()  # reads, checks and writes the metrics up to `step` first
                 records = writer.of(step)
                 order = task.engine.stages.layer_order  # how its stacked layers are stored
-                ckpt.save(step, state, cfg.train.seed, config=config, records=records,
-                          layer_order=order)  # fmt: skip
+                ckpt.save(
+                    step, state, cfg.train.seed, config=config, records=records, layer_order=order
+                )
             if stop.requested is not None:
                 break  # async save: committed when the checkpointer closes
     steplog.flush()

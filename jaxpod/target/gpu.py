@@ -61,9 +61,11 @@ def gpu_topology_devices(model: str, count: int) -> list:
     try:
         with _without_driver_notice():
             topo = topologies.get_topology_desc(
-                platform="cuda", topology_name=topology, topology=topology,
+                platform="cuda",
+                topology_name=topology,
+                topology=topology,
                 target_config=spec.read_text(),
-            )  # fmt: skip
+            )
     except NotImplementedError as e:  # the plugin did not register: its CUDA check failed
         raise UserError(
             f"jax's CUDA plugin did not start ({e}): jax started before its CUDA check could "
