@@ -1,12 +1,14 @@
-"""The package's shape, as issue 14 set it: small modules, few top-level modules, no import
-cycle, generic code that names no model parameter, models that know nothing of memory
-management. Read from the source with `ast` (no jax), so a change that breaks one fails here,
-naming the file.
+"""The package's shape, read from the source with `ast` (no jax), so a change that breaks it
+fails here naming the file: small modules formatted by ruff alone, few top-level modules, no
+import cycle, folders that import only the folders below them, generic code that names no
+model parameter, models that know nothing of memory management. Every name a check guards
+must exist: a guard for a name that is gone fails too, so the checks cannot decay.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from helpers import ROOT
@@ -14,9 +16,26 @@ from helpers import ROOT
 PACKAGE = ROOT / "jaxpod"
 MAX_LINES = 400
 MAX_TOP_LEVEL = 3  # modules directly under jaxpod/ besides __init__.py and the folders
-MAX_IS_VISION = 3
-MODEL_PARAMETER_NAMES = {"blocks", "wte", "unembed", "b_"}  # a model's own keys
+# A model's own parameter names (GPT's and BERT's; EfficientNet's are stored as dtype rows):
+# generic code reads parameter roles from the metadata instead.
+MODEL_PARAMETER_NAMES = {
+    *("w_qkv", "w_o", "w_in", "w_out", "w_head", "b_qkv", "b_o", "b_in", "b_out", "b_head"),
+    *("ln1", "ln2", "ln_emb", "ln_f", "ln_head", "wte", "wpe", "wtt", "unembed"),
+}
 NOT_FOR_MODELS = ("jaxpod.parallel.replica", "jaxpod.parallel.offload", "jaxpod.engine")
+
+# The folders (and top-level modules) from the bottom up: each may import those before it.
+LAYERS = (
+    *("errors", "platform", "config", "data", "optim", "parallel", "models", "target"),
+    *("planner", "engine", "figures", "run", "inspect", "cli"),
+)
+# The imports that go up today (module -> module it imports), each a folder loop to end:
+# config <-> models and parallel <-> models.
+BACK_ARROWS = {
+    ("jaxpod.config.rules_model", "jaxpod.models.efficientnet_specs"),
+    ("jaxpod.config.schema", "jaxpod.models.kinds"),
+    ("jaxpod.parallel.stream", "jaxpod.models.layers"),
+}
 
 
 def modules() -> dict[str, Path]:
@@ -61,6 +80,17 @@ def test_no_module_is_over_400_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"split these modules (at most {MAX_LINES} lines): {long}"
+
+
+def test_ruff_alone_formats_the_package():
+    """No `# fmt: skip` / `# fmt: off`: a line never escapes the formatter (e.g. to fit a cap)."""
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in PACKAGE.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "# fmt: skip" in line or "# fmt: off" in line
+    ]
+    assert not hits, f"let ruff format these lines: {hits}"
 
 
 def test_few_top_level_modules():
@@ -124,31 +154,60 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     assert find_cycle({"jaxpod.p": {"jaxpod.q.m"}, "jaxpod.q.m": {"jaxpod.p"}}) is not None
 
 
-def test_is_vision_is_asked_in_at_most_3_places():
-    hits = [
-        f"{p.relative_to(ROOT)}:{i}"
-        for p in PACKAGE.rglob("*.py")
-        for i, line in enumerate(p.read_text().splitlines(), 1)
-        if "is_vision" in line
+def _string_constants(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
     ]
-    assert len(hits) <= MAX_IS_VISION, hits
+
+
+def _model_attributes() -> set[str]:
+    """Every `self.<name> = ...` in jaxpod/models/: the models' submodules and parameters."""
+    names = set()
+    for p in (PACKAGE / "models").rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            names |= {
+                t.attr
+                for t in targets
+                if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self"
+            }
+    return names
 
 
 def test_generic_code_names_no_model_parameter():
-    """Outside `jaxpod/models/`, no string literal is one of a model's parameter names: generic
-    code reads parameter roles from the metadata instead."""
-    hits = []
-    for p in PACKAGE.rglob("*.py"):
-        if "models" in p.relative_to(PACKAGE).parts:
-            continue
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.Constant) and node.value in MODEL_PARAMETER_NAMES:
-                hits.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    """Outside `jaxpod/models/`, no string literal is one of a model's parameter names, and
+    each of those names is still a model's."""
+    assert MODEL_PARAMETER_NAMES <= _model_attributes(), MODEL_PARAMETER_NAMES - _model_attributes()
+    hits = [
+        f"{p.relative_to(ROOT)}:{line} {value!r}"
+        for p in PACKAGE.rglob("*.py")
+        if "models" not in p.relative_to(PACKAGE).parts
+        for line, value in _string_constants(p)
+        if value in MODEL_PARAMETER_NAMES
+    ]
+    assert not hits, hits
+
+
+def test_the_engine_and_parallel_name_no_model():
+    """`engine/` and `parallel/` reach a model through `jaxpod.models.family` only: no model
+    family's name in their code or text, and no import of a model's module."""
+    families = ("gpt", "bert", "efficientnet", "mlm")
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for folder in ("engine", "parallel")
+        for p in (PACKAGE / folder).rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if any(re.search(rf"\b{f}\b", line, re.I) for f in families)
+    ]
     assert not hits, hits
 
 
 def test_models_import_no_memory_management():
     mods = modules()
+    assert all(any(m.startswith(n) for m in mods) for n in NOT_FOR_MODELS), NOT_FOR_MODELS
     bad = {
         name: sorted(
             d
@@ -159,3 +218,30 @@ def test_models_import_no_memory_management():
         if name.startswith("jaxpod.models")
     }
     assert not {k: v for k, v in bad.items() if v}, bad
+
+
+def layer(module: str) -> str | None:
+    """`jaxpod.run.loop` -> `run`, `jaxpod.cli` -> `cli`; None for the root package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_no_folder_imports_one_above_it():
+    """Every import, at module level or inside a function, goes down `LAYERS` or stays in its
+    folder; the only ones going up are `BACK_ARROWS`, each still there."""
+    mods = modules()
+    present = {layer(m) for m in mods} - {None}
+    assert present == set(LAYERS), (
+        f"place in LAYERS: {present - set(LAYERS)}; gone: {set(LAYERS) - present}"
+    )
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    up = {
+        (name, dep)
+        for name, path in mods.items()
+        for dep in module_imports(name, path, set(mods), anywhere=True)
+        if layer(name) and layer(dep) and rank[layer(dep)] > rank[layer(name)]
+    }
+    assert up <= BACK_ARROWS, (
+        f"imports from a folder up to one above it: {sorted(up - BACK_ARROWS)}"
+    )
+    assert BACK_ARROWS <= up, f"gone, remove from BACK_ARROWS: {sorted(BACK_ARROWS - up)}"

@@ -5,7 +5,6 @@ Import from here; the submodules are an implementation detail (`load` -> `rules`
 """
 
 from jaxpod.config.load import (
-    RENAMED,
     config_from_dict,
     config_to_dict,
     dump_yaml,
@@ -39,7 +38,6 @@ __all__ = [
     "LIST_CHOICES",
     "MAX_DEVICES",
     "PATH_DATA",
-    "RENAMED",
     "TEXT_DATA",
     "Config",
     "ConfigError",

@@ -3,7 +3,7 @@
 Everything that reads a config file goes through here: `load_config` for the whole validated
 `Config`, `peek` for one value before the rest can be checked (the CLI needs `devices` and
 `train.logdir` before jax starts or the process count is known). Keys are checked against
-the schema's fields; an unknown or renamed key gets a one-line ``ConfigError`` with the fix.
+the schema's fields; an unknown key gets a one-line ``ConfigError`` with the closest key.
 
 `processes` is not a key: the caller passes it (`load_config(path, overrides, processes=N)`)
 and dumps leave it out, so a dumped config.yaml loads back as it was written.
@@ -49,11 +49,6 @@ TOP_LEVEL: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(Config) if f.name not in ARGUMENTS
 )  # devices and the section names
 
-# Keys that were renamed: the old spelling gets a one-line error naming the new key.
-RENAMED: dict[str, str] = {
-    "memory.mlp_blocks": "memory.mlp_panels",
-    "memory.vocab_blocks": "memory.vocab_slices",
-}
 _NUMBER_AS_TEXT = ("memory.device_budget",)  # text fields that may be given as a plain number
 PATHS = ("train.logdir", "data.path")  # keys whose leading ~ is expanded
 
@@ -70,8 +65,6 @@ def _shown(value: object) -> str:
 
 
 def _unknown(key: str) -> typing.NoReturn:
-    if key in RENAMED:
-        fail(f"config key '{key}' was renamed to '{RENAMED[key]}'; use {RENAMED[key]}")
     if key == "processes":
         fail(
             "unknown config key 'processes'; the process count comes from --num-processes (or "

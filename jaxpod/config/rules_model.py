@@ -30,9 +30,12 @@ def check_blocks(cfg: Config) -> None:
     if not math.isfinite(width * HEAD_CH):
         fail(f"model.width_mult={width:g} is too large to scale the channels by; use e.g. 2")
     specs = block_specs(
-        md.variant, g16=md.g16, width_mult=md.width_mult, depth_mult=md.depth_mult,
+        md.variant,
+        g16=md.g16,
+        width_mult=md.width_mult,
+        depth_mult=md.depth_mult,
         block_groups=md.block_groups,
-    )  # fmt: skip
+    )
     names = [s.name for s in specs]
     splits = list(md.pipeline_splits)
     valid = f"valid block names: {_block_names(names)}"

@@ -88,18 +88,32 @@ def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: 
     def pipeline_loss(params, inputs, targets, weights, denominator, table=schedule):
         embed, stage, head = stages.forward(params, pipelined=True)
         ys = forward_ticks(
-            stage, embed(inputs), table, bubble_fill=bubble_fill, unroll=unroll,
-            skip_bubbles=cfg.train.skip_bubbles, saves=saves,
-        )  # fmt: skip
+            stage,
+            embed(inputs),
+            table,
+            bubble_fill=bubble_fill,
+            unroll=unroll,
+            skip_bubbles=cfg.train.skip_bubbles,
+            saves=saves,
+        )
         return head(ys, targets, weights, denominator)
 
     def pipeline_train(scale, params, inputs, targets, weights, denominator):
         """((loss, aux), grads of loss * scale) of one pass, differentiated stage by stage."""
         embed, stage, head, params = stages.pipeline_functions(params)
         loss, aux, grads = train_ticks(
-            embed, stage, lambda p, y, t, w: head(p, y, t, w, denominator), params, inputs,
-            targets, weights, schedule, scale=scale, bubble_fill=bubble_fill, unroll=unroll,
-        )  # fmt: skip
+            embed,
+            stage,
+            lambda p, y, t, w: head(p, y, t, w, denominator),
+            params,
+            inputs,
+            targets,
+            weights,
+            schedule,
+            scale=scale,
+            bubble_fill=bubble_fill,
+            unroll=unroll,
+        )
         return (loss, aux), stages.grads_to_device(grads)
 
     def value_and_grad(fn, scale, *args):

@@ -76,9 +76,12 @@ class StackedStages:
         self.stored_specs = layout.stored_specs
         self.batch_specs = (layout.batch_spec,)
         self.optimizer, self.lr_schedule = make_optimizer(
-            cfg.optim, cfg.train.steps, decay_mask=self.masks.decay,
-            stacked_mask=self.masks.stacked, clip=False,
-        )  # fmt: skip
+            cfg.optim,
+            cfg.train.steps,
+            decay_mask=self.masks.decay,
+            stacked_mask=self.masks.stacked,
+            clip=False,
+        )
         self.dtype = compute_dtype(cfg.precision)
         self.sliced = cfg.memory.vocab_slices > 1  # token tables used a slice of rows at a time
         self.any_host = any(jax.tree.leaves(layout.host))
@@ -239,7 +242,7 @@ class StackedStages:
     def forward(self, params, pipelined: bool):
         """`(embed, stage, head)` of this device. Pipelined, the host-resident stack is
         fetched once per step before the ticks (a transfer inside the tick scan makes its
-        transpose accumulate host-typed cotangents, which jax 0.10.2 rejects), and the head
+        transpose accumulate host-typed cotangents, which jax rejects), and the head
         runs on 1/S of the last stage's outputs on every stage (`spread_over_stages`)."""
         model = self._model(params, fetched_layers=pipelined)
         sp = self.cfg.model.sequence_parallel
@@ -273,7 +276,7 @@ class StackedStages:
         """For schedules that differentiate stage by stage (1F1B): `(embed(p, inputs),
         stage(p, x), head(p, y, targets, weights, denominator), params)`, each a function of
         the params, with every host-resident leaf fetched to the device once, here, before
-        the ticks (a transfer inside the tick scan is rejected by jax 0.10.2)."""
+        the ticks (jax rejects a transfer inside the tick scan)."""
         if self.any_host:
             params = jax.tree.map(
                 lambda a, h: offload.to_device(a) if h else a, params, self.layout.host
@@ -306,9 +309,16 @@ class StackedStages:
         else:
             grad_sq, apply = unscaled_sum_squares, whole_tree(self.optimizer)
         params, tx, loss_scale, info = guarded_update(
-            apply, grads, tx, params, loss_scale, key, cfg.precision,
-            max_norm=cfg.optim.grad_clip, grad_sum_squares=grad_sq,
-        )  # fmt: skip
+            apply,
+            grads,
+            tx,
+            params,
+            loss_scale,
+            key,
+            cfg.precision,
+            max_norm=cfg.optim.grad_clip,
+            grad_sum_squares=grad_sq,
+        )
         info["param_norm"] = optax.tree.norm(params)
         params = jax.device_put(params, sharding.params)
         tx = jax.device_put(tx, sharding.opt_state.tx)

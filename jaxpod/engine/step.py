@@ -99,9 +99,11 @@ def make_engine(stages, cfg: Config, *, bubble_fill: float = 0.0, unroll: bool =
     eval_local, train_local = local_functions(stages, cfg, bubble_fill=bubble_fill, unroll=unroll)
     in_specs = (stages.stored_specs, stages.batch_specs, P(), P())
     loss_and_grads_map = jax.shard_map(
-        train_local, mesh=stages.mesh, in_specs=in_specs,
+        train_local,
+        mesh=stages.mesh,
+        in_specs=in_specs,
         out_specs=(P(), P(), stages.stored_specs),
-    )  # fmt: skip
+    )
     eval_map = jax.shard_map(
         eval_local, mesh=stages.mesh, in_specs=in_specs[:2] + (P(),), out_specs=P()
     )

@@ -132,13 +132,29 @@ class ConvNorm(nnx.Module):
     out_ch]` (SAME padding, spatial size `ceil(H / stride)`)."""
 
     def __init__(
-        self, in_ch, out_ch, kernel, stride=1, *, feature_groups=1, act=True, groups, dtype,
-        param_dtype, rngs,
-    ):  # fmt: skip
+        self,
+        in_ch,
+        out_ch,
+        kernel,
+        stride=1,
+        *,
+        feature_groups=1,
+        act=True,
+        groups,
+        dtype,
+        param_dtype,
+        rngs,
+    ):
         self.conv = _conv(
-            in_ch, out_ch, kernel, stride, feature_groups=feature_groups, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
+            in_ch,
+            out_ch,
+            kernel,
+            stride,
+            feature_groups=feature_groups,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
         self.norm = GroupNorm(out_ch, groups, param_dtype=param_dtype)
         self.act = act
 
@@ -182,9 +198,13 @@ class Head(nnx.Module):
             in_ch, head_ch, 1, groups=groups, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
         self.classifier = _dense(
-            head_ch, num_classes, init=_uniform_fan_out(num_classes), dtype=F32,
-            param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
+            head_ch,
+            num_classes,
+            init=_uniform_fan_out(num_classes),
+            dtype=F32,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         pooled = jnp.mean(self.conv(x).astype(F32), axis=(1, 2))
@@ -278,11 +298,19 @@ class EfficientNet(nnx.Module):
     ):
         self.stages = nnx.List(
             build_stages(
-                variant, splits=splits, num_classes=num_classes, g16=g16, groups=groups,
-                width_mult=width_mult, depth_mult=depth_mult, block_groups=block_groups,
-                dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                variant,
+                splits=splits,
+                num_classes=num_classes,
+                g16=g16,
+                groups=groups,
+                width_mult=width_mult,
+                depth_mult=depth_mult,
+                block_groups=block_groups,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
             )
-        )  # fmt: skip
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         for stage in self.stages:
@@ -333,10 +361,18 @@ def stage_io_shapes(
 def _stages_of(md, *, rngs: nnx.Rngs, dtype=F32, param_dtype=F32) -> list:
     """The pipeline stages of the model config `md` (`build_stages` of its fields)."""
     return build_stages(
-        md.variant, splits=list(md.pipeline_splits), num_classes=md.num_classes, g16=md.g16,
-        groups=md.norm_groups, width_mult=md.width_mult, depth_mult=md.depth_mult,
-        block_groups=md.block_groups, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-    )  # fmt: skip
+        md.variant,
+        splits=list(md.pipeline_splits),
+        num_classes=md.num_classes,
+        g16=md.g16,
+        groups=md.norm_groups,
+        width_mult=md.width_mult,
+        depth_mult=md.depth_mult,
+        block_groups=md.block_groups,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+    )
 
 
 FAMILY = Family(KINDS["efficientnet"], _stages_of, prepare_inputs=normalize)

@@ -86,9 +86,12 @@ def scale_by_layerwise_trust_ratio(
         given = trust_norms or {}
         u_leaves, u_def = jax.tree.flatten(updates)
         rows = zip(
-            u_leaves, jax.tree.leaves(params), jax.tree.leaves(masks), jax.tree.leaves(stack),
+            u_leaves,
+            jax.tree.leaves(params),
+            jax.tree.leaves(masks),
+            jax.tree.leaves(stack),
             strict=True,
-        )  # fmt: skip
+        )
         out = []
         for n, (u, p, m, s) in enumerate(rows):
             if not m:

@@ -21,7 +21,7 @@ computed, and XLA:CPU then copies every donated optimizer-state leaf to write it
 (tests/planner/test_xla_copies.py). `per_layer` selects strip by strip inside its loops,
 where a cond around the loops would copy the loop-carried trees instead; the packed stages'
 update (`jaxpod.engine.packed`) keeps its select too (with a cond XLA:CPU held more of that
-update at once: docs/benchmarks.md, "The guard as a cond").
+update at once).
 """
 
 from __future__ import annotations

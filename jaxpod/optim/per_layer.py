@@ -52,7 +52,7 @@ def _rbg(key: jax.Array) -> jax.Array:
     """An `rbg` key (XLA's RngBitGenerator) drawn from a threefry `key`, for the rounding of
     the small non-layer leaves, updated whole: its bits cost no temporaries, where threefry
     needs ~3x their size. Not inside the loops (layers, strips): there XLA partitions
-    RngBitGenerator badly (docs/benchmarks.md)."""
+    RngBitGenerator badly: many times the bytes of the same loops with threefry."""
     return jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
 
 
@@ -147,8 +147,9 @@ def per_layer(
             if count == 1:
                 out_p, out_s, sq = update(*alone(i, g, states, p), kp, ks)
                 return jax.tree.leaves(out_p)[i], [jax.tree.leaves(out_s)[n] for n in owned[i]], sq
-            view = lambda x: x.reshape(*x.shape[:axis], x.shape[axis] // count, count,
-                                       *x.shape[axis + 1:])  # fmt: skip
+            view = lambda x: x.reshape(
+                *x.shape[:axis], x.shape[axis] // count, count, *x.shape[axis + 1 :]
+            )
             strip = lambda x, b: jax.lax.dynamic_index_in_dim(x, b, axis + 1, keepdims=False)
             put = lambda x, part, b: jax.lax.dynamic_update_index_in_dim(x, part, b, axis + 1)
             gv, pv, sv = view(g), view(p), [view(x) for x in states]
@@ -184,16 +185,22 @@ def per_layer(
 
         # Small non-layer leaves: one call, as a whole (stacked and strip-wise leaves empty).
         in_strips = {
-            n for n, x in enumerate(p_leaves)
+            n
+            for n, x in enumerate(p_leaves)
             if n not in stacked and strips(x.shape, devices, False, min_strip)[1] > 1
-        }  # fmt: skip
+        }
         whole = lambda n, x: _empty(x) if n in stacked or n in in_strips else x
         rest = (
             jax.tree.unflatten(p_def, [whole(n, x) for n, x in enumerate(g_leaves)]),
-            jax.tree.unflatten(s_def, [_empty(x) if o in stacked or o in in_strips else x
-                                       for o, x in zip(owner, s_leaves, strict=True)]),
+            jax.tree.unflatten(
+                s_def,
+                [
+                    _empty(x) if o in stacked or o in in_strips else x
+                    for o, x in zip(owner, s_leaves, strict=True)
+                ],
+            ),
             jax.tree.unflatten(p_def, [whole(n, x) for n, x in enumerate(p_leaves)]),
-        )  # fmt: skip
+        )
         rest_p, rest_s, sq = update(*rest, _rbg(k_params), _rbg(k_state))
         new_p, new_s = jax.tree.leaves(rest_p), jax.tree.leaves(rest_s)
 
@@ -216,9 +223,14 @@ def per_layer(
                 p, states, total = carry
                 kp, ks = jax.random.fold_in(k_params, 1 + j), jax.random.fold_in(k_state, 1 + j)
                 out_p, out_s, sq_j = leaf_update(
-                    i, take(split(g_leaves[i]), j), [take(x, j) for x in states], take(p, j),
-                    kp, ks, True,
-                )  # fmt: skip
+                    i,
+                    take(split(g_leaves[i]), j),
+                    [take(x, j) for x in states],
+                    take(p, j),
+                    kp,
+                    ks,
+                    True,
+                )
                 put = lambda full, part: jax.lax.dynamic_update_index_in_dim(full, part, j, 1)
                 p = put(p, out_p)
                 states = [put(x, y) for x, y in zip(states, out_s, strict=True)]

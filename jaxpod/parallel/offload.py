@@ -15,7 +15,7 @@ A pod's *streaming memory* is emulated with the `pinned_host` memory kind: array
 - `activations`: the remat policy asks for its saved values on the host
   (`jaxpod.parallel.remat`).
 
-Which of these transfers a program has depends on the platform it is lowered for: jax 0.10.2
+Which of these transfers a program has depends on the platform it is lowered for: jax
 lowers a placement inside jit (these `device_put`s, a remat policy's offload) for TPU and GPU
 only. The TPU/GPU program does all of the above; the CPU program, which XLA:CPU compiles, has
 no transfer inside the step and reads the host-resident state in place (one RAM). What the

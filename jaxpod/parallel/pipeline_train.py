@@ -139,10 +139,14 @@ def train_ticks(
     fill = lambda shape: vary_like(jnp.full(shape, bubble_fill, act.dtype), act)  # noqa: E731
     buffer = fill((k, *act.shape))
     carry = (
-        buffer, buffer, _typed_zeros(act), _typed_zeros(act),
-        jax.tree.map(_typed_zeros, params), _typed_zeros(out0[0]),
+        buffer,
+        buffer,
+        _typed_zeros(act),
+        _typed_zeros(act),
+        jax.tree.map(_typed_zeros, params),
+        _typed_zeros(out0[0]),
         jax.tree.map(_typed_zeros, out0[1]),
-    )  # fmt: skip
+    )
     acts_in, grads_in = receive_slots(schedule)
     rows = tuple(jnp.asarray(a) for a in (schedule.op, schedule.micro_index, acts_in, grads_in))
     sent = (fill(act.shape), fill(act.shape))

@@ -92,7 +92,7 @@ def depend_on(weights, x: jax.Array):
     Otherwise a stage's weights are the same on every GPipe tick, XLA hoists their gather out
     of the tick loop and holds the whole stage gathered, and a scheduler may start every
     phase's gather at once (an `optimization_barrier` stops the hoisting but not the
-    scheduler: docs/benchmarks.md). A leaf whose varying axes do not cover `x`'s is left
+    scheduler). A leaf whose varying axes do not cover `x`'s is left
     alone (the sum would widen its type)."""
     token = x.reshape(-1)[0]
     vma = lambda a: getattr(jax.typeof(a), "vma", frozenset())
@@ -199,7 +199,7 @@ def run_stack(
         else:
             # Fetched per step (host-resident weights): the panels are cut before the loop and
             # the loop runs over them (its xs), each fetched inside its step (a traced slice of
-            # host memory would need its gradient summed in host memory, which jax 0.10.2
+            # host memory would need its gradient summed in host memory, which jax
             # rejects). The other leaves (LayerNorm) are fetched once here, for every panel.
             is_cut = [p is not None and p.index is None for p in cuts]
             cut = zip(leaves, cuts, is_cut, strict=True)

@@ -56,7 +56,7 @@ def _layer_sets(cfg: Config, cb: int, sb: int) -> dict:
     # scores and MLP hidden activations are never saved, one query chunk's scores are alive.
     # The MLP's token chunks earn credit in the backward working set only with RTS (the
     # layer's weights all-gathered inside its remat unit): without it XLA holds the whole
-    # sequence's hidden units anyway (measured: docs/benchmarks.md, "MLP token blocks").
+    # sequence's hidden units anyway (read with benchmarks/xla_peak.py).
     # The loss head's logits shrink by C. The chunks are sliced from their input and their
     # outputs written in place (`map_chunks`): no stacked copies.
     chunked = md.sequence_chunks > 1
@@ -93,7 +93,8 @@ def _layer_sets(cfg: Config, cb: int, sb: int) -> dict:
     # the panel's partial sums [b, T, D]), plus the steps' inputs (x, q, k, v, o, x1, y).
     # XLA realises that smaller working set without tensor parallelism only: with t > 1 it
     # holds the layer's working set plus the steps' inputs (measured on 1x2x4 and 1x1x4, with
-    # and without sequence parallelism and chunks: docs/benchmarks.md), so that is counted.
+    # and without sequence parallelism and chunks, with benchmarks/xla_peak.py), so that is
+    # counted.
     # Alive together at the peak of a recomputed layer's backward (the GELU's backward, in
     # every remat-full program read with benchmarks/xla_peak.py): of the attention, the scores
     # and the probabilities kept for its backward (exp is fused into them; the causal mask is
@@ -190,9 +191,17 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         moments = MOMENTS[cfg.optim.name]
         sr_rows = (1 + moments * opt16) if pb < 4 else 0
         return efficientnet.activation_bytes(
-            cfg, cb, act, row, pb, sr_rows, pb, stage_params, moments,
+            cfg,
+            cb,
+            act,
+            row,
+            pb,
+            sr_rows,
+            pb,
+            stage_params,
+            moments,
             dense_depthwise=profile.dense_depthwise_grads,
-        )  # fmt: skip
+        )
     sb = stored_bytes(cfg, profile)
     sets = _layer_sets(cfg, cb, sb)
     # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)
@@ -211,7 +220,7 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     if stages > 1 and kind != "1f1b":
         # gpipe and circular: the forward tick scan, the head, then autodiff's backward tick
         # scan, which holds besides the saved residuals (XLA:CPU's buffer assignment, read
-        # with benchmarks/xla_peak.py: docs/benchmarks.md, "Pipeline schedules"):
+        # with benchmarks/xla_peak.py):
         # - `ticks` rows: the cotangent of the ticks' collected outputs (the transpose of
         #   taking the last stage's M outputs from them: a pad (gpipe), a scatter (circular));
         # - `micro` rows: the embedded micro-batches' cotangent, a carry of the scan; BERT

@@ -18,9 +18,14 @@ def efficientnet_stage_params(cfg: Config) -> list[int]:
     block specs (no modules are built)."""
     md = cfg.model
     return stage_params(
-        md.variant, splits=md.pipeline_splits, num_classes=md.num_classes, g16=md.g16,
-        width_mult=md.width_mult, depth_mult=md.depth_mult, block_groups=md.block_groups,
-    )  # fmt: skip
+        md.variant,
+        splits=md.pipeline_splits,
+        num_classes=md.num_classes,
+        g16=md.g16,
+        width_mult=md.width_mult,
+        depth_mult=md.depth_mult,
+        block_groups=md.block_groups,
+    )
 
 
 def layer_params(d: int, f: int) -> tuple[int, int]:
@@ -81,9 +86,14 @@ def flops_per_example(cfg: Config) -> int:
     md = cfg.model
     if md.name == "efficientnet":
         return flops_per_image(
-            md.variant, md.image_size, md.num_classes, g16=md.g16,
-            width_mult=md.width_mult, depth_mult=md.depth_mult, block_groups=md.block_groups,
-        )  # fmt: skip
+            md.variant,
+            md.image_size,
+            md.num_classes,
+            g16=md.g16,
+            width_mult=md.width_mult,
+            depth_mult=md.depth_mult,
+            block_groups=md.block_groups,
+        )
     sharded, _ = layer_params(md.d_model, md.d_ff)
     matmul = md.layers * (sharded - 3 * md.d_model - md.d_ff) + md.vocab * md.d_model
     return 2 * matmul + 4 * md.layers * md.seq_len * md.d_model

@@ -77,9 +77,12 @@ def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
     `act`: bytes of an elementwise value of the compute dtype (the swish, the SE's gate)."""
     md = cfg.model
     specs = block_specs(
-        md.variant, g16=md.g16, width_mult=md.width_mult, depth_mult=md.depth_mult,
+        md.variant,
+        g16=md.g16,
+        width_mult=md.width_mult,
+        depth_mult=md.depth_mult,
         block_groups=md.block_groups,
-    )  # fmt: skip
+    )
     stem_ch, head_ch = stem_head_channels(md.variant, width_mult=md.width_mult)
     hw = md.image_size
     stem_hw = _size(hw, 2)
@@ -96,14 +99,21 @@ def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
         # without remat: the image (the stem's operand, compute dtype) and its ConvNorm's
         "saved": act * image + _saved_convnorm(act, True) * stem_out,
         "kernels": 0,  # (the stem's stage is never a forward-values stage)
-        "convs": 1, "norms": 1, "in": image, "out": stem_out, "name": "stem",
-    }  # fmt: skip
+        "convs": 1,
+        "norms": 1,
+        "in": image,
+        "out": stem_out,
+        "name": "stem",
+    }
     hw, blocks = stem_hw, []
     for s in specs:
         h_in, h_out = hw, _size(hw, s.stride)
         n_in, mid_in, mid_out, n_out = (
-            h_in**2 * s.in_ch, h_in**2 * s.mid_ch, h_out**2 * s.mid_ch, h_out**2 * s.out_ch,
-        )  # fmt: skip
+            h_in**2 * s.in_ch,
+            h_in**2 * s.mid_ch,
+            h_out**2 * s.mid_ch,
+            h_out**2 * s.out_ch,
+        )
         plain = s.feature_groups == 1  # the spatial conv is a plain conv (not grouped)
         # Weight-gradient inputs. A plain conv (the 1x1 expand and projection, a spatial conv
         # of one group) keeps its operand widened and its conv output's cotangent (read by
@@ -146,13 +156,23 @@ def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
         # a depthwise spatial conv's weight gradient, on a device that computes it from a
         # dense [k, k, C, C] float32 kernel (XLA:CPU: `DeviceProfile.dense_depthwise_grads`)
         dense = s.kernel**2 * s.mid_ch**2 * F32 if s.group_size == 1 and not plain else 0
-        blocks.append({
-            "kept": kept, "cot": cot, "forward": fwd, "saved": saved, "kernels": kernels,
-            "dense_grad": dense,
-            "out_cot": n_out,
-            "residual": s.residual, "convs": 3 if s.expand != 1 else 2,
-            "norms": 3 if s.expand != 1 else 2, "in": n_in, "out": n_out, "name": s.name,
-        })  # fmt: skip
+        blocks.append(
+            {
+                "kept": kept,
+                "cot": cot,
+                "forward": fwd,
+                "saved": saved,
+                "kernels": kernels,
+                "dense_grad": dense,
+                "out_cot": n_out,
+                "residual": s.residual,
+                "convs": 3 if s.expand != 1 else 2,
+                "norms": 3 if s.expand != 1 else 2,
+                "in": n_in,
+                "out": n_out,
+                "name": s.name,
+            }
+        )
         hw = h_out
     last = specs[-1].out_ch
     head_in, head_out = hw**2 * last, hw**2 * head_ch
@@ -168,8 +188,12 @@ def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
         "kernels": last * head_ch,
         "classifier_grad": head_ch * md.num_classes * F32,
         "in_out": head_out,
-        "convs": 1, "norms": 1, "in": head_in, "out": md.num_classes, "name": "head",
-    }  # fmt: skip
+        "convs": 1,
+        "norms": 1,
+        "in": head_in,
+        "out": md.num_classes,
+        "name": "head",
+    }
     runs = split_specs(specs, md.pipeline_splits)
     out, i = [], 0
     for k, run in enumerate(runs):

@@ -38,10 +38,11 @@ import orbax.checkpoint as ocp
 
 from jaxpod.engine import Engine, TrainState
 from jaxpod.errors import Muted, UserError
-from jaxpod.parallel import schedules
 from jaxpod.run.integrity import by_path, check_matches, check_sums, checksums, leaf_paths
 from jaxpod.run.logdir import CHECKPOINTS
 
+# The keys of a checkpoint's JSON record (`save` writes them all; `config` may be null).
+RECORD = ("step", "seed", "checksums", "config", "records", "layer_order")
 FIX = "delete that directory to resume from the previous checkpoint, or use a fresh train.logdir"
 
 ABANDON_SECONDS = 20.0  # how long a failing run waits for background writes before leaving
@@ -174,15 +175,21 @@ class Checkpointer:
         )
 
     def meta(self, step: int) -> dict:
-        """The JSON record of checkpoint `step` (step, seed, and if written: config, records,
-        checksums, layer_order); a checkpoint that cannot be read is refused naming its
-        directory (`UserError`)."""
+        """The JSON record of checkpoint `step` (`RECORD`); a checkpoint that cannot be read,
+        or whose record lacks one of those keys, is refused naming its directory (`UserError`)."""
         where = self.shown / str(step)
         for part in ("state/_METADATA", "meta/metadata"):
             if not (self.directory / str(step) / part).is_file():
                 raise UserError(f"checkpoint {where} cannot be read ({part} is missing); {FIX}")
         args = ocp.args.Composite(meta=ocp.args.JsonRestore())
-        return dict(_read(where, lambda: self._manager.restore(step, args=args))["meta"])
+        meta = dict(_read(where, lambda: self._manager.restore(step, args=args))["meta"])
+        missing = [key for key in RECORD if key not in meta]
+        if missing:
+            raise UserError(
+                f"checkpoint {where} has another layout (its record has no {', '.join(missing)}); "
+                "use a fresh train.logdir"
+            )
+        return meta
 
     def restore(
         self, step: int, engine: Engine, like: TrainState, seed: int, meta: dict | None = None
@@ -197,7 +204,7 @@ class Checkpointer:
         """
         where = self.shown / str(step)
         meta = self.meta(step) if meta is None else meta
-        saved_seed = meta.get("seed")
+        saved_seed = meta["seed"]
         saved = by_path(_read(where, lambda: self._manager.item_metadata(step))["state"])
         if saved_seed != seed:
             raise UserError(
@@ -213,8 +220,8 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(_to_nested(target)))
         restored = _read(where, lambda: self._manager.restore(step, args=args))
         state = _from_nested(restored["state"], like)
-        check_sums(where, meta.get("checksums"), checksums(state), FIX)
-        return engine.stages.reordered(state, _saved_layer_order(meta))
+        check_sums(where, meta["checksums"], checksums(state), FIX)
+        return engine.stages.reordered(state, meta["layer_order"])
 
     def close(self) -> None:
         """Wait for in-flight saves to be committed, then release the manager; a background
@@ -344,16 +351,3 @@ def _why(exc: BaseException) -> str:
         tail = _os_reason(text) or text[-95:]
         text = f"{text[:100]} ... {tail}"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _saved_layer_order(meta: dict) -> list[int] | None:
-    """The order a checkpoint's stacked layers are stored in: its meta's `layer_order`, or for
-    a checkpoint written before that was recorded, the order its config's circular schedule
-    gives (None: the logical order)."""
-    if "layer_order" in meta:
-        return meta["layer_order"]
-    cfg = meta.get("config") or {}
-    train, virtual = cfg.get("train", {}), cfg.get("train", {}).get("virtual_stages", 1)
-    if train.get("pipeline_schedule") != "circular" or virtual == 1:
-        return None
-    return schedules.layer_order(cfg["model"]["layers"], cfg["mesh"]["pipeline"], virtual).tolist()

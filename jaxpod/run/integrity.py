@@ -84,11 +84,8 @@ def checksums(state: TrainState) -> dict[str, list[int]]:
     return {".".join(p): v for p, v in zip(leaf_paths(state), host, strict=True)}
 
 
-def check_sums(where: Path, saved: dict | None, here: dict, fix: str) -> None:
-    """One-line `UserError` naming the first array whose checksum differs from the saved one
-    (`saved` is None for a checkpoint written before checksums were kept)."""
-    if saved is None:
-        return
+def check_sums(where: Path, saved: dict, here: dict, fix: str) -> None:
+    """One-line `UserError` naming the first array whose checksum differs from the saved one."""
     for path in sorted(here):
         if saved.get(path) != here[path]:
             raise UserError(

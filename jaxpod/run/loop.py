@@ -134,13 +134,13 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
         try:  # the config first: a change is refused naming its keys, not an array
             meta = ckpt.meta(start)
             where = f"{logdir} (checkpoint {start})"
-            saved = check_saved_config(meta.get("config") or _saved_config(logdir), where)
+            saved = check_saved_config(meta["config"], where)
             changes = check_changes(saved, config_to_dict(cfg), start, where, allow_changes)
             state = ckpt.restore(start, engine, state, cfg.train.seed, meta)
         except UserError:
             ckpt.close()
             raise
-        kept_records = meta.get("records") or []
+        kept_records = meta["records"]
         if start >= cfg.train.steps:  # nothing is written: the record stays as it is
             ckpt.close()
             say(f"complete       {ckpt.shown / str(start)} is at step {start}; nothing to do")
@@ -212,16 +212,6 @@ def _compile(engine, state, part) -> None:
         if engine.stages.cfg.train.batch_parts > 2:
             engine.accumulate_step.lower(*args).compile()  # the same arguments
     engine.train_step.lower(*args).compile()
-
-
-def _saved_config(logdir: Path) -> dict | None:
-    """The run's `config.yaml` (for checkpoints that do not keep their config)."""
-    from jaxpod.config.load import read_yaml_mapping
-
-    try:
-        return read_yaml_mapping(logdir / "config.yaml")
-    except UserError:
-        return None
 
 
 class _Recorder:
@@ -360,8 +350,9 @@ def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, p
                 steplog.flush()  # reads, checks and writes the metrics up to `step` first
                 records = writer.of(step)
                 order = task.engine.stages.layer_order  # how its stacked layers are stored
-                ckpt.save(step, state, cfg.train.seed, config=config, records=records,
-                          layer_order=order)  # fmt: skip
+                ckpt.save(
+                    step, state, cfg.train.seed, config=config, records=records, layer_order=order
+                )
             if stop.requested is not None:
                 break  # async save: committed when the checkpointer closes
     steplog.flush()

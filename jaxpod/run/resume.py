@@ -196,8 +196,6 @@ def check_saved_config(saved: object, where: str) -> dict:
     """The saved config as a dict; one-line `UserError` if there is none to compare with."""
     if not isinstance(saved, dict):
         raise UserError(
-            f"{where} has no readable config to compare the new one with (config.yaml missing "
-            "or damaged); resume with --allow-changes all to accept any change, or use a fresh "
-            "train.logdir"
+            f"{where} keeps no config to compare the new one with; use a fresh train.logdir"
         )
     return saved

@@ -93,16 +93,22 @@ def load_data(cfg: Config):
         from jaxpod.data.images import load_images
 
         return load_images(
-            cfg.data.name, image_size=cfg.model.image_size, seed=cfg.train.seed,
-            path=cfg.data.path, val_fraction=cfg.data.val_fraction,
+            cfg.data.name,
+            image_size=cfg.model.image_size,
+            seed=cfg.train.seed,
+            path=cfg.data.path,
+            val_fraction=cfg.data.val_fraction,
             num_classes=cfg.model.num_classes,
-        )  # fmt: skip
+        )
     from jaxpod.data.text import load_dataset
 
     return load_dataset(
-        cfg.data.name, seq_len=cfg.model.seq_len, seed=cfg.train.seed, path=cfg.data.path,
+        cfg.data.name,
+        seq_len=cfg.model.seq_len,
+        seed=cfg.train.seed,
+        path=cfg.data.path,
         val_fraction=cfg.data.val_fraction,
-    )  # fmt: skip
+    )
 
 
 def build_task(

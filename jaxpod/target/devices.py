@@ -119,6 +119,6 @@ def describe_layout(layout: dict[str, dict]) -> str:
             f" on {a['torus_axes']} ({a['max_hops']} hop{'s' * (a['max_hops'] > 1)})"
             if a["size"] > 1
             else ""
-        )  # fmt: skip
+        )
         for name, a in layout.items()
     )

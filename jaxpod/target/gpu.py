@@ -8,7 +8,7 @@ bandwidth, compute capability), kept in `specs/` (XLA's own spec files). A mesh 
 compiles to XLA:GPU's optimized program and buffer assignment (`memory_analysis()`). Each
 device's `coords` are `[slice, host, GPU]`: no torus (NVLink joins a host's GPUs all to all).
 
-Limits seen with jax 0.10.2: the devices have no memory spaces, so a `pinned_host` sharding of
+Limits of these devices: they have no memory spaces, so a `pinned_host` sharding of
 an argument falls back to device memory (a `device_put` to the host inside jit still compiles
 to host buffers), and `cost_analysis()` returns None.
 """
@@ -61,9 +61,11 @@ def gpu_topology_devices(model: str, count: int) -> list:
     try:
         with _without_driver_notice():
             topo = topologies.get_topology_desc(
-                platform="cuda", topology_name=topology, topology=topology,
+                platform="cuda",
+                topology_name=topology,
+                topology=topology,
                 target_config=spec.read_text(),
-            )  # fmt: skip
+            )
     except NotImplementedError as e:  # the plugin did not register: its CUDA check failed
         raise UserError(
             f"jax's CUDA plugin did not start ({e}): jax started before its CUDA check could "

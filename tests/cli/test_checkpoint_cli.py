@@ -170,7 +170,7 @@ def test_mismatched_checkpoint_is_refused(reference, tmp_path, override, needle)
 @pytest.mark.parametrize("damaged", ["largest", "manifest"])
 def test_corrupt_checkpoint_is_refused_without_damage(reference, tmp_path, damaged):
     """Half the largest data file, or the state's manifest cut to 10 bytes: one line (the
-    manifest's failed read used to leave orbax's other reads printing tracebacks)."""
+    manifest's failed read leaves no other orbax read printing a traceback)."""
     run = stopped_after(reference, STEPS, tmp_path / "run")
     files = [p for p in (run / "checkpoints" / "4").rglob("*") if p.is_file()]
     if damaged == "largest":

@@ -57,16 +57,17 @@ CONFIG_ERRORS = [  # (a preset, or the text of a config file; overrides; the err
     ("tiny.yaml", ["train.seed=-1"], "train.seed=-1 must be in [0, 2**32)"),
     ("tiny.yaml", ["train.micro_batch=100000000"], "train.micro_batch=100000000 makes"),
     ("train:\n  steps: 5\n  steps: 7\n", [], "key 'train.steps' is given twice (lines 2 and 3)"),
+    ("memory:\n  mlp_panel: 2\n", [], "unknown config key 'memory.mlp_panel'; did you mean"),
 ]
 
 
 @pytest.mark.parametrize(
     ("config", "overrides", "needle"),
     CONFIG_ERRORS,
-    ids=["splits-unknown", "seed", "tokens-over-int32", "duplicate-key"],
+    ids=["splits-unknown", "seed", "tokens-over-int32", "duplicate-key", "unknown-key"],
 )
 def test_plan_bad_config_is_one_line(tmp_path, config, overrides, needle):
-    """Inputs that used to end in a traceback (or, the duplicate key, in silence)."""
+    """A bad config file or value is one line and exit 2, a key given twice included."""
     path = ROOT / "configs" / config
     if not config.endswith(".yaml"):
         path = tmp_path / "c.yaml"

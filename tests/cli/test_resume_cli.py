@@ -96,8 +96,8 @@ def test_a_lost_record_comes_back(reference, tmp_path):
     from jaxpod.run.resume import keep_records_upto, trim_events
 
     run = before_checkpoint_4(reference, tmp_path / "run")
-    keep_records_upto(run, 1)  # killed right after checkpoint 2 committed: the old loop read
-    trim_events(run, 1)  # step 2's metrics one step late and had not written them yet
+    keep_records_upto(run, 1)  # the record lost step 2, which checkpoint 2 keeps: a kill
+    trim_events(run, 1)  # between the checkpoint's commit and the record's write
     proc = train(run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed        from step 2" in proc.stdout

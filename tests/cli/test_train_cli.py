@@ -99,6 +99,6 @@ def test_same_losses_on_every_mesh_through_the_cli(tmp_path):
         assert list((tmp_path / name).glob("events.out.tfevents.*"))
         assert "mesh: replica" in proc.stdout and "global batch   16" in proc.stdout
     # fp32, different reduction order across 8 devices; Adam over 4 steps: measured at most
-    # 9.6e-8 relative (2026-11-27); the bound is 1e-6, about 8 float32 ulps.
+    # 9.6e-8 relative; the bound is 1e-6, about 8 float32 ulps.
     np.testing.assert_allclose(runs["pod"], runs["single"], rtol=1e-6, atol=0)
     assert runs["pod"][-1] < runs["pod"][0]  # and it is actually training

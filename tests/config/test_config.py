@@ -15,7 +15,6 @@ from jaxpod.config import (
     DTYPES,
     IMAGE_DATA,
     LIST_CHOICES,
-    RENAMED,
     TEXT_DATA,
     Config,
     ConfigError,
@@ -667,28 +666,6 @@ def test_config_properties_ask_the_model_kind():
     assert kinds["gpt"].kind.stages == "stacked" and kinds["bert"].kind.tensor_parallel
 
 
-# --- renamed keys ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("old", "new"), sorted(RENAMED.items()))
-def test_renamed_key_override_is_a_one_line_error(old, new):
-    with pytest.raises(ConfigError) as exc:
-        load_config(None, [f"{old}=2"])
-    _check_message(exc, (f"config key '{old}' was renamed to '{new}'; use {new}",))
-    with pytest.raises(ConfigError, match=f"was renamed to '{new}'"):
-        with_overrides(load_config(None), {old: 2})
-
-
-@pytest.mark.parametrize(("old", "new"), sorted(RENAMED.items()))
-def test_renamed_key_in_yaml_section_is_a_one_line_error(tmp_path, old, new):
-    section, name = old.split(".")
-    path = tmp_path / "old.yaml"
-    path.write_text(f"{section}:\n  {name}: 2\n")
-    with pytest.raises(ConfigError) as exc:
-        load_config(path)
-    _check_message(exc, (f"config key '{old}' was renamed to '{new}'; use {new}",))
-
-
 # --- devices per process, processes, total_devices -----------------------------------------
 
 
@@ -792,7 +769,7 @@ def test_early_readers_agree_with_load_config(tmp_path, text, overrides):
         ("devices: [1\n", [], "does not parse"),
         ("devices: 4\n", ["devics=2"], "did you mean 'devices'?"),
         ("devices: four\n", [], "devices='four' must be an integer"),
-        ("memory: {vocab_blocks: 2}\n", [], "was renamed to 'memory.vocab_slices'"),
+        ("memory: {vocab_slice: 2}\n", [], "did you mean 'memory.vocab_slices'?"),
         ("devices: 8\ndevices: 4\n", [], "key 'devices' is given twice (lines 1 and 2)"),
     ],
 )

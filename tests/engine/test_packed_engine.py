@@ -126,7 +126,7 @@ def test_step_matches_single_device_reference(tiny_cfg, mesh_for, digits, shape)
     want_loss, want = reference_step(cfg, engine, trees, batch)
     state, metrics = engine.train_step(state, batch)
     # f32 sums in a different order (micro-batches, replicas, stages), through LARS's norm
-    # ratios: measured (2026-12-02, both meshes) the loss equal, parameters (all O(1)) at most
+    # ratios: measured (both meshes) the loss equal, parameters (all O(1)) at most
     # 1.2e-7 apart; the bounds are about 4x that. The step moves them far more.
     np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=5e-7)
     moved = 0.0
@@ -159,7 +159,7 @@ def test_two_stage_losses_equal_one_stage(tiny_cfg, mesh_for, digits):
             state, metrics = engine.train_step(state, global_batch(engine, cfg, digits, step))
             run.append(float(metrics["loss"]))
         losses[shape] = run
-    # measured 9.8e-8 relative over the 3 steps (2026-12-02)
+    # measured 9.8e-8 relative over the 3 steps
     np.testing.assert_allclose(losses[(4, 2, 1)], losses[(1, 1, 1)], rtol=5e-7)
 
 

@@ -9,30 +9,18 @@ the sharded mesh.
 Values are pinned per kind of host: XLA:CPU compiles for the host's widest vector extension,
 so a float32 sum runs in another order with AVX-512 than with AVX2, and float16 steps, whose
 stochastic rounding turns such differences into other roundings, move by up to 2e-3. Every
-kind pins every case: `avx512` (an AMD EPYC), `avx2` (an AMD EPYC without AVX-512: its
-transformer rows read 2026-11-27, its EfficientNet rows 2026-12-02) and `avx512fp16` (an Intel
-Xeon with AVX512-FP16 and AMX, told apart by its `avx512_fp16` flag: its transformer rows read
-2026-11-28, its EfficientNet rows 2026-12-02). A host of another kind skips, naming its kind.
-
-The `avx512` transformer rows are the values the engine produced before it was restructured;
-the other kinds' were read after it (the code before it, c2a5067, gives the `avx512fp16` rows
-on that host but for the key change below). The EfficientNet rows are the three-block-group
-net's (helpers.TINY_VISION): the `avx512` rows read on 2026-12-02 at the commit that moved
-these cases to it from the seven-group net, whose pre-refactor values the code still
-reproduced then (docs/benchmarks.md, "The one-engine refactor changed no number"); the `avx2`
-rows read later that day at 20150eb, the `avx512fp16` rows at ea94bc3 (the same engine code),
-each with this file's own `three_steps`.
+kind pins every case: `avx512` (an AMD EPYC), `avx2` (an AMD EPYC without AVX-512) and
+`avx512fp16` (an Intel Xeon with AVX512-FP16 and AMX, told apart by its `avx512_fp16` flag).
+A host of another kind skips, naming its kind. The EfficientNet rows are the three-block-group
+net's (helpers.TINY_VISION); every row is this file's own `three_steps`.
 
 Tolerance: RTOL is four times the largest relative difference between the one-device and the
 sharded run of the same float32 config (the same math summed in another order) over the
-seven-group EfficientNet's `avx512` and `avx2` rows, 5.5e-7; it is more than three times
-every pair pinned now. A change of the arithmetic (another rounding key, another clip
-formula) moves these values by far more.
-
-Re-pinned twice, each with its cause shown: `gpt-fp16-222` when the stacked layers' key became
-`layers` (it was `blocks`; stochastic rounding keys hash each parameter's path, and hashing
-the old path the new engine gave the old values bit for bit), and the EfficientNet cases
-when they moved to the three-group net.
+seven-group EfficientNet's `avx512` and `avx2` rows (`SEVEN_GROUP_SPREAD`, 5.5e-7, the
+deepest net's sums); it is more than three times every pair pinned here. A change of the
+arithmetic (another rounding key, another clip formula) moves these values by far more:
+stochastic rounding keys hash each parameter's path, so even renaming a parameter moves the
+16-bit rows.
 """
 
 from __future__ import annotations
@@ -188,8 +176,8 @@ def test_the_host_kind_is_read_from_the_cpu_flags():
 
 
 # The largest one-device vs sharded spread of the seven-group EfficientNet's float32 rows, over
-# the `avx512` and `avx2` kinds (its effnet-111 against effnet-421, first grad norm): what RTOL
-# was derived from while those cases were pinned (module docstring).
+# the `avx512` and `avx2` kinds (its effnet-111 against effnet-421, first grad norm): RTOL is
+# four times it (module docstring).
 SEVEN_GROUP_SPREAD = 5.48e-7
 
 
@@ -205,7 +193,7 @@ def spread(rows: dict) -> float:
 
 
 def test_the_tolerance_is_what_the_docstring_derives():
-    """RTOL is four times the seven-group net's spread, over three times every kind's now."""
+    """RTOL is four times the seven-group net's spread, over three times every kind's pinned."""
     assert RTOL == pytest.approx(4 * SEVEN_GROUP_SPREAD, rel=0.01)
     assert all(0 < spread(rows) < SEVEN_GROUP_SPREAD for rows in PINNED.values())
     assert all(RTOL > 3 * spread(rows) for rows in PINNED.values())

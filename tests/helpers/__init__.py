@@ -58,12 +58,11 @@ PLANNER_GPT = "shared:planner-small-gpt"
 
 
 # The tiny EfficientNet the engine tests train (float32, LARS, 16 images a step, mesh per test):
-# the B0 recipe at a quarter width, its first three block groups on two stages (stem, 1a, 2a |
-# 3a, head), every kind of block the network has (expansion 1 and 6, kernels 3 and 5, strides 1
-# and 2, a residual) in less than half the compile of all seven groups (docs/benchmarks.md, "A
-# shallower test network"). tests/engine/test_pinned.py pins its first steps,
-# test_packed_engine.py checks them against a plain reference on the same meshes (the same
-# programs); `model.pipeline_splits=[]` puts it on one stage.
+# the B0 recipe at a quarter width, its first three block groups on two stages (stem, 1a, 2a | 3a,
+# head), every kind of block the network has (expansion 1 and 6, kernels 3 and 5, strides 1 and 2,
+# a residual) in less than half the compile of all seven groups. tests/engine/test_pinned.py pins
+# its first steps, test_packed_engine.py checks them against a plain reference on the same meshes
+# (the same programs); `model.pipeline_splits=[]` puts it on one stage.
 TINY_VISION = (
     "model.name=efficientnet", "data.name=digits", "model.width_mult=0.25",
     "model.depth_mult=0.2", "model.block_groups=3", "model.pipeline_splits=[3a]",

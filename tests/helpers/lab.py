@@ -35,7 +35,7 @@ from jaxpod.optim.chains import make_optimizer
 # Tolerances. Everything is fp32; the mesh only changes the order of summation (psums of
 # partial dots / partial batch sums, micro-batch accumulation, the pipeline's reduce-scatter),
 # so differences are rounding noise. Each constant is 2-7x the largest error measured over
-# all meshes and both optimizers (run with -s to print them; measured on jax 0.10.2 CPU).
+# all meshes and both optimizers (run with -s to print them; measured on XLA:CPU).
 # --------------------------------------------------------------------------------------------
 # Mean loss (~5.55): measured max relative error 3.4e-7 (4 ulp of 5.55).
 LOSS_RTOL = 1e-6

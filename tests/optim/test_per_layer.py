@@ -2,7 +2,7 @@
 
 Same arithmetic on float32 (to rounding), the same step up to one ulp of stochastic rounding on
 float16, skipped bit-identically on overflow, and XLA's temporaries measured in one run: the
-point of it is that the FP16 + LAMB update no longer holds float32 copies of the whole model.
+point of it is that the FP16 + LAMB update holds no float32 copy of the whole model.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_float32_layerwise_equals_whole_tree(tiny_cfg, mesh_for, name):
     assert float(i1["grad_norm"]) > cfg.optim.grad_clip  # the clip is exercised
     np.testing.assert_allclose(float(i2["grad_norm"]), float(i1["grad_norm"]), rtol=1e-6)
     update_norm = lambda info: np.sqrt(float(info["update_sq"]))  # noqa: E731
-    # measured (2026-11-27): update norms 9e-8 relative apart, params and moments at most
+    # measured: update norms 9e-8 relative apart, params and moments at most
     # 6e-8 (lamb), 7.5e-9 (adamw), 4.7e-10 (lars) absolute; the bounds are 11x and 2x the
     # largest
     np.testing.assert_allclose(update_norm(i2), update_norm(i1), rtol=1e-6)

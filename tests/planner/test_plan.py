@@ -353,8 +353,8 @@ def test_suggestion_streams_with_the_fewest_mlp_panels_that_fit():
 
 def test_virtual_devices_schedule_for_memory_unless_xla_flags_say_otherwise(monkeypatch):
     """`use_virtual_cpu_devices` replaces the device count, keeps other flags, and adds XLA's
-    memory-minimising CPU scheduler unless the user chose a scheduler (docs/benchmarks.md:
-    GPT-3 POD256 held 2.7x the temporaries under the default concurrency scheduler)."""
+    memory-minimising CPU scheduler unless the user chose a scheduler (GPT-3 POD256 holds
+    about 2.7x the temporaries under the default concurrency scheduler)."""
     import os
 
     from jaxpod.platform import MEMORY_SCHEDULER, use_virtual_cpu_devices

@@ -109,11 +109,9 @@ def test_planner_matches_compiled_memory(name, tiny_cfg, mesh_for):
 
 def test_sequence_parallel_shrinks_compiled_memory(tiny_cfg, mesh_for):
     """Splitting the residual stream over tensor (1x2x4, full remat, seq 256) cuts XLA's
-    per-device bytes by 30 % or more, and the planner predicts the ratio within 0.1. Measured
-    0.66 against a planned 0.59 when written (2026-11-22); 0.6998 against 0.611 on
-    2026-11-28 (an AVX2 host): both bounds nearly met (where the planner falls short:
-    docs/benchmarks.md, "The sequence-parallel ratio near its bound"). The second program is
-    XLA_CASES' 1x2x4-full-ga4-sp-seq256."""
+    per-device bytes by 30 % or more, and the planner predicts the ratio within 0.1. XLA's
+    ratio is 0.66 to 0.70 with the host's vector width, the planner's 0.59 to 0.61: both
+    bounds are nearly met. The second program is XLA_CASES' 1x2x4-full-ga4-sp-seq256."""
     shape = [*SMALL_GPT, "train.grad_accum=4", "model.remat=full", "model.seq_len=256"]
     out = {}
     for sp in (False, True):
@@ -151,8 +149,8 @@ def test_skipped_bubbles_hold_one_ticks_gradients_more(tiny_cfg, mesh_for):
     """`train.skip_bubbles` runs each tick's stage under `lax.cond` (1x2x1, GA 8: 9 ticks,
     remat full). The cond's backward returns the tick's layer gradients as buffers of their
     own, so XLA holds one tick's weights' worth more than without it (measured 1.58 MB more,
-    the stage's layers are 1.59 MB), never a copy of them per tick (16.0 MB more before the
-    cond became a remat unit: `jaxpod.parallel.pipeline.forward_ticks`); the planner counts
+    the stage's layers are 1.59 MB), never a copy of them per tick (the cond is a remat unit:
+    `jaxpod.parallel.pipeline.forward_ticks`); the planner counts
     that difference (`activation_bytes`)."""
     shape = ["model.remat=full", "train.grad_accum=8"]
     out = []
@@ -217,9 +215,9 @@ def test_saved_layer_inputs_are_held_as_the_cpu_profile_says(tiny_cfg, mesh_for,
 def test_host_resident_layers_in_phases_keep_only_what_remat_keeps(tiny_cfg, mesh_for):
     """Layers and optimizer state host-resident, two phases, remat full (1x1x2, d 96, seq 128:
     activations dominate). Each phase fetches its layers inside a checkpoint
-    (`jaxpod.parallel.stream.phase_policy`); when that checkpoint saved everything but the
-    fetched weights, it overrode the layers' remat and XLA's device total was 2.4x the plan
-    (14.3 against 5.8 MiB). What `jaxpod compile` reports (device-resident arguments +
+    (`jaxpod.parallel.stream.phase_policy`) that saves only what the layers' remat saves (one
+    that saved everything but the fetched weights would override it: XLA's device total 2.4x
+    the plan). What `jaxpod compile` reports (device-resident arguments +
     temporaries) is within 15 % of the plan for this backend, like the XLA_CASES."""
     shape = ["model.d_model=96", "model.d_ff=384", "model.seq_len=128", "model.layers=4"]
     host = ["memory.offload=[params,optimizer]", "memory.phases=2", "model.remat=full"]
@@ -256,8 +254,8 @@ def test_a_widening_backend_converts_the_streamed_matrices_to_float32(tiny_cfg, 
     program: 2x2x1, d 256, LAMB; the MLP in 2 panels: W_in blocks [256, 512], W_out blocks
     [512, 256]). XLA:CPU's dots read float32, so each gathered panel is converted into a
     float32 buffer of its own: the program has those converts, and the planner's `widened`
-    term is that pair (1 MiB). With it the plan is within 10 % of XLA (measured 1.02; the
-    term closed the gap of the emulated GPT-3 preset). Float32 weights are read as they are: no
+    term is that pair (1 MiB). With it the plan is within 10 % of XLA (1.02 here; the
+    emulated GPT-3 preset needs the same term). Float32 weights are read as they are: no
     term."""
     import re
 

@@ -1,6 +1,6 @@
 """The planner's activation terms for transformer pipeline schedules (instant, no compile):
 what autodiff's backward tick scan holds, term by term, as read off XLA:CPU's buffer
-assignment (`benchmarks/xla_peak.py`; docs/benchmarks.md, "Pipeline schedules")."""
+assignment (`benchmarks/xla_peak.py`)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
 """The compiled train step writes the donated optimizer state in place: no copy of it.
 
-The guard (`jaxpod.optim.guarded`) skips a non-finite step. Written as `where(finite, new,
-old)` over the whole trees, it made XLA:CPU copy every donated optimizer-state leaf (the
-select writes each new moment over its buffer, while the parameters' update, fused apart,
-recomputes the new moment from the old one, so XLA kept the old one in a copy): a whole extra
-optimizer state alive from before the tick loops to the update, which the planner did not
-count (docs/memory.md, "The guard's copies"). `whole_tree` now skips the step with a
-`lax.cond`; these tests find no copy of any optimizer-state parameter in the compiled step,
-and pin the cause on a plain optax AdamW step.
+The guard (`jaxpod.optim.guarded`) skips a non-finite step. Written as `where(finite, new, old)`
+over the whole trees, it makes XLA:CPU copy every donated optimizer-state leaf (the select
+writes each new moment over its buffer, while the parameters' update, fused apart, recomputes
+the new moment from the old one, so XLA keeps the old one in a copy): a whole extra optimizer
+state alive from before the tick loops to the update (docs/memory.md, "The guard's copies"). So
+`whole_tree` skips the step with a `lax.cond`; these tests find no copy of any optimizer-state
+parameter in the compiled step, and pin the cause on a plain optax AdamW step.
 """
 
 from __future__ import annotations

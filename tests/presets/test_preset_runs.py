@@ -1,6 +1,6 @@
 """The pod presets through the CLI, in subprocesses (each sets its own device count): the
 full-size presets compile from abstract shapes, the `_emulated` ones train a few steps
-(their times in the suite: docs/benchmarks.md, "The test suite's time").
+(their times: `benchmarks/suite_time.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def preset(name: str, *overrides: str):
 
 # The GPT-3 preset warms the learning rate up over its first step, whose update is therefore
 # empty (lr 0); on 256 virtual devices a step takes 10 to 20 s on 2 cores here, most of it the
-# 256 device threads meeting at each collective (docs/benchmarks.md). The test runs the least
+# 256 device threads meeting at each collective. The test runs the least
 # that shows it training: one step without the warm-up, judged like the BERT preset's 4 steps
 # on the held-out loss a fresh run evaluates before its first step and after its last
 # (`jaxpod.run.loop`). Everything else (topology, model, precision, optimizer, memory plan) is
@@ -65,7 +65,7 @@ def test_compile_from_abstract_shapes(name, devices):
     """Lower and compile the train step on the preset's virtual devices, no weights. The
     output carries the planner's prediction for this backend beside XLA's: the device-resident
     arguments agree to a kilobyte (the same state in the same memory; XLA also counts a few
-    scalars the planner leaves out: 24, 24 and 404 bytes on 2026-11-27), and the device total
+    scalars the planner leaves out: 24, 24 and 404 bytes), and the device total
     is within 10 % (docs/memory.md, the presets: BERT 0.98, GPT-3 1.04, B4 POD16 1.01)."""
     proc = jaxpod("compile", str(CONFIGS / f"{name}.yaml"), "--json")
     assert proc.returncode == 0, proc.stderr

@@ -114,7 +114,7 @@ def test_a_run_in_parts_logs_the_whole_batch_run(runs):
 @pytest.mark.long_run
 def test_a_run_holds_one_part_on_the_devices(runs):
     """At every call, train and eval, the only part alive is the call's own (with parts put
-    ahead, a step's 4 parts and 3 prefetched ones were)."""
+    ahead, a step's 4 parts and 3 prefetched ones would be)."""
     _, fed_calls = runs
     names = [name for name, _, _ in fed_calls]
     assert names.count("train_step") == 3 and names.count("accumulate_step") == 6

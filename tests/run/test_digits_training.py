@@ -15,7 +15,7 @@ from helpers import DIGITS_STEPS, TINY_EFFICIENTNET, digits_cfg
 def test_digits_config_trains(mesh_for, tmp_path):
     """`configs/efficientnet_digits.yaml` through the training loop, shortened to 50 of its 300
     steps (seeded data, init and rounding): validation accuracy at least 3x chance (10 %).
-    The full run reaches >= 90 % (docs/benchmarks.md)."""
+    The full run reaches >= 90 % (`jaxpod train configs/efficientnet_digits.yaml`)."""
     import json
 
     from jaxpod.run.loop import run_training

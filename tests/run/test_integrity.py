@@ -1,7 +1,7 @@
 """Checkpoint integrity in process (`jaxpod.run.integrity`, used by `jaxpod.run.checkpoint`):
 every array's checksum is kept with it and verified on restore, so bytes changed on disk are
 refused naming the array; a checkpoint missing its metadata is called unreadable, not "another
-model"."""
+model"; a record without one of its keys is refused naming them."""
 
 from __future__ import annotations
 
@@ -102,6 +102,27 @@ def test_missing_metadata_is_unreadable_not_another_model(saved, tmp_path):
     (run / "checkpoints/1/state/_METADATA").unlink()
     with pytest.raises(UserError, match=r"checkpoints/1 cannot be read \(state/_METADATA is miss"):
         _restore(engine, state, run)
+
+
+def test_a_record_without_checksums_or_layer_order_is_refused(saved, tmp_path):
+    """A checkpoint's record holds every key of `RECORD`: one without some is refused in one
+    line naming them, before any array is read."""
+    import json
+
+    engine, state, _ = saved
+    run = _copy(saved, tmp_path)
+    meta = run / "checkpoints/1/meta/metadata"
+    record = json.loads(meta.read_text())
+    kept = {k: v for k, v in record.items() if k not in ("checksums", "layer_order")}
+    meta.write_text(json.dumps(kept))
+    with pytest.raises(UserError) as err:
+        _restore(engine, state, run)
+    line = str(err.value)
+    assert "\n" not in line, line
+    assert line == (
+        f"checkpoint {run}/checkpoints/1 has another layout (its record has no checksums, "
+        "layer_order); use a fresh train.logdir"
+    )
 
 
 def test_non_finite_metrics_are_named():
