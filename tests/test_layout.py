@@ -30,11 +30,10 @@ LAYERS = (
     *("planner", "engine", "figures", "run", "inspect", "cli"),
 )
 # The imports that go up today (module -> module it imports), each a folder loop to end:
-# config <-> models and parallel <-> models.
+# config <-> models.
 BACK_ARROWS = {
     ("jaxpod.config.rules_model", "jaxpod.models.efficientnet_specs"),
     ("jaxpod.config.schema", "jaxpod.models.kinds"),
-    ("jaxpod.parallel.stream", "jaxpod.models.layers"),
 }
 
 

@@ -2,7 +2,7 @@
 
 A stacked family's model (`jaxpod.models.family.StackedModel`, built in or registered)
 keeps its layers as one module with a leading `[L]` axis, split over `pipeline`; a stage
-scans its part (`jaxpod.parallel.stream.run_stack`). The model offers `embed(tokens, tp)`,
+scans its part (`jaxpod.parallel.stack.run_stack`). The model offers `embed(tokens, tp)`,
 the stack, `token_loss(h, targets, tp)`, `inputs_and_targets(tokens, keys)` and `masked`.
 Around it, from the config:
 
@@ -47,7 +47,7 @@ from jaxpod.parallel.mesh import param_specs, shardings
 from jaxpod.parallel.pipeline import spread_over_stages
 from jaxpod.parallel.replica import gather
 from jaxpod.parallel.schedules import layer_order
-from jaxpod.parallel.stream import run_stack
+from jaxpod.parallel.stack import StackOptions, run_stack
 from jaxpod.parallel.tensor import VocabSlices, gather_sequence
 
 TP = "tensor"  # a size-1 axis costs nothing: XLA drops single-device collectives
@@ -87,6 +87,15 @@ class StackedStages:
         self.any_host = any(jax.tree.leaves(layout.host))
         host_layers = jax.tree.map(lambda h, s: h and s, layout.host, self.masks.stacked)
         self.layers_on_host = any(jax.tree.leaves(host_layers))
+        mem = cfg.memory
+        self.stack_options = StackOptions(
+            remat_policy=cfg.model.remat,
+            phases=layout.phases,
+            stream=mem.stream,
+            mlp_panels=mem.mlp_panels,
+            offload_activations=layout.offload_activations,
+            unroll=unroll,
+        )
 
     # ------------------------------------------------------------------ state and shardings
     def state_shardings(self) -> TrainState:
@@ -207,25 +216,17 @@ class StackedStages:
         `virtual_stage` only); `fetched`: the stack is already on the device."""
         layout, cfg = self.layout, self.cfg
         dims = layout.rts_dims[STACK]
-        hooks: dict = {}
+        prepare = fetch = virtual = None
         if layout.rts_axes or self.dtype != master_dtype_of(cfg.precision):
-            hooks["prepare"] = lambda p, panels=None: self._prepare(p, dims, 1, panels)
-        if layout.phases > 1 or self.layers_on_host:  # stream=matrix: each step fetches its own
-            fetch = offload.to_device if self.layers_on_host and not fetched else None
-            hooks.update(phases=layout.phases, fetch=fetch)
-        if layout.offload_activations:
-            hooks["offload_activations"] = True
-        if cfg.memory.stream != "layer":
-            hooks.update(stream=cfg.memory.stream, mlp_panels=cfg.memory.mlp_panels)
+            prepare = lambda p, panels=None: self._prepare(p, dims, 1, panels)  # noqa: E731
+        if self.layers_on_host and not fetched:  # per phase, or per step (stream=matrix)
+            fetch = offload.to_device
         if cfg.train.virtual_stages > 1:
-            hooks["virtual_stage"] = (virtual_stage, cfg.train.virtual_stages)
+            virtual = (virtual_stage, cfg.train.virtual_stages)
+        stack = getattr(model, STACK)
+        options = self.stack_options
         return run_stack(
-            getattr(model, STACK),
-            x,
-            tp=TP,
-            remat_policy=cfg.model.remat,
-            unroll=self.unroll,
-            **hooks,
+            stack, x, tp=TP, options=options, prepare=prepare, fetch=fetch, virtual_stage=virtual
         )
 
     def _micro_head(self, model, h, targets, weights, denominator):

@@ -4,7 +4,7 @@ The engine never names a model. It asks `family(cfg.model.name)` for a `Family`:
 (`jaxpod.models.kinds`: what a batch holds and how stages are laid out) and a `build`
 function. A *stacked* family builds one module (`StackedModel`) whose layers are one stack
 `[L, ...]` under the attribute `STACK`; the engine cuts that stack into pipeline stages and
-runs it (`jaxpod.parallel.stream`). A *packed* family builds its pipeline stages as a list of
+runs it (`jaxpod.parallel.stack`). A *packed* family builds its pipeline stages as a list of
 modules (heterogeneous stages, packed into rows by the engine) and says how its raw inputs
 become floats (`prepare_inputs`); its last stage's output is the logits of an image
 classifier. Parameters carry logical axes and roles (`jaxpod.models.params`): that is how

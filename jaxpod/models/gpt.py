@@ -3,7 +3,7 @@ embeddings, no dropout (a step is a deterministic function of parameters and bat
 
 The layer parameters are one stacked `Layer` with a leading `[L]` axis (`self.layers`),
 applied with `lax.scan`, so compile time does not grow with depth. A pipeline needs three
-pieces — `embed`, the layers (run by `jaxpod.parallel.stream` on whatever part of the stack
+pieces — `embed`, the layers (run by `jaxpod.parallel.stack` on whatever part of the stack
 a stage holds) and `token_loss` — and `__call__` is the plain single-device loss every
 sharded step is tested against.
 """

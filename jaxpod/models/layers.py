@@ -3,7 +3,7 @@
 Parameters carry logical axis names and roles (`jaxpod.models.params`); `jaxpod.parallel.mesh`
 maps the names onto mesh axes. Every module can be created *stacked*: with `layers=L` each
 parameter gets a leading `[L]` axis named `"layers"`, and the forward is applied to one
-layer's slice inside a `scan` (`scan_layers`; `jaxpod.parallel.stream` for the sharded run).
+layer's slice inside a `scan` (`apply_layers`; `jaxpod.parallel.stack` for the sharded run).
 
 The tensor-parallel collectives come from `jaxpod.parallel.tensor`; the `tp` argument is
 the mesh axis to use (`None` = plain single-device math). Because shapes are read off the
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,17 +30,6 @@ from jaxpod.parallel.tensor import column_dense, gather_sequence, reduce_rows, r
 
 INIT_STD = 0.02
 F32 = jnp.float32
-
-
-class Panel(NamedTuple):
-    """Panel `index` of `count` equal panels (contiguous rows or columns) of the
-    parameter at `path` (e.g. `"mlp/w_in"`) along `axis` of one layer's array;
-    `index=None`: each panel in turn (the step runs `count` times, a loop over them)."""
-
-    path: str
-    axis: int
-    index: int | None
-    count: int
 
 
 def _param(
@@ -296,10 +284,11 @@ class Layer(nnx.Module):
 
     def steps(
         self, tp: str | None, mlp_panels: int = 1
-    ) -> list[tuple[tuple[str | Panel, ...], Callable]]:
+    ) -> list[tuple[tuple[str | tuple, ...], Callable]]:
         """The layer as a sequence of steps that each read at most one weight matrix, or one
         panel of one: `(reads, step)`, with `reads` the parameters the step uses (`"ln1"`: a
-        sub-module's all; `Panel("attn/w_qkv", 1, j, 3)`: panel j of 3 along axis 1) and
+        sub-module's all; `("attn/w_qkv", 1, j, 3)`: panel j of 3 along axis 1, index None:
+        each panel in turn, `jaxpod.parallel.matrix_stream.Panel`'s fields) and
         `step(layer, carry) -> carry` a function of the layer it is given (whose parameters
         are the `reads`, already sliced), not of `self`. The carry starts as `(x,)` and ends
         as `(y,)` with `y = self(x, tp)`; in between it holds only residual-stream-sized
@@ -308,7 +297,7 @@ class Layer(nnx.Module):
 
         Attention: queries, keys and values, one `W_qkv` panel each (each step makes its
         input ready again: LayerNorm, sequence all-gather), the attention itself (no
-        weights), `W_o`. MLP: one step run once per panel of the hidden units (`Panel`
+        weights), `W_o`. MLP: one step run once per panel of the hidden units (panel
         index None; `mlp_panels` panels: a column panel of `W_in`, `b_in` and the matching
         row panel of `W_out` each; the input made ready and the partial sums reduced over
         `tp` per panel, so k panels cost k times the MLP's activation traffic), then
@@ -320,10 +309,10 @@ class Layer(nnx.Module):
         ln1, ln2 = (("ln1",), ("ln2",)) if pre else ((), ())
         out: list = []
 
-        def cut(path: str, index: int | None, count: int) -> Panel:  # its declared axis
+        def cut(path: str, index: int | None, count: int) -> tuple:  # its declared axis
             group, name = path.split("/")
             axis = panel_axis_of_layer(getattr(getattr(self, group), name))
-            return Panel(path, axis, index, count)
+            return (path, axis, index, count)
 
         for j in range(3):  # carry (x[, q[, k]]) -> + this panel's [B, T, 1, HD_tensor]
             reads = (*ln1, cut("attn/w_qkv", j, 3), cut("attn/b_qkv", j, 3))
@@ -345,15 +334,9 @@ class Layer(nnx.Module):
         return out
 
 
-def scan_layers(layer_fn: Callable, x: jax.Array, stacked: dict, unroll: bool = False):
-    """`layer_fn(x, one_layer_params) -> x` over every layer of `stacked` (`[L, ...]`
-    leaves), in one `lax.scan`: compile time does not grow with depth."""
-    return jax.lax.scan(lambda c, p: (layer_fn(c, p), None), x, stacked, unroll=unroll)[0]
-
-
 def apply_layers(layers: Layer, x: jax.Array, tp: str | None = None) -> jax.Array:
     """The plain run of a stacked `Layer` (`[L, ...]` params) over `x`: every layer in turn
-    (the single-device reference; `jaxpod.parallel.stream` runs it sharded)."""
+    (the single-device reference; `jaxpod.parallel.stack` runs it sharded)."""
     graphdef, stacked = nnx.split(layers)
-    layer = lambda h, p: nnx.merge(graphdef, p)(h, tp)
-    return scan_layers(layer, x, nnx.to_pure_dict(stacked))
+    layer = lambda h, p: (nnx.merge(graphdef, p)(h, tp), None)
+    return jax.lax.scan(layer, x, nnx.to_pure_dict(stacked))[0]

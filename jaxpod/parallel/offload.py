@@ -9,7 +9,7 @@ A pod's *streaming memory* is emulated with the `pinned_host` memory kind: array
   whole, for the update and writes the new state back.
 - `params`: the master weights live in `pinned_host`; inside `shard_map` the non-layer
   weights are fetched before use and the layer stack phase by phase, or step by step with
-  `memory.stream=matrix` (`jaxpod.parallel.stream`), each a checkpoint that does not save
+  `memory.stream=matrix` (`jaxpod.parallel.matrix_stream`), each a checkpoint that does not save
   the fetched copy; a pipelined stage fetches its whole stack before the GPipe ticks. The
   update moves the weights to the device whole.
 - `activations`: the remat policy asks for its saved values on the host

@@ -68,7 +68,7 @@ def remat(
     """Wrap `fn` (one layer's forward) with the named recomputation policy; `offload=True`
     keeps the saved values in host memory (`OFFLOAD_POLICIES`); `prevent_cse=True` keeps
     XLA from merging the recomputation with an identical computation outside it (needed
-    when `fn` runs inside another remat unit: see `jaxpod.parallel.stream.apply_stack`)."""
+    when `fn` runs inside another remat unit: see `jaxpod.parallel.matrix_stream`)."""
     saves = saving(policy, offload=offload)
     if policy == "none" and not offload:
         return fn

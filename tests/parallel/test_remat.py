@@ -111,9 +111,9 @@ def test_a_fetching_phase_keeps_what_the_layer_policy_keeps(policy):
 
     from jax.ad_checkpoint import print_saved_residuals
 
-    from jaxpod.models.layers import scan_layers
+    from jaxpod.parallel.layer_scan import scan_layers
+    from jaxpod.parallel.phases import scan_phases
     from jaxpod.parallel.remat import remat
-    from jaxpod.parallel.stream import scan_phases
 
     layers, batch, d, f, phases = 4, 8, 16, 48, 2
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)

@@ -215,7 +215,7 @@ def test_saved_layer_inputs_are_held_as_the_cpu_profile_says(tiny_cfg, mesh_for,
 def test_host_resident_layers_in_phases_keep_only_what_remat_keeps(tiny_cfg, mesh_for):
     """Layers and optimizer state host-resident, two phases, remat full (1x1x2, d 96, seq 128:
     activations dominate). Each phase fetches its layers inside a checkpoint
-    (`jaxpod.parallel.stream.phase_policy`) that saves only what the layers' remat saves (one
+    (`jaxpod.parallel.phases.phase_policy`) that saves only what the layers' remat saves (one
     that saved everything but the fetched weights would override it: XLA's device total 2.4x
     the plan). What `jaxpod compile` reports (device-resident arguments +
     temporaries) is within 15 % of the plan for this backend, like the XLA_CASES."""

@@ -1,0 +1,122 @@
+"""A stage's part of the layer stack inside `shard_map`: the plain scan, and the options
+composed around it.
+
+The plain path is `scan_layers(layer, x, stacked)`: one `lax.scan`, each layer one remat unit.
+Each memory option wraps a piece of it, in its own module:
+
+    weights made ready   weights_ready.py   fetch, RTS all-gather and cast, right before use
+    matrix streaming     matrix_stream.py   a layer run as steps, one matrix (panel) at a time
+    phases               phases.py          K scans, each fetching its own weights
+    activation offload   remat.py           the policy's saved values in host memory
+    virtual stages       here               one of V equal parts of the stack (circular)
+
+The caller supplies `prepare` (stored -> computed weights) and `fetch` (host -> device); the
+model stays math and never sees them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpod.parallel.matrix_stream import matrix_layer
+from jaxpod.parallel.phases import scan_phases
+from jaxpod.parallel.remat import remat
+from jaxpod.parallel.weights_ready import make_ready
+
+STREAMS = ("layer", "matrix")
+
+
+class StackOptions(NamedTuple):
+    """How a stage runs its layers, fixed per engine: the `remat_policy` of each layer;
+    `phases` (K scans); `stream` (`"layer"`: a layer's weights made ready before it runs;
+    `"matrix"`: each of its steps' weights, `mlp_panels` panels for the MLP);
+    `offload_activations` (the policy's saved values in host memory); `unroll` (the layer
+    scan unrolled: FLOP accounting only)."""
+
+    remat_policy: str = "none"
+    phases: int = 1
+    stream: str = "layer"
+    mlp_panels: int = 1
+    offload_activations: bool = False
+    unroll: bool = False
+
+
+def run_stack(
+    layers: nnx.Module,
+    x: jax.Array,
+    *,
+    tp: str | None,
+    options: StackOptions,
+    prepare: Callable | None = None,
+    fetch: Callable | None = None,
+    virtual_stage: tuple[jax.Array | int, int] | None = None,
+) -> jax.Array:
+    """Run a stacked layer module (`[L, ...]` params, called as `layer(x, tp)`) over
+    `x[B, T, D]`, one layer at a time, as `options` say.
+
+    `prepare(params, panels)` turns stored params into computed ones right before use
+    (`panels`: the `Panel` to take of each leaf, or None). `fetch` (host -> device memory):
+    with `stream="layer"` per phase (`scan_phases`); with `stream="matrix"` per step, to the
+    panels the step reads, inside the step's remat unit (fetched again in the backward
+    pass; the panels are taken before `prepare` sees them, so its gather must not split a
+    panel axis). `virtual_stage=(r, V)`: only the layers of the r-th of V virtual stages
+    (r may be traced)."""
+    if options.stream not in STREAMS:
+        raise ValueError(f"stream={options.stream!r} must be one of {STREAMS}")
+    graphdef, stacked = nnx.split(layers)
+    policy = options.remat_policy
+    if options.stream == "matrix":
+        ready = make_ready(prepare, fetch, policy)
+        layer = matrix_layer(graphdef, tp, ready, policy, options.mlp_panels, fetch)
+        phase_fetch = None  # each step fetches its own
+    else:
+        ready = make_ready(prepare, None, policy)
+        layer = lambda x, p: nnx.merge(graphdef, ready(p, x))(x, tp)  # noqa: E731
+        phase_fetch = fetch
+    # the layer is the outer remat unit either way: only its input is saved per layer (and
+    # per pipeline tick); the steps' inputs live only while that layer's backward pass runs
+    layer_fn = remat(layer, policy, offload=options.offload_activations)
+    stacked = nnx.to_pure_dict(stacked)
+    if virtual_stage is not None:
+        if options.phases == 1 and phase_fetch is None:
+            return _scan_virtual_stage(layer, x, stacked, virtual_stage, options)
+        stacked = _virtual_stage_slice(stacked, virtual_stage)
+    return scan_phases(
+        layer_fn,
+        x,
+        stacked,
+        unroll=options.unroll,
+        phases=options.phases,
+        fetch=phase_fetch,
+        remat_policy=policy,
+    )
+
+
+def _virtual_stage_slice(stacked: dict, virtual_stage: tuple) -> dict:
+    """The `[L/V, ...]` layers of virtual stage r of V (`virtual_stage=(r, V)`)."""
+    index, count = virtual_stage
+    size = jax.tree.leaves(stacked)[0].shape[0] // count
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, index * size, size, 0)  # noqa: E731
+    return jax.tree.map(take, stacked)
+
+
+def _scan_virtual_stage(layer, x, stacked: dict, virtual_stage: tuple, options: StackOptions):
+    """The layers of virtual stage r of V, each indexed inside its remat unit: the backward
+    pass indexes it again, instead of every tick saving its stage's layers."""
+    index, count = virtual_stage
+    size = jax.tree.leaves(stacked)[0].shape[0] // count
+    pick = lambda i: jax.tree.map(  # noqa: E731
+        lambda a: jax.lax.dynamic_index_in_dim(a, index * size + i, 0, False), stacked
+    )
+    at = remat(
+        lambda x, i: layer(x, pick(i)),
+        options.remat_policy,
+        offload=options.offload_activations,
+    )
+    body = lambda x, i: (at(x, i), None)  # noqa: E731
+    return jax.lax.scan(body, x, jnp.arange(size), unroll=options.unroll)[0]
