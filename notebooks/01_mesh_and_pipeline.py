@@ -262,8 +262,9 @@ for t in range(table.ticks):
     print(f"{t:4d}  " + "  ".join(f"{c:>7}" for c in cells))
 
 # %% [markdown]
-# The chart below draws the tables of the three schedules jaxpod has, for `S = 4` and `M = 8`,
-# with `jaxpod.figures.schedule` (the same function writes `docs/figures/pipeline_schedules.png`):
+# The chart below draws the tables of every schedule, for `S = 4` and `M = 8`, with
+# `jaxpod.figures.schedule` (the same function writes `docs/figures/pipeline_schedules.png`), in
+# lockstep time: a whole backward takes two units, and a tick lasts its slowest op:
 #
 # * **gpipe**: all forwards, then the backward pass, which is the same scan transposed by
 #   autodiff: the table run right to left, gradients flowing up the pipe. Bubble
@@ -275,7 +276,12 @@ for t in range(table.ticks):
 #   `(S − 1) / (V·M + S − 1)`.
 # * **1f1b**: the table holds the backward ops too: after a few warm-up forwards each stage
 #   alternates one backward and one forward, so stage `s` holds at most `S − s` micro-batches'
-#   inputs, whatever `M`. Same bubble as GPipe.
+#   inputs, whatever `M`. Same bubble as GPipe, and in lockstep it pays for ticks that mix a
+#   forward with a backward.
+# * **interleaved-1f1b**, **zb-h1**, **zb-v**: tables only so far (the executors run the three
+#   above): Megatron's interleaved order, and the zero-bubble schedules that split each
+#   backward into B (input gradients) and W (weight gradients, deferred into the bubble); all
+#   their ops cost one unit, so in lockstep they lose nothing (`jaxpod.parallel.schedule_time`).
 #
 # (In SPMD every device computes on every tick, so gpipe and circular compute the bubbles and
 # throw them away: `(V·M + S − 1) / (V·M)` executed over useful layer FLOPs.)

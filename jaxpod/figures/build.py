@@ -37,9 +37,11 @@ class MissingData(Exception):
 
 
 def schedules_figure(stages: int = 4, micro: int = 8):
+    """Every schedule's table (`TABLE_CASES`) as a tick chart in lockstep time."""
+    from jaxpod.figures.schedule import TABLE_CASES
     from jaxpod.figures.schedule import schedules_figure as draw
 
-    return draw(stages, micro)
+    return draw(stages, micro, TABLE_CASES)
 
 
 def presets_figure(compiled: dict | None = None):

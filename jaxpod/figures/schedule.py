@@ -1,20 +1,31 @@
 """Pipeline tick charts drawn from `jaxpod.parallel.schedules.make_schedule`, the table the
 executor scans over, and the measured memory and step time of each schedule against M.
 
-A chart has one row per stage and one cell per tick: the micro-batch the stage runs, forward
-(solid) or backward (pale). gpipe and circular tables hold forwards only; autodiff runs the
-same scan transposed, so their backward half is the table's ticks in reverse order, each stage
-running the backward of what it ran forward. A circular tick runs one virtual stage (1/V of a
-stage's layers), so its cells are 1/V wide: the x axis is in units of one stage's forward.
+A chart has one row per stage and one cell per op: the micro-batch the stage runs, forward
+(solid), whole backward (pale, twice a forward's time), or the split backward's B and W.
+gpipe and circular tables hold forwards only; autodiff runs the same scan transposed, so
+their backward half is the table's ticks in reverse order. A tick of a virtual stage runs
+1/V of a stage's layers; the x axis is in units of one stage's forward, in lockstep.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from jaxpod.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, make_schedule
+from jaxpod.parallel.schedule_time import COST, bubble, lockstep_time
+from jaxpod.parallel.schedules import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    IDLE,
+    Schedule,
+    make_schedule,
+)
 
-CASES = (("gpipe", 1), ("circular", 2), ("1f1b", 1))  # every schedule jaxpod has, V
+CASES = (("gpipe", 1), ("circular", 2), ("1f1b", 1))  # the schedules the executors run, V
+# every table, for the charts: the split schedules beside the ones they improve
+TABLE_CASES = (*CASES, ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2))
 MICRO_COLOURS = [
     "#4e79a7",
     "#f28e2b",
@@ -45,41 +56,58 @@ def full_step(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def draw_schedule(ax, schedule: Schedule, xmax: float | None = None) -> None:
-    """One schedule's tick chart on `ax`: stages top to bottom, time left to right."""
+    """One schedule's tick chart on `ax`: stages top to bottom, lockstep time left to right
+    (`jaxpod.parallel.schedule_time`: a tick lasts its slowest op; what a faster op leaves
+    of it is drawn as waiting)."""
     from matplotlib.ticker import MultipleLocator
 
     op, micro, virtual = full_step(schedule)
-    width = 1.0 / schedule.virtual
-    for (t, s), o in np.ndenumerate(op):
-        x = t * width
-        if o == IDLE:
-            ax.add_patch(_cell(x, s, width, "0.92", "0.75", hatch="///"))
-            continue
-        m, r = int(micro[t, s]), int(virtual[t, s])
-        colour = MICRO_COLOURS[m % len(MICRO_COLOURS)]
-        alpha = 1.0 if o == FORWARD else 0.45
-        ax.add_patch(_cell(x, s, width, colour, "k", alpha=alpha))
-        if r:  # a later virtual stage: a dark band along the cell's top
-            ax.add_patch(_cell(x, s, width, "0.2", "0.2", height=0.12 * r))
-        label = f"{m}" + ("'" * r)
-        ax.text(x + width / 2, s + 0.5, label, ha="center", va="center", fontsize=7)
+    unit = 1.0 / schedule.virtual  # one chunk's forward, in stage forwards
+    x = 0.0
+    for t in range(op.shape[0]):
+        slot = max(COST[int(o)] for o in op[t]) * unit
+        for s in range(schedule.stages):
+            o = int(op[t, s])
+            width = COST[o] * unit
+            if width < slot:  # idle, or done before the tick's slowest op
+                ax.add_patch(_cell(x + width, s, slot - width, "0.92", "0.75", hatch="///"))
+            if o != IDLE:
+                _draw_op(ax, x, s, width, o, int(micro[t, s]), int(virtual[t, s]))
+        x += slot
     held = ", ".join(str(int(k)) for k in schedule.in_flight)
-    virtual = f", V={schedule.virtual}" if schedule.kind == "circular" else ""
+    virtual = f", V={schedule.virtual}" if schedule.virtual > 1 else ""
     ax.set(
-        xlim=(0, xmax or op.shape[0] * width),
+        xlim=(0, xmax or x),
         ylim=(schedule.stages, 0),
         yticks=np.arange(schedule.stages) + 0.5,
         yticklabels=[f"stage {s}" for s in range(schedule.stages)],
     )
+    bubble_ = bubble(schedule, lockstep_time(schedule))
     ax.set_title(
         f"{schedule.kind}{virtual}: S={schedule.stages}, M={schedule.micro}, "
-        f"{op.shape[0]} ticks, bubble {schedule.bubble:.0%}, "
-        f"micro-batches held per stage: {held}",
+        f"{x:g} stage forwards in lockstep, bubble {bubble_:.0%}, "
+        f"held per stage: {held}",
         fontsize=9,
         loc="left",
     )
     ax.xaxis.set_major_locator(MultipleLocator(2))
     ax.tick_params(axis="both", labelsize=8)
+
+
+# op -> (opacity, hatch, label suffix): forward solid, whole backward pale, B and W marked
+LOOKS = {FORWARD: (1.0, None, ""), BACKWARD: (0.45, None, "")}
+LOOKS |= {BACKWARD_INPUT: (0.6, None, "B"), BACKWARD_WEIGHT: (0.3, "...", "W")}
+
+
+def _draw_op(ax, x: float, s: int, width: float, o: int, m: int, r: int) -> None:
+    """One op's cell: coloured by micro-batch, a dark band for a later virtual stage."""
+    alpha, hatch, suffix = LOOKS[o]
+    colour = MICRO_COLOURS[m % len(MICRO_COLOURS)]
+    ax.add_patch(_cell(x, s, width, colour, "k", alpha=alpha, hatch=hatch))
+    if r:  # a later virtual stage: a dark band along the cell's top
+        ax.add_patch(_cell(x, s, width, "0.2", "0.2", height=0.12 * r))
+    label = f"{m}" + ("'" * r) + suffix
+    ax.text(x + width / 2, s + 0.5, label, ha="center", va="center", fontsize=6)
 
 
 def _cell(x, y, width, face, edge, alpha=1.0, hatch=None, height=1.0):
@@ -90,30 +118,31 @@ def _cell(x, y, width, face, edge, alpha=1.0, hatch=None, height=1.0):
     )
 
 
-def schedules_figure(stages: int = 4, micro: int = 8):
-    """Every schedule of `CASES` for S stages and M micro-batches, one under another, on a
-    shared time axis (one stage's forward = 1)."""
+def schedules_figure(stages: int = 4, micro: int = 8, cases=CASES):
+    """Every schedule of `cases` (kind, V) for S stages and M micro-batches, one under
+    another, on a shared time axis (one stage's forward = 1)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    tables = [make_schedule(kind, stages, micro, v) for kind, v in CASES]
-    xmax = max(full_step(t)[0].shape[0] / t.virtual for t in tables)
+    tables = [make_schedule(kind, stages, micro, v) for kind, v in cases]
+    xmax = max(lockstep_time(t) / t.virtual for t in tables)
     fig, axes = plt.subplots(len(tables), 1, figsize=(11, 1.4 + 0.6 * stages * len(tables)))
     for ax, table in zip(axes, tables, strict=True):
         draw_schedule(ax, table, xmax)
-    axes[-1].set_xlabel("time, in ticks of one stage's forward (a circular tick runs 1/V)")
+    axes[-1].set_xlabel("time, in one stage's forward (a whole backward takes two; a chunk 1/V)")
     legend = [
         Patch(facecolor=MICRO_COLOURS[0], edgecolor="k", label="forward of micro-batch 0"),
         Patch(facecolor=MICRO_COLOURS[0], alpha=0.45, edgecolor="k", label="backward"),
+        Patch(facecolor=MICRO_COLOURS[0], alpha=0.6, edgecolor="k", label="B: input grads"),
+        Patch(facecolor=MICRO_COLOURS[0], alpha=0.3, hatch="...", label="W: weight grads"),
         Patch(facecolor="0.2", edgecolor="0.2", label="top band: virtual stage 1 (label 0')"),
-        Patch(facecolor="0.92", edgecolor="0.75", hatch="///", label="bubble"),
+        Patch(facecolor="0.92", edgecolor="0.75", hatch="///", label="bubble or lockstep wait"),
     ]
-    fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(
-        "Pipeline schedules as jaxpod runs them (jaxpod.parallel.schedules.make_schedule)",
-        fontsize=11,
+        "Pipeline schedules as tables (jaxpod.parallel.schedules.make_schedule)", fontsize=11
     )
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 

@@ -32,8 +32,37 @@ from typing import Literal
 import numpy as np
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
+# the backward split (zero-bubble kinds): B, the input gradient; W, the weight gradient
+BACKWARD_INPUT, BACKWARD_WEIGHT = 3, 4
 Kind = Literal["gpipe", "circular", "1f1b"]
-KINDS: tuple[str, ...] = ("gpipe", "circular", "1f1b")
+KINDS: tuple[str, ...] = ("gpipe", "circular", "1f1b")  # the kinds the executors run
+# every table `make_schedule` builds (`jaxpod.parallel.schedules_split`: the kinds past 1F1B)
+TABLES: tuple[str, ...] = (*KINDS, "interleaved-1f1b", "zb-h1", "zb-v")
+# the kinds whose V virtual stages per device sit in a V: device s holds s and 2S - 1 - s
+V_SHAPED = ("zb-v",)
+
+
+def global_stage(kind: str, stage: int, virtual_stage: int, stages: int) -> int:
+    """The global stage (its place in the layer stack) of virtual stage r of `stage`:
+    round-robin r·S + s, or in a V (`V_SHAPED`) s for r = 0 and 2S - 1 - s for r = 1."""
+    if kind in V_SHAPED:
+        return stage if virtual_stage == 0 else 2 * stages - 1 - stage
+    return virtual_stage * stages + stage
+
+
+def needs(kind: str, op: int, m: int, r: int, s: int, stages: int, virtual: int):
+    """The `(op, micro-batch, global stage)` that must be done before `op` of micro-batch
+    `m` runs on virtual stage `r` of stage `s` (None: nothing): a forward needs the previous
+    global stage's, a backward (or B) the next one's (the last stage's, its own forward), a
+    W its B."""
+    g = global_stage(kind, s, r, stages)
+    last = stages * virtual - 1
+    if op == FORWARD:
+        return (FORWARD, m, g - 1) if g > 0 else None
+    if op == BACKWARD_WEIGHT:
+        return (BACKWARD_INPUT, m, g)
+    done = BACKWARD if op == BACKWARD else BACKWARD_INPUT
+    return (done, m, g + 1) if g < last else (FORWARD, m, g)
 
 
 @dataclass(frozen=True)
@@ -55,7 +84,7 @@ class Schedule:
     @property
     def explicit_backward(self) -> bool:
         """The table holds the backward ops (else autodiff transposes the forward scan)."""
-        return bool((self.op == BACKWARD).any())
+        return bool(np.isin(self.op, (BACKWARD, BACKWARD_INPUT)).any())
 
     @property
     def bubble(self) -> float:
@@ -66,15 +95,17 @@ class Schedule:
 
     @cached_property
     def in_flight(self) -> np.ndarray:
-        """`[stages]`: the most micro-batches a stage holds between its forward and its
-        backward (stage inputs kept for the backward). Forward-only tables: all M."""
+        """`[stages]`: the most micro-batches (chunks, with virtual stages) a stage holds
+        between a forward and the backward that frees it (the whole backward, or W: what B
+        and W need is kept until W). Forward-only tables: all M."""
         if not self.explicit_backward:
             return np.full(self.stages, self.micro, np.int32)
         out = np.zeros(self.stages, np.int32)
         for s in range(self.stages):
             held = 0
             for t in range(self.ticks):
-                held += int(self.op[t, s] == FORWARD) - int(self.op[t, s] == BACKWARD)
+                op = self.op[t, s]
+                held += int(op == FORWARD) - int(op in (BACKWARD, BACKWARD_WEIGHT))
                 out[s] = max(out[s], held)
         return out
 
@@ -164,14 +195,22 @@ def one_f_one_b(stages: int, micro: int) -> Schedule:
 
 
 def make_schedule(kind: str, stages: int, micro: int, virtual: int = 1) -> Schedule:
-    """The table of `kind` (one of `KINDS`) for `stages` stages and `micro` micro-batches."""
+    """The table of `kind` (one of `TABLES`) for `stages` stages and `micro` micro-batches."""
+    from jaxpod.parallel import schedules_split as split
+
+    if kind == "interleaved-1f1b":
+        return split.interleaved_1f1b(stages, micro, virtual)
+    if kind == "zb-h1":
+        return split.zb_h1(stages, micro)
+    if kind == "zb-v":
+        return split.zb_v(stages, micro)
     if kind == "gpipe":
         return gpipe(stages, micro)
     if kind == "circular":
         return circular(stages, micro, virtual)
     if kind == "1f1b":
         return one_f_one_b(stages, micro)
-    raise ValueError(f"unknown pipeline schedule {kind!r}; choose from {', '.join(KINDS)}")
+    raise ValueError(f"unknown pipeline schedule {kind!r}; choose from {', '.join(TABLES)}")
 
 
 def layer_order(layers: int, stages: int, virtual: int) -> np.ndarray:

@@ -1,0 +1,67 @@
+"""What a schedule's table costs in time, with a forward, a B and a W one unit each and a
+whole backward two (the backward computes both gradients). Jax-free.
+
+- `lockstep_time`: the SPMD program runs the table tick by tick on every stage at once, so
+  a tick costs its slowest op (a tick where one stage runs a whole backward and another a
+  forward costs 2).
+- `mpmd_time`: the papers' ideal, each device running its own ops in the table's order as
+  soon as their inputs exist (transfers free): the critical path.
+- `work`: one stage's busy units (the same on every stage); `bubble` = 1 - work / time.
+Forward-only tables (GPipe, circular) add their transposed backward: the same ticks again,
+two units each.
+"""
+
+from __future__ import annotations
+
+from jaxpod.parallel.schedules import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    IDLE,
+    Schedule,
+    global_stage,
+    needs,
+)
+
+COST = {IDLE: 0, FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1}
+
+
+def work(schedule: Schedule) -> int:
+    """Units one stage computes in a step (forwards, backwards; the transposed backward of a
+    forward-only table included)."""
+    units = sum(COST[int(o)] for o in schedule.op[:, 0])
+    return units if schedule.explicit_backward else 3 * units
+
+
+def lockstep_time(schedule: Schedule) -> int:
+    """Units the lockstep SPMD program takes: each tick its slowest op."""
+    ticks = sum(max(COST[int(o)] for o in row) for row in schedule.op)
+    return ticks if schedule.explicit_backward else 3 * ticks
+
+
+def mpmd_time(schedule: Schedule) -> int:
+    """Units each device running its ops in order, each as soon as its input exists."""
+    if not schedule.explicit_backward:
+        return lockstep_time(schedule)
+    s_, kind = schedule.stages, schedule.kind
+    queues = [schedule.ops(s) for s in range(s_)]
+    finish: dict = {}
+    free, nxt = [0] * s_, [0] * s_
+    while any(n < len(q) for n, q in zip(nxt, queues, strict=True)):
+        for s in range(s_):
+            while nxt[s] < len(queues[s]):
+                _, o, m, r = queues[s][nxt[s]]
+                need = needs(kind, o, m, r, s, s_, schedule.virtual)
+                if need is not None and need not in finish:
+                    break  # wait for another device
+                start = max(free[s], finish.get(need, 0))
+                free[s] = start + COST[o]
+                finish[(o, m, global_stage(kind, s, r, s_))] = free[s]
+                nxt[s] += 1
+    return max(free)
+
+
+def bubble(schedule: Schedule, time: int) -> float:
+    """The idle fraction of a step that takes `time` units."""
+    return 1.0 - work(schedule) / time
