@@ -1,10 +1,11 @@
 """The planner's activation model: what the train step keeps alive besides its state.
 
 `activation_bytes(cfg, profile)` models two moments of one device's step, the loss head and
-the layers' backward pass: the residuals saved per layer and pipeline tick, the pipeline's
-buffers, the head's logits, one layer's backward working set (`jaxpod.planner.bytes` adds the
-state to them). `compute_bytes` and `stored_bytes` say how many bytes a scalar takes in
-computation and between computations on the device profile. Analytic, no jax.
+the layers' backward pass: the residuals saved per layer (`jaxpod.planner.layer`) and
+pipeline tick, the pipeline's buffers, the head's logits, one layer's backward working set
+(`jaxpod.planner.bytes` adds the state to them). `compute_bytes` and `stored_bytes` say how
+many bytes a scalar takes in computation and between computations on the device profile.
+Analytic, no jax.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 from jaxpod.config import Config
 from jaxpod.planner import efficientnet
 from jaxpod.planner.counts import layer_params
+from jaxpod.planner.layer import layer_sets
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -42,84 +44,6 @@ def stored_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
     profile = profile or get_profile(cfg.memory.device)
     compute = cfg.precision.compute
     return 4 if compute in profile.stores_in_float32 else DTYPE_BYTES[compute]
-
-
-def _layer_sets(cfg: Config, cb: int, sb: int) -> dict:
-    """Bytes of one layer's residuals for one micro-batch on one device (`cb` bytes a scalar):
-    `all` (what autodiff saves without remat), `saved` (what the remat policy keeps, layer
-    input included), `work` (one layer's backward working set) and `btd` (one [b, T, D] row
-    of the residual stream, as stored)."""
-    md, t = cfg.model, cfg.mesh.tensor
-    b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
-    btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
-    # With sequence_chunks = C > 1 each query chunk and each MLP token chunk is a checkpoint:
-    # scores and MLP hidden activations are never saved, one query chunk's scores are alive.
-    # The MLP's token chunks earn credit in the backward working set only with RTS (the
-    # layer's weights all-gathered inside its remat unit): without it XLA holds the whole
-    # sequence's hidden units anyway (read with benchmarks/xla_peak.py).
-    # The loss head's logits shrink by C. The chunks are sliced from their input and their
-    # outputs written in place (`map_chunks`): no stacked copies.
-    chunked = md.sequence_chunks > 1
-    kept_scores = 0 if chunked else scores
-    chunk = scores // md.sequence_chunks
-    attention_work = (5 * cb + 1) * chunk if chunked else 0  # masked, exp, probs, 2 grads
-    # Sequence parallelism: residual-stream tensors are [b, T/t, D]; attention and the MLP
-    # each all-gather their input to [b, T, D] (and the row-parallel matmul output is
-    # full-length before its reduce-scatter).
-    res = btd // t if md.sequence_parallel else btd
-    gathered = 2 * btd if md.sequence_parallel and t > 1 else 0
-    # LN1/LN2: 4 [b,T,D] each; q, k, v, attention output: [b,T,D/t] each; masked scores,
-    # exp, probabilities [b,H/t,T,T] (+ the boolean mask, 1 byte); GELU MLP: 6 [b,T,F/t].
-    kept_hidden = 0 if chunked else btf
-    every = (8 * res + gathered + 4 * btd // t + 6 * kept_hidden) * cb
-    every += (3 * cb + 1) * kept_scores
-    # The attention psum's output is saved; the MLP psum's output is not (the residual add's
-    # backward needs no inputs, so autodiff drops it as a residual).
-    psums = res if t > 1 else 0
-    # What a policy keeps is stored in the compute dtype (`sb` bytes a scalar, `stored_bytes`):
-    # a backend that widens float16 arithmetic (`cb` = 4) widens it inside its fused
-    # computations, not in the buffers between them (XLA:CPU's GPT-3 POD256 program keeps its
-    # saved layer inputs and the pipeline's rows in float16); XLA:CPU stores bfloat16 in float32.
-    kept_scalars = {
-        "full": res,
-        "minimal": res + 3 * btd // t + btd + btf,
-        "attention": res + 4 * btd // t,
-        "comms": res + psums,
-    }
-    saved = every if md.remat == "none" else kept_scalars[md.remat] * sb
-    # Recomputing one layer: everything it would have saved (`every`, split into its attention
-    # and MLP halves), less what the policy keeps. memory.stream=matrix recomputes one step
-    # at a time: the attention half, or one of the k MLP panels (1/k of the hidden units, and
-    # the panel's partial sums [b, T, D]), plus the steps' inputs (x, q, k, v, o, x1, y).
-    # XLA realises that smaller working set without tensor parallelism only: with t > 1 it
-    # holds the layer's working set plus the steps' inputs (measured on 1x2x4 and 1x1x4, with
-    # and without sequence parallelism and chunks, with benchmarks/xla_peak.py), so that is
-    # counted.
-    # Alive together at the peak of a recomputed layer's backward (the GELU's backward, in
-    # every remat-full program read with benchmarks/xla_peak.py): of the attention, the scores
-    # and the probabilities kept for its backward (exp is fused into them; the causal mask is
-    # one [T, T]); of the MLP, the pre-activation, the GELU's tanh, the cotangents of the
-    # GELU's output and of its input, 4 hidden-sized (the GELU's output is dead by then).
-    attention = (4 * res + gathered // 2 + 4 * btd // t) * cb + 2 * cb * kept_scores
-    attention += attention_work
-    mlp_in = (4 * res + gathered // 2) * cb
-    # the recomputed MLP's hidden units: the whole sequence's, or with RTS (the weights
-    # gathered inside the layer) one token chunk's (measured)
-    hidden = btf // md.sequence_chunks if chunked and cfg.memory.rts > 1 else btf
-    mlp = mlp_in + 4 * hidden * cb
-    kept = saved - res * cb if md.remat == "none" else (kept_scalars[md.remat] - res) * cb
-    step_inputs = (3 * res + 4 * btd // t) * cb  # x, q, k, v, o, x1, y: kept per layer
-    if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
-        work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
-    elif cfg.memory.stream == "matrix" and t == 1:
-        k = cfg.memory.mlp_panels
-        mlp_panel = mlp_in + btd * cb + 6 * btf // k * cb
-        work = max(max(attention, mlp_panel) + step_inputs - kept, 0)
-    else:
-        work = max(attention + mlp - attention_work - kept, 0) + attention_work
-        if cfg.memory.stream == "matrix":  # no credit under tensor parallelism (measured)
-            work += step_inputs
-    return {"all": every, "saved": saved, "work": work, "btd": res * sb}
 
 
 def _head_kept(cfg: Config, tokens: int, sb: int) -> int:
@@ -203,7 +127,7 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
             dense_depthwise=profile.dense_depthwise_grads,
         )
     sb = stored_bytes(cfg, profile)
-    sets = _layer_sets(cfg, cb, sb)
+    sets = layer_sets(cfg, cb, sb)
     # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)
     stages, micro, per_stage = mesh.pipeline, cfg.pipeline_group, md.layers // mesh.pipeline
     kind, virtual = tr.pipeline_schedule, tr.virtual_stages
