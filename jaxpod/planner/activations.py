@@ -1,10 +1,11 @@
 """The planner's activation model: what the train step keeps alive besides its state.
 
 `activation_bytes(cfg, profile)` models two moments of one device's step, the loss head and
-the layers' backward pass: the residuals saved per layer and pipeline tick, the pipeline's
-buffers, the head's logits, one layer's backward working set (`jaxpod.planner.bytes` adds the
-state to them). `compute_bytes` and `stored_bytes` say how many bytes a scalar takes in
-computation and between computations on the device profile. Analytic, no jax.
+the layers' backward pass: the residuals saved per layer (`jaxpod.planner.layer`) and
+pipeline tick, the pipeline's buffers, the head's logits, one layer's backward working set
+(`jaxpod.planner.bytes` adds the state to them). `compute_bytes` and `stored_bytes` say how
+many bytes a scalar takes in computation and between computations on the device profile.
+Analytic, no jax.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import math
 
 from jaxpod.config import Config
 from jaxpod.planner import efficientnet
-from jaxpod.planner.counts import layer_params
+from jaxpod.planner.counts import efficientnet_stage_params, layer_params
+from jaxpod.planner.layer import layer_sets
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -42,84 +44,6 @@ def stored_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
     profile = profile or get_profile(cfg.memory.device)
     compute = cfg.precision.compute
     return 4 if compute in profile.stores_in_float32 else DTYPE_BYTES[compute]
-
-
-def _layer_sets(cfg: Config, cb: int, sb: int) -> dict:
-    """Bytes of one layer's residuals for one micro-batch on one device (`cb` bytes a scalar):
-    `all` (what autodiff saves without remat), `saved` (what the remat policy keeps, layer
-    input included), `work` (one layer's backward working set) and `btd` (one [b, T, D] row
-    of the residual stream, as stored)."""
-    md, t = cfg.model, cfg.mesh.tensor
-    b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
-    btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
-    # With sequence_chunks = C > 1 each query chunk and each MLP token chunk is a checkpoint:
-    # scores and MLP hidden activations are never saved, one query chunk's scores are alive.
-    # The MLP's token chunks earn credit in the backward working set only with RTS (the
-    # layer's weights all-gathered inside its remat unit): without it XLA holds the whole
-    # sequence's hidden units anyway (read with benchmarks/xla_peak.py).
-    # The loss head's logits shrink by C. The chunks are sliced from their input and their
-    # outputs written in place (`map_chunks`): no stacked copies.
-    chunked = md.sequence_chunks > 1
-    kept_scores = 0 if chunked else scores
-    chunk = scores // md.sequence_chunks
-    attention_work = (5 * cb + 1) * chunk if chunked else 0  # masked, exp, probs, 2 grads
-    # Sequence parallelism: residual-stream tensors are [b, T/t, D]; attention and the MLP
-    # each all-gather their input to [b, T, D] (and the row-parallel matmul output is
-    # full-length before its reduce-scatter).
-    res = btd // t if md.sequence_parallel else btd
-    gathered = 2 * btd if md.sequence_parallel and t > 1 else 0
-    # LN1/LN2: 4 [b,T,D] each; q, k, v, attention output: [b,T,D/t] each; masked scores,
-    # exp, probabilities [b,H/t,T,T] (+ the boolean mask, 1 byte); GELU MLP: 6 [b,T,F/t].
-    kept_hidden = 0 if chunked else btf
-    every = (8 * res + gathered + 4 * btd // t + 6 * kept_hidden) * cb
-    every += (3 * cb + 1) * kept_scores
-    # The attention psum's output is saved; the MLP psum's output is not (the residual add's
-    # backward needs no inputs, so autodiff drops it as a residual).
-    psums = res if t > 1 else 0
-    # What a policy keeps is stored in the compute dtype (`sb` bytes a scalar, `stored_bytes`):
-    # a backend that widens float16 arithmetic (`cb` = 4) widens it inside its fused
-    # computations, not in the buffers between them (XLA:CPU's GPT-3 POD256 program keeps its
-    # saved layer inputs and the pipeline's rows in float16); XLA:CPU stores bfloat16 in float32.
-    kept_scalars = {
-        "full": res,
-        "minimal": res + 3 * btd // t + btd + btf,
-        "attention": res + 4 * btd // t,
-        "comms": res + psums,
-    }
-    saved = every if md.remat == "none" else kept_scalars[md.remat] * sb
-    # Recomputing one layer: everything it would have saved (`every`, split into its attention
-    # and MLP halves), less what the policy keeps. memory.stream=matrix recomputes one step
-    # at a time: the attention half, or one of the k MLP panels (1/k of the hidden units, and
-    # the panel's partial sums [b, T, D]), plus the steps' inputs (x, q, k, v, o, x1, y).
-    # XLA realises that smaller working set without tensor parallelism only: with t > 1 it
-    # holds the layer's working set plus the steps' inputs (measured on 1x2x4 and 1x1x4, with
-    # and without sequence parallelism and chunks, with benchmarks/xla_peak.py), so that is
-    # counted.
-    # Alive together at the peak of a recomputed layer's backward (the GELU's backward, in
-    # every remat-full program read with benchmarks/xla_peak.py): of the attention, the scores
-    # and the probabilities kept for its backward (exp is fused into them; the causal mask is
-    # one [T, T]); of the MLP, the pre-activation, the GELU's tanh, the cotangents of the
-    # GELU's output and of its input, 4 hidden-sized (the GELU's output is dead by then).
-    attention = (4 * res + gathered // 2 + 4 * btd // t) * cb + 2 * cb * kept_scores
-    attention += attention_work
-    mlp_in = (4 * res + gathered // 2) * cb
-    # the recomputed MLP's hidden units: the whole sequence's, or with RTS (the weights
-    # gathered inside the layer) one token chunk's (measured)
-    hidden = btf // md.sequence_chunks if chunked and cfg.memory.rts > 1 else btf
-    mlp = mlp_in + 4 * hidden * cb
-    kept = saved - res * cb if md.remat == "none" else (kept_scalars[md.remat] - res) * cb
-    step_inputs = (3 * res + 4 * btd // t) * cb  # x, q, k, v, o, x1, y: kept per layer
-    if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
-        work = (2 * kept_scores + btf + 2 * btd) * cb + attention_work
-    elif cfg.memory.stream == "matrix" and t == 1:
-        k = cfg.memory.mlp_panels
-        mlp_panel = mlp_in + btd * cb + 6 * btf // k * cb
-        work = max(max(attention, mlp_panel) + step_inputs - kept, 0)
-    else:
-        work = max(attention + mlp - attention_work - kept, 0) + attention_work
-        if cfg.memory.stream == "matrix":  # no credit under tensor parallelism (measured)
-            work += step_inputs
-    return {"all": every, "saved": saved, "work": work, "btd": res * sb}
 
 
 def _head_kept(cfg: Config, tokens: int, sb: int) -> int:
@@ -152,58 +76,76 @@ def _head_table(cfg: Config, cb: int) -> int:
     return rows * (md.d_model + (md.name == "bert")) * max(cb, pb)
 
 
-def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
-    """Activation bytes per device, with the breakdown.
+def _packed_activation_bytes(cfg: Config, profile: DeviceProfile, cb: int) -> dict:
+    """EfficientNet's activation bytes (`jaxpod.planner.efficientnet`): its stages are packed
+    into rows of the longest stage's parameter count, so the rows, their dtypes and the rows
+    the update rounds stochastically are what its model needs from the config."""
+    stage_params = efficientnet_stage_params(cfg)
+    row = max(stage_params)  # n_max: every stage's row is this long
+    act, pb = DTYPE_BYTES[cfg.precision.compute], DTYPE_BYTES[cfg.precision.params]
+    # rows rounded stochastically: the weights row, and the optimizer's (one row of its
+    # moments per parameter) when 16-bit
+    opt16 = cfg.optim.moments != "float32" and cfg.precision.master != "float32"
+    moments = MOMENTS[cfg.optim.name]
+    sr_rows = (1 + moments * opt16) if pb < 4 else 0
+    return efficientnet.activation_bytes(
+        cfg,
+        cb,
+        act,
+        row,
+        pb,
+        sr_rows,
+        pb,
+        stage_params,
+        moments,
+        dense_depthwise=profile.dense_depthwise_grads,
+    )
 
-    - `saved`: residuals kept for the backward pass. pipeline == 1: the micro-batches run one
-      after another (forward and backward inside the accumulation loop), so one micro-batch's
-      layers are in flight. gpipe and circular (one forward scan, differentiated as a whole):
-      every one of the V·M + S - 1 ticks saves its virtual stage's layers, bubble ticks included,
-      where M is the micro-batches of one pass (`train.pipeline_group`; the passes run in
-      turn).
-      1f1b: the stage inputs of at most S micro-batches.
-    - `pipeline_buffers`: what the backward tick scan holds besides (gpipe, circular: the
-      cotangent of every tick's collected output, the embedded micro-batches' cotangent, the
-      carry, the tick's slice of the saved residuals; 1f1b: a backward tick's residuals).
-    - `tick_grads`: the gradient of the stage's layer stack that a tick's layer scan carries.
-    - `head`: the loss head: float32 logits over this device's tokens (mb·T; M·mb·T/S when the
-      pipeline spreads the head over the stages) x V/t (/ `memory.vocab_slices`), x 3 live
-      copies, plus the final LN; the tokens in `sequence_chunks` chunks.
-    - `head_kept`: the head's operands for its weight gradients, alive through the layers'
-      backward (`_head_kept`).
-    - `layer_work`: one layer's backward working set (recomputation under remat).
-    Two moments: `head_moment` (saved, the forward's embedded rows, the head; a head in chunks
-    also its table gradient) and `backward_moment` (saved + pipeline_buffers + tick_grads +
-    head_kept + layer_work); `total` is the larger. `head_table` is the head's table copy.
-    """
+
+def _tick_scan_buffers(cfg: Config, sets: dict, ticks: int, per_tick: int) -> tuple[int, int]:
+    """`(pipeline_buffers, tick_grads)` of gpipe and circular: the forward tick scan, the
+    head, then autodiff's backward tick scan, which holds besides the saved residuals
+    (XLA:CPU's buffer assignment, read with benchmarks/xla_peak.py):
+
+    - `ticks` rows: the cotangent of the ticks' collected outputs (the transpose of taking
+      the last stage's M outputs from them: a pad (gpipe), a scatter (circular));
+    - `micro` rows: the embedded micro-batches' cotangent, a carry of the scan; BERT also its
+      embedding LayerNorm's input and centred input, [M, mb, T, D] each, saved for the
+      embedding's backward after the ticks;
+    - one row: the carry, the activation cotangent sent up the pipe;
+    - the tick's own part of the saved residuals (`per_tick` layers);
+    - `tick_grads`: with more than one layer a tick (a layer scan inside the tick), the
+      transposed layer scan's gradient of the stage's whole stack (the tick's layers are a
+      dynamic slice of it), before it is added into the stage's accumulator;
+    - with `train.skip_bubbles`, the backward tick's `lax.cond` returns its layers' weight
+      gradients and saved residuals as buffers of their own (read on 1x2x1, d 128, remat
+      full / minimal / comms / none, benchmarks/xla_peak.py)."""
+    md, mesh = cfg.model, cfg.mesh
+    micro, per_stage = cfg.pipeline_group, md.layers // mesh.pipeline
+    rows = ticks + micro + 1 + (2 * micro if md.name == "bert" else 0)
+    buffers = rows * sets["btd"] + per_tick * sets["saved"]
+    sharded, replicated = layer_params(md.d_model, md.d_ff)
+    layer = (sharded // mesh.tensor + replicated) * DTYPE_BYTES[cfg.precision.params]
+    tick_grads = per_stage * layer // cfg.memory.rts if per_tick > 1 else 0
+    if cfg.train.skip_bubbles:
+        buffers += per_tick * (layer // cfg.memory.rts + sets["saved"])
+    return buffers, tick_grads
+
+
+def _pipeline_terms(cfg: Config, sets: dict, sb: int) -> dict:
+    """What the schedule keeps of the layers' activations (`sets`: `layer_sets`), by the
+    output's keys, and the head's tokens on this device (`head_tokens`).
+
+    `saved`: residuals kept for the backward pass. pipeline == 1: the micro-batches run one
+    after another (forward and backward inside the accumulation loop), so one micro-batch's
+    layers are in flight. gpipe and circular (one forward scan, differentiated as a whole):
+    every one of the V·M + S - 1 ticks saves its virtual stage's layers, bubble ticks
+    included, where M is the micro-batches of one pass (`train.pipeline_group`; the passes
+    run in turn). 1f1b: the stage inputs of at most S micro-batches.
+    `pipeline_buffers` and `tick_grads`: gpipe, circular `_tick_scan_buffers`; 1f1b a
+    backward tick's residuals. `head_kept`: `_head_kept`, where the head's gradients wait for
+    the layers' backward."""
     md, mesh, tr = cfg.model, cfg.mesh, cfg.train
-    profile = profile or get_profile(cfg.memory.device)
-    cb = compute_bytes(cfg, profile)
-    if md.name == "efficientnet":  # packed heterogeneous stages: jaxpod.planner.efficientnet
-        from jaxpod.planner.counts import efficientnet_stage_params
-
-        stage_params = efficientnet_stage_params(cfg)
-        row = max(stage_params)  # n_max: every stage's row is this long
-        act, pb = DTYPE_BYTES[cfg.precision.compute], DTYPE_BYTES[cfg.precision.params]
-        # rows rounded stochastically: the weights row, and the optimizer's (one row of its
-        # moments per parameter) when 16-bit
-        opt16 = cfg.optim.moments != "float32" and cfg.precision.master != "float32"
-        moments = MOMENTS[cfg.optim.name]
-        sr_rows = (1 + moments * opt16) if pb < 4 else 0
-        return efficientnet.activation_bytes(
-            cfg,
-            cb,
-            act,
-            row,
-            pb,
-            sr_rows,
-            pb,
-            stage_params,
-            moments,
-            dense_depthwise=profile.dense_depthwise_grads,
-        )
-    sb = stored_bytes(cfg, profile)
-    sets = _layer_sets(cfg, cb, sb)
     # micro: the micro-batches of one GPipe pass (`train.pipeline_group`; passes run in turn)
     stages, micro, per_stage = mesh.pipeline, cfg.pipeline_group, md.layers // mesh.pipeline
     kind, virtual = tr.pipeline_schedule, tr.virtual_stages
@@ -211,40 +153,14 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     per_tick = per_stage // virtual  # the layers one tick runs (one virtual stage's)
     saved = ticks * per_tick * sets["saved"]  # the forward tick scan's stacked residuals
     head_tokens = tr.micro_batch * md.seq_len * (1 if stages == 1 else micro) // stages
-    vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_slices  # logits of a slice of rows
     buffers = tick_grads = head_kept = 0
     if stages == 1 and md.remat != "none":
         # the head's operands through the layers' backward, as pipelined below (read on 1x1x1
         # and 1x1x4, remat full; without remat XLA:CPU computes the head's gradients at once)
         head_kept = _head_kept(cfg, head_tokens, sb)
     if stages > 1 and kind != "1f1b":
-        # gpipe and circular: the forward tick scan, the head, then autodiff's backward tick
-        # scan, which holds besides the saved residuals (XLA:CPU's buffer assignment, read
-        # with benchmarks/xla_peak.py):
-        # - `ticks` rows: the cotangent of the ticks' collected outputs (the transpose of
-        #   taking the last stage's M outputs from them: a pad (gpipe), a scatter (circular));
-        # - `micro` rows: the embedded micro-batches' cotangent, a carry of the scan; BERT
-        #   also its embedding LayerNorm's input and centred input, [M, mb, T, D] each, saved
-        #   for the embedding's backward after the ticks;
-        # - one row: the carry, the activation cotangent sent up the pipe;
-        # - the tick's own part of the saved residuals (`per_tick` layers);
-        # - `tick_grads`: with more than one layer a tick (a layer scan inside the tick), the
-        #   transposed layer scan's gradient of the stage's whole stack (the tick's layers
-        #   are a dynamic slice of it), before it is added into the stage's accumulator;
-        # - `head_kept`: the head's operands for its weight gradients, computed after the
-        #   backward ticks (`_head_kept`).
-        # - with `train.skip_bubbles`, the backward tick's `lax.cond` returns its layers'
-        #   weight gradients and saved residuals as buffers of their own (read on 1x2x1,
-        #   d 128, remat full / minimal / comms / none, benchmarks/xla_peak.py).
-        rows = ticks + micro + 1 + (2 * micro if md.name == "bert" else 0)
-        buffers = rows * sets["btd"] + per_tick * sets["saved"]
-        sharded, replicated = layer_params(md.d_model, md.d_ff)
-        layer = (sharded // mesh.tensor + replicated) * DTYPE_BYTES[cfg.precision.params]
-        if per_tick > 1:
-            tick_grads = per_stage * layer // cfg.memory.rts
-        if tr.skip_bubbles:
-            buffers += per_tick * (layer // cfg.memory.rts + sets["saved"])
-        head_kept = _head_kept(cfg, head_tokens, sb)
+        buffers, tick_grads = _tick_scan_buffers(cfg, sets, ticks, per_tick)
+        head_kept = _head_kept(cfg, head_tokens, sb)  # its gradients after the backward ticks
     if stages > 1 and kind == "1f1b":
         # the stage inputs of at most S micro-batches and their gradients (two ring buffers),
         # the two values sent each tick; a backward tick's residuals of the stage's layers;
@@ -254,56 +170,115 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         saved = (2 * stages + 2) * sets["btd"]
         buffers = per_stage * sets["saved"]
         head_tokens = tr.micro_batch * md.seq_len
-    head_chunks = math.gcd(md.sequence_chunks, head_tokens)  # loss head chunks (as the engine)
+    return {
+        "saved": saved,
+        "pipeline_buffers": buffers,
+        "tick_grads": tick_grads,
+        "head_kept": head_kept,
+        "ticks": ticks,
+        "layers_per_stage": per_stage,
+        "head_tokens": head_tokens,
+    }
+
+
+def _head_logits(cfg: Config, tokens: int, cb: int) -> tuple[int, int]:
+    """`(head, chunks)`: bytes of the loss head at its peak over `tokens` tokens, in `chunks`
+    chunks (`sequence_chunks`, as the engine divides the head's tokens): float32 logits over
+    V/t (/ `memory.vocab_slices`) rows in their live copies, plus the final LN's values."""
+    md = cfg.model
+    vocab_rows = md.vocab // cfg.mesh.tensor // cfg.memory.vocab_slices  # a slice's logits
+    chunks = math.gcd(md.sequence_chunks, tokens)  # loss head chunks (as the engine)
     copies = SLICED_HEAD_LOGIT_COPIES if cfg.memory.vocab_slices > 1 else HEAD_LOGIT_COPIES
     if cfg.precision.compute != "float32":
         copies = min(copies, ROUNDED_HEAD_LOGIT_COPIES)
-    head = head_tokens * vocab_rows * 4 * copies // head_chunks
-    head += head_tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // head_chunks
-    # memory.offload=activations earns nothing: the CPU lowering places no saved value on the
-    # host (the TPU/GPU one does, uncredited: tests/planner/test_transfers.py)
-    on_device_saved = saved
-    # Two moments: the loss head (end of the forward pass: the saved residuals, the forward's
-    # rows, the head's logits) and the layers' backward pass (the backward's buffers, the
-    # stack's gradients, the head's kept operands, a layer's working set); `device_bytes`
-    # adds to each what else is alive then. 1f1b runs its head inside the backward ticks.
-    backward = on_device_saved + buffers + tick_grads + head_kept + sets["work"]
-    if stages > 1 and kind != "1f1b":  # the embedded micro-batches (BERT: and its LN's rows)
-        head_moment = on_device_saved + (micro + 2 * micro * (md.name == "bert")) * sets["btd"]
-    else:
-        head_moment = on_device_saved + buffers + tick_grads
+    head = tokens * vocab_rows * 4 * copies // chunks
+    head += tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // chunks
+    return head, chunks
+
+
+def _head_peak(cfg: Config, tokens: int, head: int, chunks: int) -> int:
+    """Bytes the loss head adds to its moment: its logits (`head`), and where its table's
+    gradient is summed in a loop (over slices of rows or chunks of tokens) that loop's terms."""
+    md, mesh = cfg.model, cfg.mesh
     pb = DTYPE_BYTES[cfg.precision.params]
     if cfg.memory.vocab_slices > 1:
         # the head's loop over slices of table rows carries the table's gradient, reduce-
         # scattered slice by slice (RTS): the carry and its update (read on
         # test_plan_vs_xla's vocab-slices config, 4x2x1, benchmarks/xla_peak.py)
         table = md.vocab // mesh.tensor * md.d_model * pb // cfg.memory.rts
-        head_moment += head + 2 * table
-    elif head_chunks > 1:
+        return head + 2 * table
+    if chunks > 1:
         # in chunks, the head's table gradient is summed inside its chunk loop: the loop's
         # accumulator, and at a chunk's backward its term beside the chunk's logits'
         # cotangent (read on bench_planner's vocab row)
-        logits = head_tokens * vocab_rows * 4 // head_chunks
+        vocab_rows = md.vocab // mesh.tensor // cfg.memory.vocab_slices
+        logits = tokens * vocab_rows * 4 // chunks
         table = vocab_rows * md.d_model * pb
-        head_moment += max(head, logits + table) + table
-    else:
-        head_moment += head
-    total = max(backward, head_moment)
+        return max(head, logits + table) + table
+    return head
+
+
+def _head_moment(cfg: Config, pipe: dict, btd: int, head_peak: int) -> int:
+    """Bytes of activations alive at the loss head (end of the forward pass): the saved
+    residuals, the forward's rows (`btd` bytes each), the head (`head_peak`)."""
+    tr = cfg.train
+    saved = pipe["saved"]
+    if cfg.mesh.pipeline > 1 and tr.pipeline_schedule != "1f1b":
+        # the embedded micro-batches (BERT: and its LN's rows)
+        micro = cfg.pipeline_group
+        return saved + (micro + 2 * micro * (cfg.model.name == "bert")) * btd + head_peak
+    return saved + pipe["pipeline_buffers"] + pipe["tick_grads"] + head_peak
+
+
+def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
+    """Activation bytes per device, with the breakdown.
+
+    - `saved`: residuals kept for the backward pass; `pipeline_buffers`: what the backward
+      tick scan holds besides; `tick_grads`: the gradient of the stage's layer stack that a
+      tick's layer scan carries (`_pipeline_terms`).
+    - `head`: the loss head: float32 logits over this device's tokens (mb·T; M·mb·T/S when the
+      pipeline spreads the head over the stages) x V/t (/ `memory.vocab_slices`), x 3 live
+      copies, plus the final LN; the tokens in `sequence_chunks` chunks (`_head_logits`).
+    - `head_kept`: the head's operands for its weight gradients, alive through the layers'
+      backward (`_head_kept`).
+    - `layer_work`: one layer's backward working set (recomputation under remat).
+    Two moments: `head_moment` (saved, the forward's embedded rows, the head; a head in chunks
+    also its table gradient) and `backward_moment` (saved + pipeline_buffers + tick_grads +
+    head_kept + layer_work); `total` is the larger; `device_bytes` adds to each moment what
+    else is alive then (1f1b runs its head inside the backward ticks). `head_table` is the
+    head's table copy.
+    """
+    profile = profile or get_profile(cfg.memory.device)
+    cb = compute_bytes(cfg, profile)
+    if cfg.model.name == "efficientnet":  # packed heterogeneous stages
+        return _packed_activation_bytes(cfg, profile, cb)
+    sb = stored_bytes(cfg, profile)
+    sets = layer_sets(cfg, cb, sb)
+    pipe = _pipeline_terms(cfg, sets, sb)
+    tokens = pipe["head_tokens"]
+    head, head_chunks = _head_logits(cfg, tokens, cb)
+    # memory.offload=activations earns nothing: the CPU lowering places no saved value on the
+    # host (the TPU/GPU one does, uncredited: tests/planner/test_transfers.py)
+    saved = on_device_saved = pipe["saved"]
+    backward = on_device_saved + pipe["pipeline_buffers"] + pipe["tick_grads"]
+    backward += pipe["head_kept"] + sets["work"]
+    head_peak = _head_peak(cfg, tokens, head, head_chunks)
+    head_moment = _head_moment(cfg, pipe, sets["btd"], head_peak)
     return {
         "saved": saved,
         "saved_on_device": on_device_saved,
         "saved_per_layer": sets["saved"],
-        "pipeline_buffers": buffers,
-        "tick_grads": tick_grads,
+        "pipeline_buffers": pipe["pipeline_buffers"],
+        "tick_grads": pipe["tick_grads"],
         "head": head,
-        "head_kept": head_kept,
+        "head_kept": pipe["head_kept"],
         "layer_work": sets["work"],
         "backward_moment": backward,
         "head_moment": head_moment,
         "head_table": _head_table(cfg, cb),
-        "ticks": ticks,
-        "layers_per_stage": per_stage,
-        "total": total,
+        "ticks": pipe["ticks"],
+        "layers_per_stage": pipe["layers_per_stage"],
+        "total": max(backward, head_moment),
         "host": saved - on_device_saved,
         "estimated": False,
     }

@@ -46,36 +46,44 @@ def _largest_matrix(cfg: Config) -> float:
     return max(3 * d * d, d * f) / cfg.mesh.tensor
 
 
-def device_bytes(
-    cfg: Config, layout: dict, acts: dict, profile: DeviceProfile | None = None
-) -> dict:
-    """Bytes per device of each kind of state, and the device and host totals (see the module
-    docstring); `profile` (default `memory.device`) is the device the step runs on."""
+def _state_bytes(cfg: Config, layout: dict) -> dict:
+    """Bytes per device of the whole state, wherever it rests: `master` (the master weights),
+    `weights` (with a 16-bit working copy: the forward's cast, a temporary of the step made on
+    the device, alive from the forward to the backward), `optimizer`, the gradients as the
+    stage holds them (`grads`: two copies when `accumulated`, summed over micro-batches or
+    passes, or carried by 1f1b) and as the update reads them (`grads_update`), the update's
+    `updates`."""
     mem, prec = cfg.memory, cfg.precision
-    profile = profile or get_profile(mem.device)
     rts = mem.rts
     rts_opt = mem.rts_optimizer or rts
     pb = DTYPE_BYTES[prec.params]
     mb = 4 if prec.master == "float32" else pb
     local = layout["local"]
-    offload = set(mem.offload)
-
-    # the state stores the master weights; a 16-bit working copy (the forward's cast) is a
-    # temporary of the step, made on the device, alive from the forward to the backward
     master_all = local / rts * mb
-    weights_all = master_all + (local / rts * pb if mb != pb else 0)
     moment_bytes = 4 if cfg.optim.moments == "float32" else mb
-    optimizer_all = local / rts_opt * MOMENTS[cfg.optim.name] * moment_bytes
     accumulated = cfg.part_micro > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
     accumulated |= cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule == "1f1b"  # carried
-    grads_stage = local / rts * pb * (2 if accumulated else 1)
-    grads_update = local / rts * pb
-    updates = local / rts * mb
-    gathered = gathered_layer = widened_step = scattered = 0
+    return {
+        "master": master_all,
+        "weights": master_all + (local / rts * pb if mb != pb else 0),
+        "optimizer": local / rts_opt * MOMENTS[cfg.optim.name] * moment_bytes,
+        "accumulated": accumulated,
+        "grads": local / rts * pb * (2 if accumulated else 1),
+        "grads_update": local / rts * pb,
+        "updates": local / rts * mb,
+    }
+
+
+def _gathered_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> tuple:
+    """`(gathered, gathered_layer, widened)`: bytes of the RTS-gathered weights alive in the
+    backward (all of them, or one layer's) and of the step's matrices widened to float32."""
+    mem, md = cfg.memory, cfg.model
+    pb = DTYPE_BYTES[cfg.precision.params]
+    gathered = gathered_layer = widened_step = 0
     # the parameters one step of a layer uses: the whole layer, or with memory.stream=matrix
     # the largest step's panels (gathered, and their gradients reduce-scattered, one panel at a
     # time: the panel is cut before the gather)
-    step = layout["local_layers"] / max(cfg.model.layers // cfg.mesh.pipeline, 1)
+    step = layout["local_layers"] / max(md.layers // cfg.mesh.pipeline, 1)
     if mem.stream == "matrix":
         step *= _step_share(cfg)
         if compute_bytes(cfg, profile) > pb:
@@ -84,110 +92,176 @@ def device_bytes(
             # are converted to float32 buffers for their dots, alive at the recomputed layer's
             # backward (XLA:CPU's dot fusions read float32; benchmarks/xla_peak.py)
             widened_step = step * 4
-    if rts > 1 and cfg.model.remat == "none":
-        gathered = local * pb  # every layer's gathered copy is saved
-    elif rts > 1:  # the non-layer weights, and one layer's step at a time (recomputed)
+    if mem.rts > 1 and md.remat == "none":
+        gathered = layout["local"] * pb  # every layer's gathered copy is saved
+    elif mem.rts > 1:  # the non-layer weights, and one layer's step at a time (recomputed)
         other = layout["local_other"]
         if mem.vocab_slices > 1:  # GPT's tables: one slice of rows and its gradient at a time
-            table = cfg.model.vocab // cfg.mesh.tensor * cfg.model.d_model
-            tables = table * (1 if cfg.model.tie_embeddings else 2)
+            table = md.vocab // cfg.mesh.tensor * md.d_model
+            tables = table * (1 if md.tie_embeddings else 2)
             other += 2 * table / mem.vocab_slices - tables
         gathered = (other + step) * pb
         gathered_layer = step * pb
-    if rts > 1 and cfg.kind.stages == "stacked":
-        # a gathered matrix's weight gradient is computed whole (a dot's output, compute
-        # bytes), then reduce-scattered to its RTS shard: the layer's backward holds the
-        # largest of a step's, and on a backend that first transposes it into the gradients'
-        # dtype (`DeviceProfile.transposes_scattered_grads`) that copy too. A whole recomputed
-        # layer no longer holds one gathered MLP matrix by then: the backward uses the second
-        # MLP matrix first (benchmarks/xla_peak.py on the d 512 and float16 d 256 RTS rows)
-        copy = pb if profile.transposes_scattered_grads else 0
-        scattered = _largest_matrix(cfg) * (compute_bytes(cfg, profile) + copy)
-        if mem.stream != "matrix" and cfg.model.remat != "none":
-            mlp_matrix = cfg.model.d_model * cfg.model.d_ff / cfg.mesh.tensor * pb
-            scattered = max(scattered - mlp_matrix, 0)  # net of the freed matrix, if any
+    return gathered, gathered_layer, widened_step
 
-    # what rests on the host: every weight with params offloaded, the layer stack with phases
-    host_weights = master_all if "params" in offload else 0
-    if "params" not in offload and mem.phases > 1:
-        host_weights = master_all * layout["local_layers"] / max(local, 1)
-    # Host-resident weights are on the device for the whole step: the CPU lowering fetches no
-    # piece of them (its per-phase / per-matrix device_puts lower to nothing; the TPU/GPU
-    # lowering keeps them, uncredited: jaxpod.parallel.offload), and a pipelined stage
-    # fetches its stack before the ticks. Where host memory is device memory (XLA:CPU) they
-    # are read in place, as the optimizer state is, unless in phases (XLA:CPU then holds the
-    # stack in its temporaries: docs/memory.md, "Which program the planner counts").
-    weights = weights_all
-    if profile.shares_host_memory and mem.phases == 1:
-        weights = weights_all - host_weights
-    grads = grads_stage
-    optimizer = 0 if "optimizer" in offload else optimizer_all
-    activations = acts["total"]
-    # a call's batch (with `train.batch_parts`, a part of it)
-    inputs = cfg.part_micro * cfg.train.micro_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
-    if cfg.kind.data == "images":
-        inputs = cfg.part_micro * cfg.train.micro_batch * 3 * cfg.model.image_size**2
-    # in parts, the earlier parts' gradients summed on each device (unreduced, as stored): an
-    # argument of every later call
-    grad_sum = local / rts * pb if cfg.train.batch_parts > 1 else 0
-    # the loss head's moment: the gradient accumulator only if it carries from an earlier
-    # micro-batch or pass; of the gathered weights, the head's table copy (`_head_table`)
-    head_grads = local / rts * pb if accumulated else 0
-    head_peak = head_grads + acts.get("head_moment", 0) + acts.get("head_table", 0)
-    backward_peak = grads + acts.get("backward_moment", activations) + gathered + widened_step
-    if cfg.mesh.pipeline > 1 and not accumulated and "backward_moment" in acts:
-        # one GPipe pass: the layers' backward (the tick scans) holds the stages' layer
-        # gradients and one layer's gathered weights; the other weights' gradients (and
-        # their gathered copies) belong to the embedding and the head, after the ticks
-        grads_layers = layout["local_layers"] / rts * pb
-        backward_peak = grads_layers + acts["backward_moment"] + gathered_layer + widened_step
-    backward_peak += scattered
-    # The update runs on whole trees: host-resident weights and optimizer state are moved to
-    # the device first (`StackedStages.update`), the reduced grads too. It holds the grads and
-    # the updates (the new weights and moments are written into their donated buffers).
-    moved_in = weights_all - weights + optimizer_all - optimizer
+
+def _scattered_bytes(cfg: Config, profile: DeviceProfile) -> float:
+    """Bytes of a whole weight gradient alive before its RTS reduce-scatter (stacked layers
+    with RTS; else 0).
+
+    A gathered matrix's weight gradient is computed whole (a dot's output, compute bytes),
+    then reduce-scattered to its RTS shard: the layer's backward holds the largest of a
+    step's, and on a backend that first transposes it into the gradients' dtype
+    (`DeviceProfile.transposes_scattered_grads`) that copy too. A whole recomputed layer no
+    longer holds one gathered MLP matrix by then: the backward uses the second MLP matrix
+    first (benchmarks/xla_peak.py on the d 512 and float16 d 256 RTS rows)."""
+    if cfg.memory.rts == 1 or cfg.kind.stages != "stacked":
+        return 0
+    pb = DTYPE_BYTES[cfg.precision.params]
+    copy = pb if profile.transposes_scattered_grads else 0
+    scattered = _largest_matrix(cfg) * (compute_bytes(cfg, profile) + copy)
+    if cfg.memory.stream != "matrix" and cfg.model.remat != "none":
+        mlp_matrix = cfg.model.d_model * cfg.model.d_ff / cfg.mesh.tensor * pb
+        scattered = max(scattered - mlp_matrix, 0)  # net of the freed matrix, if any
+    return scattered
+
+
+def _host_weights(cfg: Config, layout: dict, master_all: float) -> float:
+    """Bytes of the master weights resting on the host: every weight with params offloaded,
+    the layer stack with phases."""
+    mem = cfg.memory
+    if "params" in mem.offload:
+        return master_all
+    if mem.phases > 1:
+        return master_all * layout["local_layers"] / max(layout["local"], 1)
+    return 0
+
+
+def _on_device(cfg: Config, s: dict, host_weights: float, profile: DeviceProfile) -> tuple:
+    """`(weights, optimizer, moved_in)`: bytes of the weights and the optimizer state counted
+    on the device all step, and of the host-resident state moved in for the update.
+
+    Host-resident weights are on the device for the whole step: the CPU lowering fetches no
+    piece of them (its per-phase / per-matrix device_puts lower to nothing; the TPU/GPU
+    lowering keeps them, uncredited: jaxpod.parallel.offload), and a pipelined stage fetches
+    its stack before the ticks. Where host memory is device memory (XLA:CPU) they are read in
+    place, as the optimizer state is, unless in phases (XLA:CPU then holds the stack in its
+    temporaries: docs/memory.md, "Which program the planner counts"). The update runs on
+    whole trees: host-resident weights and optimizer state are moved to the device first
+    (`StackedStages.update`), the reduced grads too."""
+    weights = s["weights"]
+    if profile.shares_host_memory and cfg.memory.phases == 1:
+        weights = s["weights"] - host_weights
+    optimizer = 0 if "optimizer" in cfg.memory.offload else s["optimizer"]
+    moved_in = s["weights"] - weights + s["optimizer"] - optimizer
     if profile.shares_host_memory:
         moved_in = 0  # read in place (XLA:CPU)
-    update_peak = moved_in + grads_update + updates
+    return weights, optimizer, moved_in
+
+
+def _inputs(cfg: Config) -> int:
+    """Bytes of a call's batch (with `train.batch_parts`, a part of it): token ids, or uint8
+    images."""
+    if cfg.kind.data == "images":
+        return cfg.part_micro * cfg.train.micro_batch * 3 * cfg.model.image_size**2
+    return cfg.part_micro * cfg.train.micro_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
+
+
+def _strip_updates(cfg: Config, layout: dict) -> float:
+    """The update's working set with 16-bit masters of stacked layers (`jaxpod.optim.
+    per_layer`, tensor by tensor): the largest stacked tensor (one layer of every stage:
+    `jaxpod.optim.strips`) and the token embedding are each updated in strips."""
+    md, mesh, devices, rts = cfg.model, cfg.mesh, cfg.total_devices, cfg.memory.rts
+    mb = DTYPE_BYTES[cfg.precision.params]  # masters of the params' dtype (16-bit)
+    layer = (mesh.pipeline, md.d_model, max(3 * md.d_model, md.d_ff))
+    table = (md.vocab, md.d_model)
+    strip = max(
+        math.prod(layer[1:]) / mesh.tensor / rts / strips(layer, devices, True)[1],
+        math.prod(table) / mesh.tensor / rts / strips(table, devices, False)[1],
+    )
+    # the grads, a 16-bit copy of the stacked layer weights (XLA's loop carries), and the
+    # working set of the largest strip: float32 upcasts, moments, update and threefry's
+    # random-bit temporaries, ~8 float32 copies (measured)
+    return layout["local_layers"] / rts * mb + strip * 4 * 8
+
+
+def _update(cfg: Config, layout: dict, acts: dict, s: dict, moved_in: float) -> tuple:
+    """`(update_peak, updates)`: bytes alive in the update besides the resting state, and
+    its working set. It holds what was moved in, the reduced grads and the updates (the new
+    weights and moments are written into their donated buffers); packed rows their whole-row
+    working set (`update_work`); 16-bit masters of stacked layers `_strip_updates`."""
+    updates = s["updates"]
+    update_peak = moved_in + s["grads_update"] + updates
     if "update_work" in acts:  # packed rows: the update's whole-row working set
-        update_peak = moved_in + grads_update + acts["update_work"]
-    # 16-bit masters of stacked layers: `jaxpod.optim.per_layer`, tensor by tensor
-    if mb < 4 and cfg.kind.stages == "stacked":
-        md, mesh, devices = cfg.model, cfg.mesh, cfg.total_devices
-        # the largest stacked tensor (one layer of every stage: `jaxpod.optim.strips`) and
-        # the token embedding, each updated in strips
-        layer = (mesh.pipeline, md.d_model, max(3 * md.d_model, md.d_ff))
-        table = (md.vocab, md.d_model)
-        strip = max(
-            math.prod(layer[1:]) / mesh.tensor / rts / strips(layer, devices, True)[1],
-            math.prod(table) / mesh.tensor / rts / strips(table, devices, False)[1],
-        )
-        # the grads, a 16-bit copy of the stacked layer weights (XLA's loop carries), and the
-        # working set of the largest strip: float32 upcasts, moments, update and threefry's
-        # random-bit temporaries, ~8 float32 copies (measured)
-        updates = layout["local_layers"] / rts * mb + strip * 4 * 8
-        update_peak = moved_in + grads_update + updates
-    moments = {"backward": backward_peak, "head": head_peak, "update": update_peak + gathered}
+        update_peak = moved_in + s["grads_update"] + acts["update_work"]
+    master_bytes = 4 if cfg.precision.master == "float32" else DTYPE_BYTES[cfg.precision.params]
+    if master_bytes < 4 and cfg.kind.stages == "stacked":
+        updates = _strip_updates(cfg, layout)
+        update_peak = moved_in + s["grads_update"] + updates
+    return update_peak, updates
+
+
+def _backward_peak(cfg: Config, layout: dict, acts: dict, s: dict, copies: tuple) -> float:
+    """Bytes alive at the layers' backward besides the resting state: the gradients, the
+    backward's activations, the gathered and widened weights (`_gathered_bytes`) and a whole
+    gradient before its reduce-scatter (`_scattered_bytes`): `copies`, as `device_bytes`
+    names them. One GPipe
+    pass (nothing accumulated): the layers' backward (the tick scans) holds the stages'
+    layer gradients and one layer's gathered weights; the other weights' gradients (and
+    their gathered copies) belong to the embedding and the head, after the ticks."""
+    gathered, gathered_layer, widened, scattered = copies
+    backward = acts.get("backward_moment", acts["total"])
+    peak = s["grads"] + backward + gathered + widened
+    if cfg.mesh.pipeline > 1 and not s["accumulated"] and "backward_moment" in acts:
+        grads_layers = layout["local_layers"] / cfg.memory.rts * DTYPE_BYTES[cfg.precision.params]
+        peak = grads_layers + acts["backward_moment"] + gathered_layer + widened
+    return peak + scattered
+
+
+def device_bytes(
+    cfg: Config, layout: dict, acts: dict, profile: DeviceProfile | None = None
+) -> dict:
+    """Bytes per device of each kind of state, and the device and host totals (see the module
+    docstring); `profile` (default `memory.device`) is the device the step runs on. Three
+    moments compete for the peak: the layers' backward, the loss head and the update."""
+    profile = profile or get_profile(cfg.memory.device)
+    s = _state_bytes(cfg, layout)
+    host_weights = _host_weights(cfg, layout, s["master"])
+    weights, optimizer, moved_in = _on_device(cfg, s, host_weights, profile)
+    gathered, gathered_layer, widened = _gathered_bytes(cfg, layout, profile)
+    scattered = _scattered_bytes(cfg, profile)
+    copies = (gathered, gathered_layer, widened, scattered)
+    update_peak, updates = _update(cfg, layout, acts, s, moved_in)
+    # the loss head's moment: the gradient accumulator only if it carries from an earlier
+    # micro-batch or pass; of the gathered weights, the head's table copy (`_head_table`)
+    head_grads = s["grads_update"] if s["accumulated"] else 0
+    moments = {
+        "backward": _backward_peak(cfg, layout, acts, s, copies),
+        "head": head_grads + acts.get("head_moment", 0) + acts.get("head_table", 0),
+        "update": update_peak + gathered,
+    }
     peak = max(moments, key=moments.get)  # a tie goes to the first: backward, head, update
-    device_total = weights + optimizer + inputs + grad_sum + moments[peak]
-    host_total = host_weights + (optimizer_all - optimizer) + acts.get("host", 0)
+    # in parts, the earlier parts' gradients summed on each device (unreduced, as stored): an
+    # argument of every later call
+    grad_sum = s["grads_update"] if cfg.train.batch_parts > 1 else 0
+    inputs = _inputs(cfg)
     # what the device stores between steps (XLA's device-resident arguments): the weights
     # that do not rest on the host, the optimizer state unless offloaded, and the batch
-    stored = master_all - host_weights
+    stored = s["master"] - host_weights
     return {
         "weights": int(weights),
-        "grads": int(grads),
+        "grads": int(s["grads"]),
         "optimizer": int(optimizer),
-        "activations": int(activations),
+        "activations": int(acts["total"]),
         "updates": int(updates),
         "gathered": int(gathered),
-        "widened": int(widened_step),
+        "widened": int(widened),
         "scattered": int(scattered),
         "moved_in": int(moved_in),
         "inputs": int(inputs),
-        "device_total": int(device_total),
+        "device_total": int(weights + optimizer + inputs + grad_sum + moments[peak]),
         "grad_sum": int(grad_sum),
         "arguments": int(stored + optimizer + inputs + grad_sum),
-        "host_total": int(host_total),
+        "host_total": int(host_weights + (s["optimizer"] - optimizer) + acts.get("host", 0)),
         "peak": peak,
     }

@@ -68,6 +68,10 @@ def _with_model(cfg: Config, **changes) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
 
 
+def _with_train(cfg: Config, **changes) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes))
+
+
 def _device_total(cfg: Config, params_override: int | None) -> int:
     layout = param_layout(cfg, params_override)
     return device_bytes(cfg, layout, activation_bytes(cfg))["device_total"]
@@ -123,76 +127,109 @@ def _batch_ok(trial: Config) -> bool:
     return True
 
 
-def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
-    """Single changes that lower the device bytes, each with the total it would give: those
-    that fit `limit` first, then those that only come closer."""
-    mem, mesh, md = cfg.memory, cfg.mesh, cfg.model
+def _memory_changes(cfg: Config, limit: int, params_override: int | None) -> list:
+    """`(label, trial)` of the `memory` changes that lower the device bytes: a finer stream
+    or token table (gathered a step or a slice at a time under RTS), RTS over every replica,
+    the optimizer state offloaded (when that lowers the total)."""
+    mem, mesh = cfg.memory, cfg.mesh
     out = []
-
-    def option(label: str, trial: Config) -> None:
-        total = _device_total(trial, params_override)
-        out.append((total <= limit, f"{label} ({format_bytes(total)})"))
-
-    if cfg.kind.stages == "stacked" and mem.rts > 1 and md.remat != "none":  # gathered a step
-        # at a time
-        stream = _finer_stream(cfg, limit, params_override)
+    if cfg.kind.stages == "stacked" and mem.rts > 1 and cfg.model.remat != "none":
+        stream = _finer_stream(cfg, limit, params_override)  # gathered a step at a time
         if stream:
-            option(
-                " ".join(f"memory.{k}={v}" for k, v in stream.items()), _with_memory(cfg, **stream)
-            )
-    if md.name == "gpt" and mem.rts > 1:  # the token table gathered a slice at a time
+            label = " ".join(f"memory.{k}={v}" for k, v in stream.items())
+            out.append((label, _with_memory(cfg, **stream)))
+    if cfg.model.name == "gpt" and mem.rts > 1:  # the token table gathered a slice at a time
         vocab = _finer_vocab(cfg, limit, params_override)
         if vocab:
-            option(f"memory.vocab_slices={vocab['vocab_slices']}", _with_memory(cfg, **vocab))
+            out.append((f"memory.vocab_slices={vocab['vocab_slices']}", _with_memory(cfg, **vocab)))
     if cfg.kind.stages == "stacked" and mesh.replica > mem.rts:
-        option(
-            f"memory.rts={mesh.replica} memory.rts_optimizer={mesh.replica}",
-            _with_memory(cfg, rts=mesh.replica, rts_optimizer=mesh.replica),
+        out.append(
+            (
+                f"memory.rts={mesh.replica} memory.rts_optimizer={mesh.replica}",
+                _with_memory(cfg, rts=mesh.replica, rts_optimizer=mesh.replica),
+            )
         )
     if "optimizer" not in mem.offload and cfg.kind.stages == "stacked":
         trial = _with_memory(cfg, offload=tuple(sorted({*mem.offload, "optimizer"})))
         if _device_total(trial, params_override) < _device_total(cfg, params_override):
-            option("memory.offload+=optimizer", trial)
+            out.append(("memory.offload+=optimizer", trial))
+    return out
+
+
+def _model_changes(cfg: Config) -> list:
+    """`(label, trial)` of the `model` changes that lower the activations: sequence
+    parallelism (under tensor parallelism), sequence chunks, full remat."""
+    md, mesh = cfg.model, cfg.mesh
+    out = []
     if cfg.kind.tensor_parallel and mesh.tensor > 1 and not md.sequence_parallel:
         if md.seq_len % mesh.tensor == 0:
-            option("model.sequence_parallel=true", _with_model(cfg, sequence_parallel=True))
+            out.append(("model.sequence_parallel=true", _with_model(cfg, sequence_parallel=True)))
     if cfg.kind.data == "tokens" and md.sequence_chunks == 1 and md.seq_len % 8 == 0:
-        option("model.sequence_chunks=8", _with_model(cfg, sequence_chunks=8))
+        out.append(("model.sequence_chunks=8", _with_model(cfg, sequence_chunks=8)))
     if md.remat not in ("full",):
-        option("model.remat=full", _with_model(cfg, remat="full"))
-    if mesh.pipeline > 1 and cfg.train.pipeline_schedule != "1f1b":
-        # 1F1B holds S micro-batches' stage inputs, not every tick's activations
-        trial = dataclasses.replace(
-            cfg, train=dataclasses.replace(cfg.train, pipeline_schedule="1f1b", virtual_stages=1)
-        )
+        out.append(("model.remat=full", _with_model(cfg, remat="full")))
+    return out
+
+
+def _fits(trial: Config, limit: int, params_override: int | None) -> bool:
+    """Whether `trial` passes the config's batch rules and its device total fits `limit`."""
+    return _batch_ok(trial) and _device_total(trial, params_override) <= limit
+
+
+def _train_changes(cfg: Config, limit: int, params_override: int | None) -> list:
+    """`(label, trial)` of the `train` changes that hold fewer micro-batches' activations:
+    1F1B (S micro-batches' stage inputs, not every tick's activations), the largest pipeline
+    pass that fits, the fewest batch parts that fit (one part on the device)."""
+    tr = cfg.train
+    fits = lambda **changes: _fits(_with_train(cfg, **changes), limit, params_override)
+    out = []
+    if cfg.mesh.pipeline > 1 and tr.pipeline_schedule != "1f1b":
+        trial = _with_train(cfg, pipeline_schedule="1f1b", virtual_stages=1)
         if _device_total(trial, params_override) < _device_total(cfg, params_override):
-            option("train.pipeline_schedule=1f1b", trial)
-    if mesh.pipeline > 1:  # fewer micro-batches in flight: the largest pipeline pass that fits
-        tr = cfg.train
+            out.append(("train.pipeline_schedule=1f1b", trial))
+    if cfg.mesh.pipeline > 1:  # fewer micro-batches in flight
         smaller = [g for g in _divisors(cfg.part_micro) if g < cfg.pipeline_group]
-        for group in reversed(smaller):
-            trial = dataclasses.replace(cfg, train=dataclasses.replace(tr, pipeline_group=group))
-            if _batch_ok(trial) and _device_total(trial, params_override) <= limit:
-                option(f"train.pipeline_group={group}", trial)
-                break
-    if cfg.kind.fixed_denominator:  # the fewest batch parts that fit: one part on the device
-        tr = cfg.train
-        for parts in (k for k in _divisors(tr.grad_accum) if k > tr.batch_parts):
-            trial = dataclasses.replace(cfg, train=dataclasses.replace(tr, batch_parts=parts))
-            if _batch_ok(trial) and _device_total(trial, params_override) <= limit:
-                option(f"train.batch_parts={parts}", trial)
-                break
+        group = next((g for g in reversed(smaller) if fits(pipeline_group=g)), 0)
+        if group:
+            out.append((f"train.pipeline_group={group}", _with_train(cfg, pipeline_group=group)))
+    if cfg.kind.fixed_denominator:
+        more = (k for k in _divisors(tr.grad_accum) if k > tr.batch_parts)
+        parts = next((k for k in more if fits(batch_parts=k)), 0)
+        if parts:
+            out.append((f"train.batch_parts={parts}", _with_train(cfg, batch_parts=parts)))
+    return out
+
+
+def _mesh_changes(cfg: Config) -> list:
+    """`(label, trial)` of a deeper pipeline on half the replicas (stacked layers that divide
+    into twice the stages, in the configured phases), RTS no wider than the replicas left."""
+    mesh, mem, md = cfg.mesh, cfg.memory, cfg.model
     p2 = mesh.pipeline * 2
-    if mesh.replica % 2 == 0 and md.layers % p2 == 0 and cfg.kind.stages == "stacked":
-        trial = dataclasses.replace(
-            cfg, mesh=dataclasses.replace(mesh, pipeline=p2, replica=mesh.replica // 2)
-        )
-        if mem.rts > trial.mesh.replica or (mem.rts_optimizer or 1) > trial.mesh.replica:
-            trial = _with_memory(trial, rts=1, rts_optimizer=None)
-        if (md.layers // p2) % mem.phases == 0:
-            option(f"mesh.pipeline={p2} mesh.replica={mesh.replica // 2}", trial)
-    fit = [text for fits, text in out if fits]
-    closer = [text for fits, text in out if not fits]
+    if mesh.replica % 2 or md.layers % p2 or cfg.kind.stages != "stacked":
+        return []
+    trial = dataclasses.replace(
+        cfg, mesh=dataclasses.replace(mesh, pipeline=p2, replica=mesh.replica // 2)
+    )
+    if mem.rts > trial.mesh.replica or (mem.rts_optimizer or 1) > trial.mesh.replica:
+        trial = _with_memory(trial, rts=1, rts_optimizer=None)
+    if (md.layers // p2) % mem.phases:
+        return []
+    return [(f"mesh.pipeline={p2} mesh.replica={mesh.replica // 2}", trial)]
+
+
+def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
+    """Single changes that lower the device bytes, each with the total it would give: those
+    that fit `limit` first, then those that only come closer."""
+    changes = [
+        *_memory_changes(cfg, limit, params_override),
+        *_model_changes(cfg),
+        *_train_changes(cfg, limit, params_override),
+        *_mesh_changes(cfg),
+    ]
+    fit, closer = [], []
+    for label, trial in changes:
+        total = _device_total(trial, params_override)
+        (fit if total <= limit else closer).append(f"{label} ({format_bytes(total)})")
     if fit:
         return (
             f"to fit {format_bytes(limit)}, try: "
@@ -219,28 +256,24 @@ def _bubble(cfg: Config) -> float:
     return make_schedule(kind, cfg.mesh.pipeline, cfg.pipeline_group, virtual).bubble
 
 
-def plan(cfg: Config, params_override: int | None = None) -> dict:
-    """Where every byte of `cfg`'s mapping lives, per device. Analytic: no jax, no weights.
-
-    `params_override` replaces the formula's parameter count (e.g. EfficientNet's exact
-    `count_params`); per-device counts then scale with it. Returns a JSON-able dict (see the
-    module docstring for the byte model)."""
-    mesh, tr, mem, prec = cfg.mesh, cfg.train, cfg.memory, cfg.precision
-    profile = get_profile(mem.device)
+def _layout(cfg: Config, params_override: int | None) -> dict:
+    """The parameter layout (`param_layout`); with `params_override` on stacked layers, the
+    formula's layout scaled to that count, so that it keeps the formula's shape (its layers,
+    per-device and non-layer shares)."""
     layout = param_layout(cfg, params_override)
     if params_override is not None and cfg.kind.stages == "stacked":  # keep the layout's shape
         formula = param_layout(cfg)
         scale = params_override / max(formula["total"], 1)
         for key in ("layers", "local", "local_layers", "local_other"):
             layout[key] = int(formula[key] * scale)
-    acts = activation_bytes(cfg, profile)
-    per_device = device_bytes(cfg, layout, acts, profile)
-    limit = _budget(cfg, profile)
-    fits = per_device["device_total"] <= limit
-    rts = mem.rts
-    result = {
-        "model": cfg.model.name,
-        "device_profile": profile.name,
+    return layout
+
+
+def _mapping(cfg: Config) -> dict:
+    """The plan's mesh and batch: devices per axis, the batch's split and the pipeline's
+    schedule with its bubble."""
+    mesh, tr = cfg.mesh, cfg.train
+    return {
         "devices": mesh.replica * mesh.pipeline * mesh.tensor,
         "replica": mesh.replica,
         "pipeline": mesh.pipeline,
@@ -253,6 +286,15 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
         "virtual_stages": tr.virtual_stages,
         "bubble": _bubble(cfg),
         "global_batch": tr.global_batch,
+    }
+
+
+def _weights(cfg: Config, layout: dict) -> dict:
+    """The plan's model and memory settings: parameters (whole and per device), how the
+    weights are sharded, offloaded and streamed, remat, the optimizer and the dtypes' bytes."""
+    mesh, mem, prec = cfg.mesh, cfg.memory, cfg.precision
+    rts = mem.rts
+    return {
         "params": layout["total"],
         "params_estimated": layout["estimated"],
         "flops_per_example": flops_per_example(cfg),
@@ -272,6 +314,26 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
             "compute": DTYPE_BYTES[prec.compute],
             "master": 4 if prec.master == "float32" else DTYPE_BYTES[prec.params],
         },
+    }
+
+
+def plan(cfg: Config, params_override: int | None = None) -> dict:
+    """Where every byte of `cfg`'s mapping lives, per device. Analytic: no jax, no weights.
+
+    `params_override` replaces the formula's parameter count (e.g. EfficientNet's exact
+    `count_params`); per-device counts then scale with it. Returns a JSON-able dict (see the
+    module docstring for the byte model)."""
+    profile = get_profile(cfg.memory.device)
+    layout = _layout(cfg, params_override)
+    acts = activation_bytes(cfg, profile)
+    per_device = device_bytes(cfg, layout, acts, profile)
+    limit = _budget(cfg, profile)
+    fits = per_device["device_total"] <= limit
+    result = {
+        "model": cfg.model.name,
+        "device_profile": profile.name,
+        **_mapping(cfg),
+        **_weights(cfg, layout),
         "bytes_per_device": per_device,
         "activations_breakdown": acts,
         "device_memory_bytes": limit,

@@ -26,14 +26,38 @@ def _schedule_row(p: dict) -> list[tuple[str, str]]:
     ]
 
 
-def format_plan(p: dict) -> str:
-    """The plan as an aligned, human-readable table (the default output of `jaxpod plan`)."""
-    b = p["bytes_per_device"]
+def _batch_text(p: dict) -> str:
+    """The global batch as its factors, with its parts and pipeline passes where it has them."""
+    text = (
+        f"{p['global_batch']} = micro_batch {p['micro_batch']} x replica {p['replica']} "
+        f"x grad_accum {p['grad_accum']}"
+    )
+    if p["batch_parts"] > 1:
+        text += f", fed in {p['batch_parts']} parts"
+    if p["pipeline"] > 1 and p["pipeline_group"] < p["grad_accum"] // p["batch_parts"]:
+        text += f" (pipeline passes of {p['pipeline_group']})"
+    return text
+
+
+def _memory_text(p: dict) -> str:
+    """The memory settings: device profile, remat, offload, phases, stream, token slices."""
     offload = ",".join(p["offload"]) or "none"
-    matrix = p["configured_stream"] == "matrix"
     fetched = ", each step gathering its weights" if p["rts"] > 1 else ""
+    text = (
+        f"{p['device_profile']}: remat {p['remat']}, offload {offload}, "
+        f"phases {p['configured_phases']}, stream {p['configured_stream']}"
+    )
+    if p["configured_stream"] == "matrix":
+        text += f" (mlp_panels {p['mlp_panels']}{fetched})"
+    if p["vocab_slices"] > 1:
+        text += f", token table in {p['vocab_slices']} slices"
+    return text
+
+
+def _settings_rows(p: dict) -> list[tuple[str, str]]:
+    """The report's head: what is planned (model, mesh, batch, schedule, weights, memory)."""
     unit = "image" if p["model"] == "efficientnet" else "token"
-    head = [
+    return [
         ("model", f"{p['model']}  ({p['params']:,} params{' ~est.' * p['params_estimated']})"),
         ("forward", f"{p['flops_per_example']:,} FLOP per {unit} (2 x multiply-adds)"),
         (
@@ -41,17 +65,7 @@ def format_plan(p: dict) -> str:
             f"{p['devices']} = replica {p['replica']} x pipeline {p['pipeline']} "
             f"x tensor {p['tensor']}",
         ),
-        (
-            "global batch",
-            f"{p['global_batch']} = micro_batch {p['micro_batch']} x replica {p['replica']} "
-            f"x grad_accum {p['grad_accum']}"
-            + (f", fed in {p['batch_parts']} parts" if p["batch_parts"] > 1 else "")
-            + (
-                f" (pipeline passes of {p['pipeline_group']})"
-                if p["pipeline"] > 1 and p["pipeline_group"] < p["grad_accum"] // p["batch_parts"]
-                else ""
-            ),
-        ),
+        ("global batch", _batch_text(p)),
         *_schedule_row(p),
         (
             "weights/device",
@@ -59,18 +73,17 @@ def format_plan(p: dict) -> str:
             f"(1/(t·p·rts), rts {p['rts']}, optimizer rts {p['rts_optimizer']}); "
             f"{p['params_per_device']:,} params held",
         ),
-        (
-            "memory",
-            f"{p['device_profile']}: remat {p['remat']}, offload {offload}, "
-            f"phases {p['configured_phases']}, stream {p['configured_stream']}"
-            + (f" (mlp_panels {p['mlp_panels']}{fetched})" if matrix else "")
-            + (f", token table in {p['vocab_slices']} slices" if p["vocab_slices"] > 1 else ""),
-        ),
+        ("memory", _memory_text(p)),
     ]
+
+
+def _byte_rows(p: dict) -> list[tuple[str, int, str]]:
+    """The per-device table's rows: each kind of state, its bytes and what it is."""
+    b = p["bytes_per_device"]
     weights = "master (+16-bit working copy)"
     if "params" in p["offload"]:  # docs/memory.md, "Which program the planner counts"
         weights += "; host-resident, counted on the device all step (CPU fetches no piece)"
-    rows = [
+    return [
         ("weights", b["weights"], weights),
         ("grads", b["grads"], "peak during backward"),
         ("optimizer", b["optimizer"], p["optimizer"]),
@@ -83,10 +96,16 @@ def format_plan(p: dict) -> str:
         ("inputs", b["inputs"], "batch" if p["batch_parts"] == 1 else "a part of the batch"),
         ("grad sum", b["grad_sum"], "the earlier parts' gradients, summed unreduced"),
     ]
+
+
+def format_plan(p: dict) -> str:
+    """The plan as an aligned, human-readable table (the default output of `jaxpod plan`)."""
+    b = p["bytes_per_device"]
+    head = _settings_rows(p)
     width = max(len(k) for k, _ in head)
     lines = [f"{k.ljust(width)}  {v}" for k, v in head]
     lines += ["", f"{'per device':<14}{'bytes':>12}", "-" * 26]
-    lines += [f"{name:<14}{format_bytes(n):>12}   {note}" for name, n, note in rows if n]
+    lines += [f"{name:<14}{format_bytes(n):>12}   {note}" for name, n, note in _byte_rows(p) if n]
     lines.append("-" * 26)
     lines.append(
         f"{'device total':<14}{format_bytes(b['device_total']):>12}   peak at {b['peak']}; "

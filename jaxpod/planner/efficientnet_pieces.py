@@ -1,0 +1,214 @@
+"""EfficientNet's pieces (stem, MBConv blocks, head) and the bytes each holds per image.
+
+`pieces(cfg, wide, act)` lists, per pipeline stage, what each piece keeps alive at the
+moments `jaxpod.planner.efficientnet` models: its weight-gradient inputs and cotangents (the
+stem stage's peak), its forward values (another stage's peak), what autodiff saves without
+remat, and the sizes of its input, output and kernels. The terms are read off the buffer
+assignment of the program jaxpod compiles (`benchmarks/xla_peak.py`); why each is what it
+is: docs/memory.md, "The planner's byte model". Jax-free.
+"""
+
+from __future__ import annotations
+
+from jaxpod.config import Config
+from jaxpod.models.efficientnet_specs import (
+    IMAGE_CH,
+    BlockSpec,
+    block_specs,
+    split_specs,
+    stem_head_channels,
+)
+
+F32 = 4  # GroupNorm computes in float32: its centred values are float32 on every device
+# The stem's norm backward, running at the weight-gradient peak: beside its conv output,
+# centred values and swish, its output's cotangent and two float32 temporaries of the norm's
+# backward (the cotangent scaled by the normalised values, and their group sums broadcast).
+STEM_BACKWARD_TEMPS = 2
+# The head's backward as it starts (the forward-values peak): two float32 temporaries of its
+# norm's backward, beside the classifier's kernel gradient (float32 [head_ch, classes]).
+HEAD_BACKWARD_TEMPS = 2
+# Without remat a ConvNorm's backward reads what autodiff saved: the centred and normalised
+# values (float32, group-shaped), the normalised values times the scale (float32) and, in the
+# compute dtype, the affine output and with swish its sigmoid, the sigmoid's derivative factor
+# and the swish output (the next conv's operand).
+SAVED_NORM_F32 = 3
+SAVED_SWISH_ACT = 4
+SAVED_PLAIN_ACT = 1
+
+
+def _size(hw: int, stride: int) -> int:
+    return -(-hw // stride)  # SAME padding
+
+
+def _saved_convnorm(act: int, swish: bool) -> int:
+    """Bytes per output element autodiff saves for a ConvNorm's backward without remat."""
+    return SAVED_NORM_F32 * F32 + (SAVED_SWISH_ACT if swish else SAVED_PLAIN_ACT) * act
+
+
+def _stem_piece(cfg: Config, wide: int, act: int) -> dict:
+    """The stem's piece (a stride-2 ConvNorm with swish on the image): its conv output,
+    centred values and swish, and (its backward running) its output's cotangent and the norm
+    backward's temporaries; the image, when a stage's input, is in `carries` or sliced out of
+    the carry (`weight_grad_inputs`)."""
+    md = cfg.model
+    stem_ch, _ = stem_head_channels(md.variant, width_mult=md.width_mult)
+    hw = md.image_size
+    image, stem_out = hw * hw * IMAGE_CH, _size(hw, 2) ** 2 * stem_ch
+    stem_values = wide + F32 + act
+    stem_cot = (1 + STEM_BACKWARD_TEMPS) * wide * stem_out
+    return {
+        "kept": stem_values * stem_out + stem_cot,
+        "cot": stem_cot,
+        "forward": stem_values * stem_out,
+        # without remat: the image (the stem's operand, compute dtype) and its ConvNorm's
+        "saved": act * image + _saved_convnorm(act, True) * stem_out,
+        "kernels": 0,  # (the stem's stage is never a forward-values stage)
+        "convs": 1,
+        "norms": 1,
+        "in": image,
+        "out": stem_out,
+        "name": "stem",
+    }
+
+
+def _block_grad_inputs(s: BlockSpec, sizes: tuple, wide: int, act: int) -> tuple[int, int]:
+    """`(kept, cot)`: bytes per image an MBConv block (spec `s`, `sizes` its elements per
+    image `(n_in, mid_in, mid_out, n_out)`) holds at the weight-gradient peak, and the
+    cotangents among them.
+
+    A plain conv (the 1x1 expand and projection, a spatial conv of one group) keeps its
+    operand widened and its conv output's cotangent (read by both its data and its weight
+    gradient); a grouped spatial conv reads its operand in the compute dtype (the expand's
+    swish) and recomputes its output's cotangent."""
+    n_in, mid_in, mid_out, n_out = sizes
+    plain = s.feature_groups == 1  # the spatial conv is a plain conv (not grouped)
+    kept = cot = 0
+    if s.expand != 1:
+        kept += wide * n_in  # the block input, widened: the expand's operand
+        # expand conv output and its swish; its output's cotangent (the spatial's data
+        # gradient) and its conv output's cotangent
+        kept += (wide + act) * mid_in
+        cot += 2 * wide * mid_in
+    elif plain:
+        kept += wide * n_in  # the block input, widened: the spatial conv's operand
+    # spatial conv output, its swish, the SE-gated tensor (the projection's operand,
+    # widened); the SE-gated tensor's cotangent (the projection's data gradient)
+    kept += (2 * wide + act) * mid_out
+    cot += wide * mid_out + (wide * mid_out if plain else 0)
+    # projection conv output; its conv output's cotangent. The block output's cotangent
+    # (the next piece's data gradient) is counted by `weight_grad_inputs`.
+    kept += wide * n_out
+    cot += wide * n_out
+    kept += cot
+    # the SE's [mb, mid] vectors: pooled, reduced and gated, float32 and compute dtype
+    kept += (3 * wide + 2 * act) * s.mid_ch
+    return kept, cot
+
+
+def _block_forward(s: BlockSpec, sizes: tuple, wide: int, act: int) -> int:
+    """Bytes per image of an MBConv block's forward values (the forward-values peak): per
+    ConvNorm its conv output and centred values (float32), per swish its output in the
+    compute dtype; each conv's operand once (the block input widened for the expand; the
+    SE-gated tensor in the compute dtype and widened)."""
+    n_in, mid_in, mid_out, n_out = sizes
+    plain = s.feature_groups == 1
+    fwd = wide * n_in if (s.expand != 1 or plain) else 0
+    if s.expand != 1:
+        fwd += (wide + F32 + act) * mid_in
+    fwd += (wide + F32 + act) * mid_out + (act + wide) * mid_out
+    fwd += (wide + F32) * n_out
+    fwd += (wide + act) * s.mid_ch  # the SE's pooled vector and its gate
+    return fwd
+
+
+def _block_piece(s: BlockSpec, h_in: int, wide: int, act: int) -> dict:
+    """An MBConv block's piece (spec `s`, input `h_in` pixels a side): its weight-gradient
+    inputs (`_block_grad_inputs`), forward values (`_block_forward`), what autodiff saves
+    without remat, its kernels and sizes."""
+    h_out = _size(h_in, s.stride)
+    sizes = (h_in**2 * s.in_ch, h_in**2 * s.mid_ch, h_out**2 * s.mid_ch, h_out**2 * s.out_ch)
+    n_in, mid_in, mid_out, n_out = sizes
+    plain = s.feature_groups == 1
+    kept, cot = _block_grad_inputs(s, sizes, wide, act)
+    # Without remat: each ConvNorm's saved values, and the SE-gated tensor
+    saved = _saved_convnorm(act, True) * (mid_in * (s.expand != 1) + mid_out)
+    saved += _saved_convnorm(act, False) * n_out + act * mid_out
+    kernels = s.in_ch * s.mid_ch * (s.expand != 1) + s.mid_ch * s.out_ch
+    kernels += 2 * s.mid_ch * s.se_ch  # SE reduce and expand
+    # a depthwise spatial conv's weight gradient, on a device that computes it from a
+    # dense [k, k, C, C] float32 kernel (XLA:CPU: `DeviceProfile.dense_depthwise_grads`)
+    dense = s.kernel**2 * s.mid_ch**2 * F32 if s.group_size == 1 and not plain else 0
+    return {
+        "kept": kept,
+        "cot": cot,
+        "forward": _block_forward(s, sizes, wide, act),
+        "saved": saved,
+        "kernels": kernels,
+        "dense_grad": dense,
+        "out_cot": n_out,
+        "residual": s.residual,
+        "convs": 3 if s.expand != 1 else 2,
+        "norms": 3 if s.expand != 1 else 2,
+        "in": n_in,
+        "out": n_out,
+        "name": s.name,
+    }
+
+
+def _head_piece(cfg: Config, last: int, hw: int, wide: int, act: int) -> dict:
+    """The head's piece (a 1x1 ConvNorm with swish from the last block's `last` channels at
+    `hw` pixels a side, the mean, the classifier)."""
+    md = cfg.model
+    _, head_ch = stem_head_channels(md.variant, width_mult=md.width_mult)
+    head_in, head_out = hw**2 * last, hw**2 * head_ch
+    return {
+        # its operand widened, its conv output, swish and conv output's cotangent (its
+        # output's cotangent is the mean's, a [mb, head_ch] vector)
+        "kept": wide * head_in + (2 * wide + act) * head_out,
+        "cot": wide * head_out,
+        "saved": _saved_convnorm(act, True) * head_out,
+        # its operand widened, conv output, centred values, swish; its backward starting:
+        # the norm backward's temporaries and the classifier's kernel gradient (per step)
+        "forward": wide * head_in + (wide + F32 + act + HEAD_BACKWARD_TEMPS * wide) * head_out,
+        "kernels": last * head_ch,
+        "classifier_grad": head_ch * md.num_classes * F32,
+        "in_out": head_out,
+        "convs": 1,
+        "norms": 1,
+        "in": head_in,
+        "out": md.num_classes,
+        "name": "head",
+    }
+
+
+def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
+    """Per pipeline stage, its pieces (stem, MBConv blocks, head), each
+    `{"kept": bytes per image live at the weight-gradient peak, "forward": bytes per image
+    live at the forward-values peak, "kernels": elements of its 1x1 and dense kernels,
+    "convs", "norms", "in", "out": elements per image of its input and output}`; a block
+    also has `"out_cot"` (elements of its output's cotangent) and `"residual"`, the head
+    `"classifier_grad"` (bytes).
+    `wide`: bytes of a conv's operand or output (XLA:CPU convolves 16-bit in float32);
+    `act`: bytes of an elementwise value of the compute dtype (the swish, the SE's gate)."""
+    md = cfg.model
+    specs = block_specs(
+        md.variant,
+        g16=md.g16,
+        width_mult=md.width_mult,
+        depth_mult=md.depth_mult,
+        block_groups=md.block_groups,
+    )
+    hw, blocks = _size(md.image_size, 2), []
+    for s in specs:
+        blocks.append(_block_piece(s, hw, wide, act))
+        hw = _size(hw, s.stride)
+    stem = _stem_piece(cfg, wide, act)
+    head = _head_piece(cfg, specs[-1].out_ch, hw, wide, act)
+    runs = split_specs(specs, md.pipeline_splits)
+    out, i = [], 0
+    for k, run in enumerate(runs):
+        stage = ([stem] if k == 0 else []) + blocks[i : i + len(run)]
+        stage += [head] if k == len(runs) - 1 else []
+        out.append(stage)
+        i += len(run)
+    return out

@@ -1,0 +1,143 @@
+"""One transformer layer's activation bytes: what it saves, what its backward holds.
+
+`layer_sets(cfg, cb, sb)` counts, for one micro-batch on one device, the values autodiff
+saves of a layer without remat, what each remat policy keeps, and the working set of the
+layer's backward (its recomputation under remat), from the layer's tensor sizes under tensor
+and sequence parallelism and sequence chunks. `jaxpod.planner.activations` multiplies them
+by the layers and pipeline ticks a device holds. Analytic, no jax.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from jaxpod.config import Config
+
+
+class _Rows(NamedTuple):
+    """Elements of one layer's tensors for one micro-batch on one device (`_layer_rows`)."""
+
+    btd: int  # a [b, T, D] row
+    btf: int  # the MLP's hidden units, [b, T, F/t]
+    res: int  # a residual-stream row: [b, T/t, D] with sequence parallelism, else btd
+    gathered: int  # sequence parallelism's all-gathered inputs, 2 [b, T, D] (t > 1)
+    kept_scores: int  # the attention scores [b, H/t, T, T] autodiff saves (none in chunks)
+    kept_hidden: int  # the MLP's hidden units autodiff saves (none in chunks)
+    chunk_scores: int  # one query chunk's scores
+
+
+def _layer_rows(cfg: Config) -> _Rows:
+    """The sizes of one layer's tensors (`_Rows`), which the saved values and the backward
+    working set are counted in: they follow from the micro-batch, the shapes, tensor and
+    sequence parallelism and the sequence chunks."""
+    md, t = cfg.model, cfg.mesh.tensor
+    b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
+    btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
+    # With sequence_chunks = C > 1 each query chunk and each MLP token chunk is a checkpoint:
+    # scores and MLP hidden activations are never saved, one query chunk's scores are alive.
+    # The MLP's token chunks earn credit in the backward working set only with RTS (the
+    # layer's weights all-gathered inside its remat unit): without it XLA holds the whole
+    # sequence's hidden units anyway (read with benchmarks/xla_peak.py).
+    # The loss head's logits shrink by C. The chunks are sliced from their input and their
+    # outputs written in place (`map_chunks`): no stacked copies.
+    chunked = md.sequence_chunks > 1
+    # Sequence parallelism: residual-stream tensors are [b, T/t, D]; attention and the MLP
+    # each all-gather their input to [b, T, D] (and the row-parallel matmul output is
+    # full-length before its reduce-scatter).
+    res = btd // t if md.sequence_parallel else btd
+    gathered = 2 * btd if md.sequence_parallel and t > 1 else 0
+    kept_scores, kept_hidden = (0, 0) if chunked else (scores, btf)
+    return _Rows(btd, btf, res, gathered, kept_scores, kept_hidden, scores // md.sequence_chunks)
+
+
+def _autodiff_saved(cfg: Config, r: _Rows, cb: int) -> int:
+    """Bytes of what autodiff saves of one layer without remat (`cb` bytes a scalar): the
+    policy `none` keeps all of it."""
+    t = cfg.mesh.tensor
+    # LN1/LN2: 4 [b,T,D] each; q, k, v, attention output: [b,T,D/t] each; masked scores,
+    # exp, probabilities [b,H/t,T,T] (+ the boolean mask, 1 byte); GELU MLP: 6 [b,T,F/t].
+    every = (8 * r.res + r.gathered + 4 * r.btd // t + 6 * r.kept_hidden) * cb
+    every += (3 * cb + 1) * r.kept_scores
+    return every
+
+
+def _policy_scalars(cfg: Config, r: _Rows) -> dict:
+    """Scalars of one layer each remat policy keeps (its input included), by policy name."""
+    t = cfg.mesh.tensor
+    # The attention psum's output is saved; the MLP psum's output is not (the residual add's
+    # backward needs no inputs, so autodiff drops it as a residual).
+    psums = r.res if t > 1 else 0
+    return {
+        "full": r.res,
+        "minimal": r.res + 3 * r.btd // t + r.btd + r.btf,
+        "attention": r.res + 4 * r.btd // t,
+        "comms": r.res + psums,
+    }
+
+
+def _recomputed(cfg: Config, r: _Rows, cb: int, attention_work: int) -> tuple[int, int, int]:
+    """Bytes alive at the peak of a recomputed layer's attention and MLP halves, and the MLP's
+    input values alone: `(attention, mlp_in, mlp)` (the backward working set's terms)."""
+    md, t = cfg.model, cfg.mesh.tensor
+    # Alive together at the peak of a recomputed layer's backward (the GELU's backward, in
+    # every remat-full program read with benchmarks/xla_peak.py): of the attention, the scores
+    # and the probabilities kept for its backward (exp is fused into them; the causal mask is
+    # one [T, T]); of the MLP, the pre-activation, the GELU's tanh, the cotangents of the
+    # GELU's output and of its input, 4 hidden-sized (the GELU's output is dead by then).
+    attention = (4 * r.res + r.gathered // 2 + 4 * r.btd // t) * cb + 2 * cb * r.kept_scores
+    attention += attention_work
+    mlp_in = (4 * r.res + r.gathered // 2) * cb
+    # the recomputed MLP's hidden units: the whole sequence's, or with RTS (the weights
+    # gathered inside the layer) one token chunk's (measured)
+    chunked = md.sequence_chunks > 1
+    hidden = r.btf // md.sequence_chunks if chunked and cfg.memory.rts > 1 else r.btf
+    return attention, mlp_in, mlp_in + 4 * hidden * cb
+
+
+def _backward_work(cfg: Config, r: _Rows, cb: int, kept: int) -> int:
+    """Bytes of one layer's backward working set beyond its saved input (`kept`: what the
+    policy keeps besides the input, in compute bytes `cb`).
+
+    Recomputing one layer: everything it would have saved (`_autodiff_saved`, split into its
+    attention and MLP halves, `_recomputed`), less what the policy keeps. memory.stream=matrix
+    recomputes one step at a time: the attention half, or one of the k MLP panels (1/k of the
+    hidden units, and the panel's partial sums [b, T, D]), plus the steps' inputs (x, q, k, v,
+    o, x1, y). XLA realises that smaller working set without tensor parallelism only: with
+    t > 1 it holds the layer's working set plus the steps' inputs (measured on 1x2x4 and 1x1x4,
+    with and without sequence parallelism and chunks, with benchmarks/xla_peak.py), so that is
+    counted."""
+    md, t, mem = cfg.model, cfg.mesh.tensor, cfg.memory
+    chunked = md.sequence_chunks > 1
+    attention_work = (5 * cb + 1) * r.chunk_scores if chunked else 0  # masked, exp, probs, 2 grads
+    if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
+        return (2 * r.kept_scores + r.btf + 2 * r.btd) * cb + attention_work
+    attention, mlp_in, mlp = _recomputed(cfg, r, cb, attention_work)
+    step_inputs = (3 * r.res + 4 * r.btd // t) * cb  # x, q, k, v, o, x1, y: kept per layer
+    if mem.stream == "matrix" and t == 1:
+        mlp_panel = mlp_in + r.btd * cb + 6 * r.btf // mem.mlp_panels * cb
+        return max(max(attention, mlp_panel) + step_inputs - kept, 0)
+    work = max(attention + mlp - attention_work - kept, 0) + attention_work
+    if mem.stream == "matrix":  # no credit under tensor parallelism (measured)
+        work += step_inputs
+    return work
+
+
+def layer_sets(cfg: Config, cb: int, sb: int) -> dict:
+    """Bytes of one layer's residuals for one micro-batch on one device (`cb` bytes a scalar):
+    `all` (what autodiff saves without remat), `saved` (what the remat policy keeps, layer
+    input included), `work` (one layer's backward working set) and `btd` (one [b, T, D] row
+    of the residual stream, as stored)."""
+    r = _layer_rows(cfg)
+    every = _autodiff_saved(cfg, r, cb)
+    remat = cfg.model.remat
+    # What a policy keeps is stored in the compute dtype (`sb` bytes a scalar, `stored_bytes`):
+    # a backend that widens float16 arithmetic (`cb` = 4) widens it inside its fused
+    # computations, not in the buffers between them (XLA:CPU's GPT-3 POD256 program keeps its
+    # saved layer inputs and the pipeline's rows in float16); XLA:CPU stores bfloat16 in float32.
+    if remat == "none":
+        saved, kept = every, every - r.res * cb
+    else:
+        scalars = _policy_scalars(cfg, r)[remat]
+        saved, kept = scalars * sb, (scalars - r.res) * cb
+    work = _backward_work(cfg, r, cb, kept)
+    return {"all": every, "saved": saved, "work": work, "btd": r.res * sb}
