@@ -10,7 +10,7 @@ import math
 import time
 
 from jaxpod.config import Config
-from jaxpod.data.feed import to_host
+from jaxpod.data.feed import fetch_when_done
 from jaxpod.errors import UserError
 from jaxpod.run.tasks import Task
 
@@ -44,7 +44,8 @@ class StepLog:
         steps, log_every = self.cfg.train.steps, self.cfg.train.log_every
         while len(self.pending) > keep:
             step, metrics = self.pending.pop(0)
-            host = {k: float(v) for k, v in to_host(metrics).items()}  # timed once all are done
+            # read, and so timed, once every device is done
+            host = {k: float(v) for k, v in fetch_when_done(metrics).items()}
             self.losses.append(host["loss"])
             bad = nonfinite(self.cfg, host)
             if (step % log_every and step != steps) and not bad:
