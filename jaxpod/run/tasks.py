@@ -23,7 +23,8 @@ from jaxpod.engine import Engine, TrainState, abstract_engine, build_engine
 
 @dataclass
 class Task:
-    """A dataset (`TokenDataset` or `ImageDataset`) bound to an engine."""
+    """A dataset (`TokenDataset` or `ImageDataset`) bound to an engine: a task in the learning
+    sense (the data and the model and loss that learn from it), not a cluster's (a process)."""
 
     cfg: Config
     dataset: Any
