@@ -59,7 +59,7 @@ def _counting(engine, shape: tuple, most: list):
 
 def _run(task, engine, state, mode: str, start: int, steps: int, depth: int):
     """`steps` steps from `start` the loop's way (`mode` 0) or with parts put ahead (1)."""
-    from jaxpod.data.feed import DeviceFeed, to_host
+    from jaxpod.data.feed import DeviceFeed, fetch_when_done
     from jaxpod.data.prefetch import Prefetcher
 
     k = task.cfg.train.batch_parts
@@ -78,8 +78,8 @@ def _run(task, engine, state, mode: str, start: int, steps: int, depth: int):
                 state, metrics = engine.run_step(state, [next(parts) for _ in range(k)])
             pending.append(metrics)
             if len(pending) > 1:  # the loop reads step N-1 while step N runs
-                to_host(pending.pop(0))
-    to_host(pending)  # the last step done on every device
+                fetch_when_done(pending.pop(0))
+    fetch_when_done(pending)  # the last step done on every device
     return state, (time.perf_counter() - t0) / steps
 
 

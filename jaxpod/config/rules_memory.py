@@ -44,6 +44,14 @@ def check_memory(cfg: Config, replica: int) -> None:
             "memory.phases/rts/offload/stream/mlp_panels/vocab_slices are for transformer "
             f"models; leave them at 1/1/[]/layer/1/1 for model.name={md.name}"
         )
+    _check_rts(cfg, replica)
+    _check_streaming(cfg)
+
+
+def _check_rts(cfg: Config, replica: int) -> None:
+    """RTS splits weights and optimizer state over groups of replicas: each group size must
+    divide the replica count, and one must divide the other, as the groups nest."""
+    mem = cfg.memory
     for key in ("memory.rts", "memory.rts_optimizer"):
         value = get(cfg, key)
         if value is not None and replica % value:
@@ -56,6 +64,13 @@ def check_memory(cfg: Config, replica: int) -> None:
             f"memory.rts={rts} and memory.rts_optimizer={rts_opt} must divide one another "
             "(weights and optimizer state are split over nested groups of replicas)"
         )
+
+
+def _check_streaming(cfg: Config) -> None:
+    """How a stage's weights are cut into the pieces that are streamed (phases of layers, MLP
+    panels, token-table slices, matrix by matrix), against the model's shapes per stage and
+    per tensor shard."""
+    mem, md = cfg.memory, cfg.model
     if mem.phases > md.layers:
         fail(f"memory.phases={mem.phases} is more than model.layers={md.layers}; use fewer")
     if mem.mlp_panels > 1 and mem.stream != "matrix":

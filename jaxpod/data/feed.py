@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 
-def to_host(outputs: Any) -> Any:
+def fetch_when_done(outputs: Any) -> Any:
     """`outputs` (a pytree of global arrays) as numpy, once every device's shard is computed:
     `jax.device_get` of a replicated array copies one device's shard and so waits for that
     device alone, which would stamp a time or copy the next batch while another still runs."""

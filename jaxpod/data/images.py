@@ -305,6 +305,46 @@ def _image_folder(path: str, image_size: int) -> tuple[np.ndarray, np.ndarray, l
     return images, labels, classes, f"{first[1][0]}x{first[1][1]}"
 
 
+def _synthetic_dataset(image_size: int, seed: int, num_classes: int | None) -> ImageDataset:
+    """`synthetic-imagenet`: ImageNet-1k's nominal split sizes, images and labels made per
+    example (`ImageDataset._synthetic`), so nothing is loaded or held."""
+    classes = SYNTHETIC_CLASSES if num_classes is None else num_classes
+    source = f"random pixels from a pool of {SYNTHETIC_POOL} images, random labels (seed {seed})"
+    return ImageDataset(
+        "synthetic-imagenet",
+        image_size,
+        classes,
+        seed,
+        SYNTHETIC_TRAIN_SIZE,
+        SYNTHETIC_VAL_SIZE,
+        _source=source,
+    )
+
+
+def _stored_images(
+    name: str, image_size: int, path: str | None
+) -> tuple[np.ndarray, np.ndarray, int, str]:
+    """The images of `digits` or `image-folder`, decoded into memory: (uint8[N, S, S, C],
+    int32[N], classes found, a line saying where they came from). A folder must hold at least
+    2 images, one for each split."""
+    if name == "digits":
+        images, labels = _digits(image_size)
+        source = f"scikit-learn handwritten digits, 8x8 grey upscaled to {image_size}x{image_size}"
+        return images, labels, 10, source
+    if path is None:
+        raise DataError(
+            "data.path is not set; data.name='image-folder' needs data.path pointing at a "
+            "directory with one subdirectory of images per class"
+        )
+    images, labels, class_names, original = _image_folder(path, image_size)
+    source = f"{images.shape[0]:,} {original} images from {path}"
+    if images.shape[0] < 2:
+        raise DataError(
+            f"data.path={path!r} holds 1 image; need at least 2 (1 train + 1 val): add images"
+        )
+    return images, labels, len(class_names), source
+
+
 def load_images(
     name: str,
     *,
@@ -327,38 +367,10 @@ def load_images(
     if num_classes is not None and num_classes < 1:
         raise DataError(f"model.num_classes={num_classes} must be >= 1 (or unset)")
     if name == "synthetic-imagenet":
-        classes = SYNTHETIC_CLASSES if num_classes is None else num_classes
-        source = (
-            f"random pixels from a pool of {SYNTHETIC_POOL} images, random labels (seed {seed})"
-        )
-        return ImageDataset(
-            name,
-            image_size,
-            classes,
-            seed,
-            SYNTHETIC_TRAIN_SIZE,
-            SYNTHETIC_VAL_SIZE,
-            _source=source,
-        )
+        return _synthetic_dataset(image_size, seed, num_classes)
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be in (0, 1); e.g. 0.1")
-    if name == "digits":
-        images, labels = _digits(image_size)
-        found = 10
-        source = f"scikit-learn handwritten digits, 8x8 grey upscaled to {image_size}x{image_size}"
-    else:
-        if path is None:
-            raise DataError(
-                "data.path is not set; data.name='image-folder' needs data.path pointing at a "
-                "directory with one subdirectory of images per class"
-            )
-        images, labels, class_names, original = _image_folder(path, image_size)
-        found = len(class_names)
-        source = f"{images.shape[0]:,} {original} images from {path}"
-        if images.shape[0] < 2:
-            raise DataError(
-                f"data.path={path!r} holds 1 image; need at least 2 (1 train + 1 val): add images"
-            )
+    images, labels, found, source = _stored_images(name, image_size, path)
     if num_classes is not None and num_classes != found:
         where = "digits" if name == "digits" else f"data.path={path!r}"
         raise DataError(

@@ -55,68 +55,80 @@ def draw_bytes(
     beside = beside or {}
     width = 0.38 if beside else 0.6
     shift = width / 2 if beside else 0.0
-    seen: set[str] = set()
+    seen: set[str] = set()  # legend entries already drawn: each kind is labelled once
     tops = []
     for i, (name, p) in enumerate(plans.items()):
-        bottom = 0
-        for kind, value in stack(p).items():
-            if value <= 0:
-                continue
-            label = None if kind in seen else LABELS.get(kind, kind)
-            seen.add(kind)
-            ax.bar(
-                i - shift, value / 1e9, width, bottom=bottom / 1e9, color=COLOURS[kind], label=label
-            )
-            bottom += value
-        ax.text(
-            i - shift, bottom / 1e9, f"{bottom / 1e9:.2f}", ha="center", va="bottom", fontsize=7
-        )
+        bottom = _draw_stack(ax, i - shift, width, p, seen)
         limit = p["device_memory_bytes"]
-        ax.plot(
-            [i - 0.48, i + 0.48],
-            [limit / 1e9] * 2,
-            color="red",
-            lw=1.5,
-            label=None if "limit" in seen else "device memory",
-        )
-        if len(plans) == 1:
-            ax.text(
-                i + 0.48,
-                limit / 1e9,
-                format_bytes(limit),
-                color="red",
-                ha="right",
-                va="bottom",
-                fontsize=7,
-            )
-        seen.add("limit")
+        _draw_limit(ax, i, limit, len(plans) == 1, seen)
         tops += [bottom, limit]
         if name in beside:
-            other = beside[name]
-            ax.bar(
-                i + shift,
-                other / 1e9,
-                width,
-                color=XLA_COLOUR,
-                hatch="//",
-                edgecolor="white",
-                label=None if "beside" in seen else beside_label,
-            )
-            seen.add("beside")
-            ax.text(
-                i + shift,
-                other / 1e9,
-                f"{other / 1e9:.2f}",
-                ha="center",
-                va="bottom",
-                fontsize=7,
-                color="0.3",
-            )
-            tops.append(other)
+            _draw_beside(ax, i + shift, width, beside[name], beside_label, seen)
+            tops.append(beside[name])
     ax.set_xticks(range(len(plans)), list(plans), fontsize=8)
     ax.set(ylabel="GB per device", ylim=(0, 1.12 * max(tops) / 1e9), xlim=(-0.6, len(plans) - 0.4))
     if title:
         ax.set_title(title, fontsize=10)
+    _legend(ax, beside_label)
+
+
+def _draw_stack(ax, x: float, width: float, plan: dict, seen: set[str]) -> int:
+    """The plan's bar at `x`: its device total stacked by kind (`stack`), the total written on
+    top in GB. Returns the total in bytes."""
+    bottom = 0
+    for kind, value in stack(plan).items():
+        if value <= 0:
+            continue
+        label = None if kind in seen else LABELS.get(kind, kind)
+        seen.add(kind)
+        ax.bar(x, value / 1e9, width, bottom=bottom / 1e9, color=COLOURS[kind], label=label)
+        bottom += value
+    ax.text(x, bottom / 1e9, f"{bottom / 1e9:.2f}", ha="center", va="bottom", fontsize=7)
+    return bottom
+
+
+def _draw_limit(ax, i: int, limit: int, alone: bool, seen: set[str]) -> None:
+    """The device limit as a red tick across slot `i`, labelled with its size when the chart
+    has this plan alone."""
+    ax.plot(
+        [i - 0.48, i + 0.48],
+        [limit / 1e9] * 2,
+        color="red",
+        lw=1.5,
+        label=None if "limit" in seen else "device memory",
+    )
+    if alone:
+        ax.text(
+            i + 0.48,
+            limit / 1e9,
+            format_bytes(limit),
+            color="red",
+            ha="right",
+            va="bottom",
+            fontsize=7,
+        )
+    seen.add("limit")
+
+
+def _draw_beside(ax, x: float, width: float, other: int, label: str, seen: set[str]) -> None:
+    """The grey, hatched bar of `other` bytes at `x` (e.g. XLA's compiled total), its size in
+    GB on top: the number the plan's stack is compared with."""
+    ax.bar(
+        x,
+        other / 1e9,
+        width,
+        color=XLA_COLOUR,
+        hatch="//",
+        edgecolor="white",
+        label=None if "beside" in seen else label,
+    )
+    seen.add("beside")
+    ax.text(x, other / 1e9, f"{other / 1e9:.2f}", ha="center", va="bottom", fontsize=7, color="0.3")
+
+
+def _legend(ax, beside_label: str) -> None:
+    """The legend outside the axes, on the right, in a fixed order (kinds from the bottom of
+    the stack up, then the limit, then the bar beside) whatever order the bars came in."""
     handles, labels = ax.get_legend_handles_labels()
     order = [LABELS.get(k, k) for k in KINDS] + ["device memory", beside_label]
     pairs = sorted(zip(labels, handles, strict=True), key=lambda lh: order.index(lh[0]))

@@ -16,7 +16,6 @@ devices of one global mesh; only process 0 writes the run record, holds the lock
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 import time
@@ -28,7 +27,7 @@ import jax
 from tqdm import tqdm
 
 from jaxpod.config import Config, config_to_dict, dump_yaml
-from jaxpod.data.feed import DeviceFeed, to_host
+from jaxpod.data.feed import DeviceFeed
 from jaxpod.data.prefetch import Prefetcher
 from jaxpod.engine import TrainState
 from jaxpod.errors import UserError
@@ -56,6 +55,7 @@ from jaxpod.run.resume import (
     lost_records,
     trim_events,
 )
+from jaxpod.run.steplog import StepLog
 from jaxpod.run.tasks import Task, build_task
 
 
@@ -113,59 +113,34 @@ def run_training(
 
 
 def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -> RunResult:
+    """The run top to bottom: build, open the record (resume or fresh start), compile, train,
+    close the record. A resume of a finished run returns at once, writing nothing."""
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     mesh = make_mesh(cfg.mesh, select_devices(cfg.total_devices))
     logdir = Path(cfg.train.logdir)
     ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints)
     start = ckpt.latest_step() or 0
-    try:  # a resume reads the state straight into its shards: it is not initialised first
-        task, state = build_task(cfg, mesh, initialise=not start)
-    except BaseException:
-        ckpt.close()
-        raise
-    engine = task.engine
-    params = engine.stages.params_count
-    mapping = describe(cfg, mesh, state, task.per_step, task.unit, params)
+    task, state = _build(cfg, mesh, ckpt, start)
+    mapping = describe(cfg, mesh, state, task.per_step, task.unit, task.engine.stages.params_count)
     say(format_mapping(mapping))
     say(f"data           {task.dataset.describe()}")
 
     kept_records: list = []
     if start:  # refuses (UserError) a mismatched or damaged checkpoint before touching logdir
-        try:  # the config first: a change is refused naming its keys, not an array
-            meta = ckpt.meta(start)
-            where = f"{logdir} (checkpoint {start})"
-            saved = check_saved_config(meta["config"], where)
-            changes = check_changes(saved, config_to_dict(cfg), start, where, allow_changes)
-            state = ckpt.restore(start, engine, state, cfg.train.seed, meta)
-        except UserError:
-            ckpt.close()
-            raise
-        kept_records = meta["records"]
+        state, kept_records, changes = _restore(cfg, ckpt, start, task, state, allow_changes)
         if start >= cfg.train.steps:  # nothing is written: the record stays as it is
             ckpt.close()
             say(f"complete       {ckpt.shown / str(start)} is at step {start}; nothing to do")
             _say_where(say, logdir)
             return RunResult(logdir, state, [], {}, mapping)
-        say(f"resumed        from step {start} ({ckpt.shown / str(start)})")
-        if changes:
-            say(f"changed        {', '.join(k for k, _, _ in changes)} since step {start}")
-        if main:
-            if changes:
-                keep_config(logdir, start)
-            keep_records_upto(logdir, start)
-            trim_events(logdir, start)  # the steps after `start` are redone: shown once
+        _resume_record(logdir, start, changes, ckpt, say, main)
     elif main:
-        earlier = earlier_record(logdir)
-        if earlier:
-            say(f"fresh start    replacing {earlier} in {logdir}")
-        _prepare_logdir(logdir)
+        _fresh_record(logdir, say)
     if main:
-        (logdir / "config.yaml").write_text(dump_yaml(cfg))
-        mapping_record = {**mapping, "processes": jax.process_count()}
-        (logdir / "mapping.json").write_text(json.dumps(mapping_record, indent=2))
+        _write_setup(logdir, cfg, mapping)
 
     t0 = time.perf_counter()
-    _compile(engine, state, task.batch(0))
+    _compile(task.engine, state, task.batch(0))
     say(f"compiled       train step in {time.perf_counter() - t0:.1f} s")
 
     losses, val_losses = [], {}
@@ -174,11 +149,7 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
     # The writer closes last: it waits for the last checkpoint to commit, then flushes.
     with stop, MetricsWriter(logdir, enabled=main) as metrics_writer, ckpt:
         writer = _Recorder(metrics_writer)
-        writer.text("config", "```\n" + dump_yaml(cfg) + "\n```")
-        writer.text("mapping", "```\n" + format_mapping(mapping) + "\n```")
-        writer.hparams({**flat_hparams(config_to_dict(cfg)), "processes": jax.process_count()})
-        for prefix, record in lost_records(logdir, kept_records) if main else []:
-            metrics_writer.write(record, prefix)  # lost by a kill right after the commit
+        _write_header(writer, cfg, mapping, lost_records(logdir, kept_records) if main else [])
         if not start:
             _evaluate(task, state, 0, writer, val_losses, say)
         try:
@@ -188,6 +159,80 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
             )
         finally:
             profiler.stop()  # an interrupted run still leaves a readable trace
+    _close_record(cfg, task, state, ckpt, profiler, stop, say, main)
+    _say_where(say, logdir)
+    return RunResult(logdir, state, losses, val_losses, mapping, profiler.trace)
+
+
+def _build(cfg: Config, mesh, ckpt: Checkpointer, start: int) -> tuple[Task, TrainState]:
+    """The task and its state; for a resume (`start` > 0) the state's shapes and shardings
+    only, which the checkpoint is read straight into. Closes `ckpt` if building fails."""
+    try:
+        return build_task(cfg, mesh, initialise=not start)
+    except BaseException:
+        ckpt.close()
+        raise
+
+
+def _restore(
+    cfg: Config, ckpt: Checkpointer, start: int, task: Task, state, allow_changes
+) -> tuple[TrainState, list, list]:
+    """`(state, records, changed keys)` of checkpoint `start`, its config checked first so a
+    change is refused (UserError) naming its keys, not an array; a refusal closes `ckpt`."""
+    try:
+        meta = ckpt.meta(start)
+        where = f"{Path(cfg.train.logdir)} (checkpoint {start})"
+        saved = check_saved_config(meta["config"], where)
+        changes = check_changes(saved, config_to_dict(cfg), start, where, allow_changes)
+        state = ckpt.restore(start, task.engine, state, cfg.train.seed, meta)
+    except UserError:
+        ckpt.close()
+        raise
+    return state, meta["records"], changes
+
+
+def _resume_record(logdir: Path, start: int, changes: list, ckpt, say, main: bool) -> None:
+    """Say where the run resumes and what changed; process 0 cuts the record back to `start`
+    and keeps the earlier config if it changed."""
+    say(f"resumed        from step {start} ({ckpt.shown / str(start)})")
+    if changes:
+        say(f"changed        {', '.join(k for k, _, _ in changes)} since step {start}")
+    if main:
+        if changes:
+            keep_config(logdir, start)
+        keep_records_upto(logdir, start)
+        trim_events(logdir, start)  # the steps after `start` are redone: shown once
+
+
+def _fresh_record(logdir: Path, say) -> None:
+    """Start a fresh record, saying which earlier run's record it replaces, if any."""
+    earlier = earlier_record(logdir)
+    if earlier:
+        say(f"fresh start    replacing {earlier} in {logdir}")
+    _prepare_logdir(logdir)
+
+
+def _write_setup(logdir: Path, cfg: Config, mapping: dict) -> None:
+    """`config.yaml` and `mapping.json` (with the process count): what was trained, where."""
+    (logdir / "config.yaml").write_text(dump_yaml(cfg))
+    mapping_record = {**mapping, "processes": jax.process_count()}
+    (logdir / "mapping.json").write_text(json.dumps(mapping_record, indent=2))
+
+
+def _write_header(writer: _Recorder, cfg: Config, mapping: dict, lost: list) -> None:
+    """Config, mapping and hyperparameters for TensorBoard, then the `lost` records (kept in
+    the checkpoint, missing from the metrics file) written as they were."""
+    writer.text("config", "```\n" + dump_yaml(cfg) + "\n```")
+    writer.text("mapping", "```\n" + format_mapping(mapping) + "\n```")
+    writer.hparams({**flat_hparams(config_to_dict(cfg)), "processes": jax.process_count()})
+    for prefix, record in lost:
+        writer.writer.write(record, prefix)  # lost by a kill right after the commit
+
+
+def _close_record(cfg: Config, task: Task, state, ckpt, profiler, stop, say, main) -> None:
+    """After the steps: the evaluation record, the trace's name, and `Interrupted` if a stop
+    was requested (its step is saved by then)."""
+    logdir = Path(cfg.train.logdir)
     if main:
         write_eval_record(logdir, cfg, task.unit)
     if profiler.trace is not None:
@@ -199,8 +244,6 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
             f"interrupted at step {step}: saved {ckpt.shown / str(step)} and the record up to "
             "it; run the same command to resume",
         )
-    _say_where(say, logdir)
-    return RunResult(logdir, state, losses, val_losses, mapping, profiler.trace)
 
 
 def _compile(engine, state, part) -> None:
@@ -249,70 +292,6 @@ def _evaluate(task: Task, state, step: int, writer, val_losses: dict, log) -> No
     log(f"step {step:>6}  " + "  ".join(f"{k} {v:.4f}" for k, v in results.items()))
 
 
-class _StepLog:
-    """Reads step metrics to the host one step late, logs every `log_every`, times steps.
-
-    `push(step, metrics)` after dispatching a step; `flush()` reads everything still pending
-    (before an evaluation, a trace stop, the end); `restart_timing(step)` excludes work done
-    between steps (evaluation, writing a trace) from the next step times."""
-
-    def __init__(self, cfg: Config, task: Task, writer, bar, log, start: int, ckpt):
-        self.cfg, self.task, self.writer, self.bar, self.log = cfg, task, writer, bar, log
-        self.ckpt = ckpt
-        self.rate = f"{task.unit}_per_s"
-        self.losses: list[float] = []
-        self.pending: list = []  # (step, metrics on device) not yet read to the host
-        self.restart_timing(start)
-
-    def restart_timing(self, step: int) -> None:
-        self.last_time, self.last_step = time.perf_counter(), step
-
-    def push(self, step: int, metrics) -> None:
-        self.pending.append((step, metrics))
-        self._read(keep=1)  # reads step N-1 while step N runs
-
-    def flush(self) -> None:
-        self._read(keep=0)
-
-    def _read(self, keep: int) -> None:
-        steps, log_every = self.cfg.train.steps, self.cfg.train.log_every
-        while len(self.pending) > keep:
-            step, metrics = self.pending.pop(0)
-            host = {k: float(v) for k, v in to_host(metrics).items()}  # timed once all are done
-            self.losses.append(host["loss"])
-            bad = _nonfinite(self.cfg, host)
-            if (step % log_every and step != steps) and not bad:
-                continue
-            now = time.perf_counter()
-            step_time = (now - self.last_time) / (step - self.last_step)
-            self.last_time, self.last_step = now, step
-            speed = self.task.per_step / step_time
-            self.writer.write({"step": step, **host, "step_time_s": step_time, self.rate: speed})
-            self.bar.set_postfix(loss=f"{host['loss']:.3f}", **{self.rate: f"{speed:,.0f}"})
-            if self.bar.disable:
-                acc = f"acc {host['accuracy']:.3f}  " if "accuracy" in host else ""
-                self.log(
-                    f"step {step:>6}/{steps}  loss {host['loss']:.4f}  {acc}"
-                    f"lr {host['lr']:.2e}  {speed:,.0f} {self.task.unit}/s"
-                )
-            if bad:
-                saved = self.ckpt.saved_step
-                newest = f"the newest checkpoint, step {saved}, is intact" if saved else "none"
-                raise UserError(
-                    f"training diverged at step {step}: {bad}, so the run stopped before "
-                    f"saving it ({newest}); lower optim.lr or optim.grad_clip (resume with "
-                    "--allow-changes optim), or use precision.loss_scale=dynamic"
-                )
-
-
-def _nonfinite(cfg: Config, host: dict[str, float]) -> str | None:
-    """What is not finite in a step's metrics ("loss nan", ...), or None. With a dynamic loss
-    scale a non-finite loss is an overflow the step skipped; the parameters must stay finite."""
-    keys = ["param_norm"] if cfg.precision.loss_scale == "dynamic" else ["loss", "param_norm"]
-    bad = [f"{k} {host[k]}" for k in keys if k in host and not math.isfinite(host[k])]
-    return ", ".join(bad) or None
-
-
 def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, profiler, stop):
     """The step loop proper, from `state.step` + 1. Returns the final state and the losses.
 
@@ -327,7 +306,7 @@ def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, p
     bar = tqdm(total=steps, initial=start, unit="step", disable=hide, file=sys.stderr)
     # With a live progress bar, lines go above it; otherwise (CI, pipes) plain log lines.
     log = say if bar.disable else bar.write
-    steplog = _StepLog(cfg, task, writer, bar, log, start, ckpt)
+    steplog = StepLog(cfg, task, writer, bar, log, start, ckpt)
     config = config_to_dict(cfg)
     k = cfg.train.batch_parts  # the prefetcher's items are parts of batches
     part = lambda i: task.read(i // k, part=i % k)  # noqa: E731

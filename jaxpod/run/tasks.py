@@ -17,13 +17,14 @@ import jax
 import numpy as np
 
 from jaxpod.config import Config
-from jaxpod.data.feed import DeviceFeed, HostBatch, index_key, to_host
+from jaxpod.data.feed import DeviceFeed, HostBatch, fetch_when_done, index_key
 from jaxpod.engine import Engine, TrainState, abstract_engine, build_engine
 
 
 @dataclass
 class Task:
-    """A dataset (`TokenDataset` or `ImageDataset`) bound to an engine."""
+    """A dataset (`TokenDataset` or `ImageDataset`) bound to an engine: a task in the learning
+    sense (the data and the model and loss that learn from it), not a cluster's (a process)."""
 
     cfg: Config
     dataset: Any
@@ -80,7 +81,7 @@ class Task:
         for _ in range(n * k):
             outs.append(self.engine.eval_step(params, next(feed)))
             feed.dispatched(outs[-1])
-        parts = to_host(outs)  # every device's calls done before the next part is copied
+        parts = fetch_when_done(outs)  # every device's calls done before the next part is copied
         sums = [
             {m: sum(p[m] for p in parts[b * k : (b + 1) * k]) for m in parts[0]} for b in range(n)
         ]

@@ -120,7 +120,7 @@ def test_a_step_is_timed_once_every_device_is_done(tiny_cfg, mesh_for):
 
     import jax.numpy as jnp
 
-    from jaxpod.run.loop import _StepLog
+    from jaxpod.run.steplog import StepLog
 
     cfg = tiny_cfg(*RUN, mesh=(2, 1, 1))
     lagging = _lagging_scalar(mesh_for(cfg))
@@ -132,7 +132,7 @@ def test_a_step_is_timed_once_every_device_is_done(tiny_cfg, mesh_for):
         metrics = pushed[record["step"] - 1]
         done_when_written.append(all(m.is_ready() for m in metrics.values()))
 
-    steplog = _StepLog(cfg, task, SimpleNamespace(write=write), bar, print, 0, ckpt=None)
+    steplog = StepLog(cfg, task, SimpleNamespace(write=write), bar, print, 0, ckpt=None)
     for step in (1, 2):
         pushed.append({"loss": lagging(), "lr": jnp.zeros(())})
         assert not pushed[-1]["loss"].is_ready()  # dispatched, still running on device 1

@@ -128,11 +128,11 @@ def test_a_record_without_checksums_or_layer_order_is_refused(saved, tmp_path):
 def test_non_finite_metrics_are_named():
     from helpers import make_tiny_cfg
 
-    from jaxpod.run.loop import _nonfinite
+    from jaxpod.run.steplog import nonfinite
 
     cfg = make_tiny_cfg()
-    assert _nonfinite(cfg, {"loss": 2.0, "param_norm": 3.0}) is None
-    assert _nonfinite(cfg, {"loss": float("nan"), "param_norm": 3.0}) == "loss nan"
+    assert nonfinite(cfg, {"loss": 2.0, "param_norm": 3.0}) is None
+    assert nonfinite(cfg, {"loss": float("nan"), "param_norm": 3.0}) == "loss nan"
     dynamic = make_tiny_cfg("precision.loss_scale=dynamic")
-    assert _nonfinite(dynamic, {"loss": float("inf"), "param_norm": 3.0}) is None  # skipped
-    assert _nonfinite(dynamic, {"loss": 1.0, "param_norm": float("inf")}) == "param_norm inf"
+    assert nonfinite(dynamic, {"loss": float("inf"), "param_norm": 3.0}) is None  # skipped
+    assert nonfinite(dynamic, {"loss": 1.0, "param_norm": float("inf")}) == "param_norm inf"
