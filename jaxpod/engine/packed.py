@@ -2,7 +2,7 @@
 
 A CNN's stages are not identical layers (stage 0: stem + early blocks on big, thin
 activations; stage 1: late blocks + head), so they cannot be one stack. Instead
-(`jaxpod.parallel.stages.StagePacking`):
+(`jaxpod.parallel.packing.StagePacking`):
 
     params   {dtype: [S, n_max]}  P("pipeline", None)   row s = stage s's tree, flattened
     batch    (images uint8[G, H, W, 3], labels int32[G])  P("replica"); normalised on device
@@ -46,8 +46,8 @@ from jaxpod.optim.precision import (
     sum_squares,
     to_float32,
 )
+from jaxpod.parallel.packing import StagePacking
 from jaxpod.parallel.remat import remat
-from jaxpod.parallel.stages import StagePacking
 
 ROW = P("pipeline", None)
 _NOTHING = jax.checkpoint_policies.nothing_saveable

@@ -7,7 +7,7 @@ the stack, `token_loss(h, targets, tp)`, `inputs_and_targets(tokens, keys)` and 
 Around it, from the config:
 
     params   nested dicts, each leaf sharded by its logical axes (+ the RTS split), in device
-             or host memory (`engine.layout`); inside `shard_map` the non-layer weights are
+             or host memory (`engine.placement`); inside `shard_map` the non-layer weights are
              fetched, gathered and cast before use, the layers one at a time by `run_stack`
     batch    (tokens int32[G, T+1],) split over the batch axes
     update   under GSPMD on the globally sharded arrays (whole-parameter norms): the
@@ -25,8 +25,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpod.config import Config
-from jaxpod.engine.layout import make_layout
 from jaxpod.engine.loss import Examples
+from jaxpod.engine.placement import make_placement
 from jaxpod.engine.state import (
     OptState,
     TrainState,
@@ -59,7 +59,7 @@ def _cast(tree, dtype):
 
 
 class StackedStages:
-    """A stacked model on a mesh: its layout, optimizer and the pieces of its loss."""
+    """A stacked model on a mesh: its placement, optimizer and the pieces of its loss."""
 
     def __init__(self, cfg: Config, mesh: Mesh, *, unroll: bool = False):
         self.cfg, self.unroll = cfg, unroll
@@ -71,10 +71,10 @@ class StackedStages:
         )
         self.abstract_params = params
         self.params_count = sum(leaf.size for leaf in jax.tree.leaves(params))
-        self.layout = layout = make_layout(cfg, mesh, params, self.specs, self.masks)
-        self.mesh, self.data_axes = layout.mesh, layout.data_axes
-        self.stored_specs = layout.stored_specs
-        self.batch_specs = (layout.batch_spec,)
+        self.placement = placement = make_placement(cfg, mesh, params, self.specs, self.masks)
+        self.mesh, self.data_axes = placement.mesh, placement.data_axes
+        self.stored_specs = placement.stored_specs
+        self.batch_specs = (placement.batch_spec,)
         self.optimizer, self.lr_schedule = make_optimizer(
             cfg.optim,
             cfg.train.steps,
@@ -84,28 +84,28 @@ class StackedStages:
         )
         self.dtype = compute_dtype(cfg.precision)
         self.sliced = cfg.memory.vocab_slices > 1  # token tables used a slice of rows at a time
-        self.any_host = any(jax.tree.leaves(layout.host))
-        host_layers = jax.tree.map(lambda h, s: h and s, layout.host, self.masks.stacked)
+        self.any_host = any(jax.tree.leaves(placement.host))
+        host_layers = jax.tree.map(lambda h, s: h and s, placement.host, self.masks.stacked)
         self.layers_on_host = any(jax.tree.leaves(host_layers))
         mem = cfg.memory
         self.stack_options = StackOptions(
             remat_policy=cfg.model.remat,
-            phases=layout.phases,
+            phases=placement.phases,
             stream=mem.stream,
             mlp_panels=mem.mlp_panels,
-            offload_activations=layout.offload_activations,
+            offload_activations=placement.offload_activations,
             unroll=unroll,
         )
 
     # ------------------------------------------------------------------ state and shardings
     def state_shardings(self) -> TrainState:
-        layout = self.layout
-        replicated = NamedSharding(layout.mesh, P())
-        kind = offload.HOST if layout.host_optimizer else None
-        moments = shardings(layout.mesh, layout.opt_specs, kind)
+        placement = self.placement
+        replicated = NamedSharding(placement.mesh, P())
+        kind = offload.HOST if placement.host_optimizer else None
+        moments = shardings(placement.mesh, placement.opt_specs, kind)
         tx = optimizer_shardings(self.optimizer, self.abstract_params, replicated, like=moments)
         ls = LossScaleState(replicated, replicated, replicated)
-        return TrainState(replicated, layout.param_shardings(), OptState(tx, ls))
+        return TrainState(replicated, placement.param_shardings(), OptState(tx, ls))
 
     def abstract_state(self) -> TrainState:
         """The state as `ShapeDtypeStruct`s with shardings: nothing is materialised."""
@@ -139,7 +139,7 @@ class StackedStages:
     def examples(self, params, batch: tuple, step, stream: int) -> Examples:
         """Local `tokens[B, T+1]` -> micro-batches `[M, mb, T]` of inputs, targets, weights."""
         (tokens,) = batch
-        cfg, batch_axes = self.cfg, self.layout.batch_axes
+        cfg, batch_axes = self.cfg, self.placement.batch_axes
         model = nnx.merge(self.graphdef, params)
         keys = None
         if model.masked:
@@ -158,7 +158,7 @@ class StackedStages:
 
     def _prepare(self, tree, dims, leading: int = 0, panels=None):
         """Stored -> computed: cast to the compute dtype, all-gathered over the RTS group."""
-        return gather(_cast(tree, self.dtype), dims, self.layout.rts_axes, leading, panels)
+        return gather(_cast(tree, self.dtype), dims, self.placement.rts_axes, leading, panels)
 
     @property
     def layer_order(self) -> np.ndarray | None:
@@ -190,13 +190,13 @@ class StackedStages:
         """The model of the local params: non-layer weights fetched and prepared, token tables
         as `VocabSlices` when used a slice at a time, the layers as stored. `fetched`: every
         host-resident leaf is already on the device."""
-        layout, cfg = self.layout, self.cfg
+        placement, cfg = self.placement, self.cfg
         flat = lambda tree: jax.tree.leaves(tree)
         leaves, treedef = jax.tree.flatten(params)
-        roles = (self.masks.stacked, self.masks.table, layout.host)
+        roles = (self.masks.stacked, self.masks.table, placement.host)
         rows = zip(leaves, *map(flat, roles), strict=True)
         ready = []
-        for (leaf, stacked, table, host), dim in zip(rows, flat(layout.rts_dims), strict=True):
+        for (leaf, stacked, table, host), dim in zip(rows, flat(placement.rts_dims), strict=True):
             if stacked:  # run_stack prepares the layers one at a time
                 fetch = host and fetched_layers and not fetched
                 ready.append(offload.to_device(leaf) if fetch else leaf)
@@ -214,10 +214,10 @@ class StackedStages:
     ) -> jax.Array:
         """This stage's layers over `x` (with V virtual stages, the layers of virtual stage
         `virtual_stage` only); `fetched`: the stack is already on the device."""
-        layout, cfg = self.layout, self.cfg
-        dims = layout.rts_dims[STACK]
+        placement, cfg = self.placement, self.cfg
+        dims = placement.rts_dims[STACK]
         prepare = fetch = virtual = None
-        if layout.rts_axes or self.dtype != master_dtype_of(cfg.precision):
+        if placement.rts_axes or self.dtype != master_dtype_of(cfg.precision):
             prepare = lambda p, panels=None: self._prepare(p, dims, 1, panels)  # noqa: E731
         if self.layers_on_host and not fetched:  # per phase, or per step (stream=matrix)
             fetch = offload.to_device
@@ -280,7 +280,7 @@ class StackedStages:
         the ticks (jax rejects a transfer inside the tick scan)."""
         if self.any_host:
             params = jax.tree.map(
-                lambda a, h: offload.to_device(a) if h else a, params, self.layout.host
+                lambda a, h: offload.to_device(a) if h else a, params, self.placement.host
             )
         model = lambda p: self._model(p, fetched_layers=False, fetched=True)  # noqa: E731
         embed = lambda p, inputs: model(p).embed(inputs, TP)  # noqa: E731
@@ -293,11 +293,11 @@ class StackedStages:
         """The guarded update on the global arrays: host-resident state is moved to the
         device, updated, and put back where it lives. Returns `(params, tx, loss_scale,
         info)`; `info` adds `param_norm` to the guarded update's."""
-        cfg, layout = self.cfg, self.layout
+        cfg, placement = self.cfg, self.placement
         sharding = self.state_shardings()
         if self.any_host:
             params = jax.device_put(params, offload.with_memory_kind(sharding.params, "device"))
-        if layout.host_optimizer:
+        if placement.host_optimizer:
             device_tx = offload.with_memory_kind(sharding.opt_state.tx, "device")
             tx = jax.device_put(tx, device_tx)
         if is_half(master_dtype_of(cfg.precision)):  # 16-bit masters: layer by layer

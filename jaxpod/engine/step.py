@@ -41,7 +41,7 @@ F32 = jnp.float32
 
 class Engine(NamedTuple):
     """Everything needed to run steps: jitted functions, the shardings they expect, and the
-    stage layout (`stages.layout` for stacked models) they were built from."""
+    stage layout (`stages.placement` for stacked models) they were built from."""
 
     stages: Any  # StackedStages | PackedStages
     state_sharding: TrainState

@@ -124,10 +124,10 @@ def test_replicated_tensor_sharding(tiny_cfg, mesh_for, name):
     rts = run(tiny_cfg, mesh_for, shape, *both, *extra)
     assert_same_training(rts, plain, name)
     engine, state = rts[0], rts[2]
-    layout = engine.stages.layout
+    layout = engine.stages.placement
     assert (layout.opt_specs == layout.stored_specs) == (k_w == k_o)
     if k_w > 1:
-        assert NO_GATHER not in jax.tree.leaves(engine.stages.layout.rts_dims)
+        assert NO_GATHER not in jax.tree.leaves(engine.stages.placement.rts_dims)
     p_plain, p_rts = held(plain[2].params), held(state.params)
     assert p_plain.keys() == p_rts.keys() and len(p_rts) == 8
     for d in p_plain:
@@ -226,7 +226,7 @@ def test_matrix_stream_fetches_each_step_its_panels(tiny_cfg, mesh_for):
     assert {a.sharding.memory_kind for a in jax.tree.leaves(state.params)} == {offload.HOST}
     local = lambda a: a.sharding.shard_shape(a.shape)
     layers = {k: jax.tree.map(lambda a: local(a)[1:], v) for k, v in state.params["layers"].items()}
-    dims = engine.stages.layout.rts_dims["layers"]
+    dims = engine.stages.placement.rts_dims["layers"]
     assert dims["mlp"]["w_in"] == 1 and dims["mlp"]["w_out"] == 2  # D, not the hidden units
     others = {k: v for k, v in state.params.items() if k != "layers"}
     rest = Counter(local(a) for a in jax.tree.leaves(others))
@@ -270,11 +270,11 @@ def test_vocab_slices_gather_the_table_a_slice_at_a_time(tiny_cfg, mesh_for):
     sliced = run(tiny_cfg, mesh_for, shape, *VOCAB, *VOCAB_SLICES)
     assert_same_training(sliced, plain, "vocab slices")
     engine, state = sliced[0], sliced[2]
-    assert engine.stages.layout.rts_dims["wte"] == 1
+    assert engine.stages.placement.rts_dims["wte"] == 1
     # the optimizer state split like the table (D, not the rows): the compiled step has no
     # all-to-all (with the rows split, the update resharded the table's gradient). The
     # program read is the one the run compiled and ran (jit's cache: no compile here).
-    assert engine.stages.layout.opt_specs == engine.stages.layout.stored_specs
+    assert engine.stages.placement.opt_specs == engine.stages.placement.stored_specs
     traced = engine.train_step.trace(state, abstract_batch(engine))
     hlo = traced.lower().compile().as_text()
     assert "all-to-all(" not in hlo

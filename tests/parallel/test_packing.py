@@ -1,4 +1,4 @@
-"""Packing heterogeneous pipeline stages (`jaxpod.parallel.stages.StagePacking`): one row
+"""Packing heterogeneous pipeline stages (`jaxpod.parallel.packing.StagePacking`): one row
 per stage and dtype, padded, unpacked to the same trees."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 
 
 def test_stage_packing_round_trip():
-    from jaxpod.parallel.stages import StagePacking
+    from jaxpod.parallel.packing import StagePacking
 
     trees = [
         {"w": jnp.arange(6.0).reshape(2, 3), "n": jnp.int32(7), "h": jnp.ones(3, jnp.float16)},
@@ -34,7 +34,7 @@ def test_a_row_gradient_is_one_concatenate():
     """The gradient of a row through `unpack` is the leaves' gradients concatenated (one
     `concatenate`, no per-leaf zero-padded rows to sum: that sum visits every leaf for every
     element of the row), and equals the plain per-leaf gradient placed at each leaf's slot."""
-    from jaxpod.parallel.stages import StagePacking
+    from jaxpod.parallel.packing import StagePacking
 
     trees = [{"w": jnp.ones((2, 3)), "b": jnp.ones(4), "s": jnp.ones(())}, {"v": jnp.ones(20)}]
     packing = StagePacking(trees)

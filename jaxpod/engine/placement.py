@@ -21,7 +21,7 @@ from jaxpod.parallel.mesh import split_replica
 from jaxpod.parallel.replica import NO_GATHER, rts_dims, with_rts
 
 
-class Layout(NamedTuple):
+class Placement(NamedTuple):
     """Where everything lives: the engine's mesh and the specs inside/outside `shard_map`."""
 
     mesh: Mesh  # the caller's mesh, or with the replica axis split for RTS
@@ -56,8 +56,8 @@ class Layout(NamedTuple):
         )
 
 
-def make_layout(cfg: Config, mesh: Mesh, params: dict, specs: dict, masks: Masks) -> Layout:
-    """The layout of `cfg.memory` for abstract `params` with model specs `specs` and role
+def make_placement(cfg: Config, mesh: Mesh, params: dict, specs: dict, masks: Masks) -> Placement:
+    """The placement of `cfg.memory` for abstract `params` with model specs `specs` and role
     `masks` (`masks.panel`: per leaf, the dimensions streaming cuts panels along)."""
     mem = cfg.memory
     k_opt = mem.rts if mem.rts_optimizer is None else mem.rts_optimizer
@@ -85,7 +85,7 @@ def make_layout(cfg: Config, mesh: Mesh, params: dict, specs: dict, masks: Masks
         # moments are then the same shards, with no all-to-all to reshard them
         same = lambda w, o: o if w == NO_GATHER else w  # noqa: E731
         opt_dims = jax.tree.map(same, dims, opt_dims)
-    return Layout(
+    return Placement(
         emesh,
         batch_axes,
         specs,
