@@ -1,4 +1,5 @@
-"""Loss and gradients for every model, inside one `shard_map` over the whole mesh.
+"""Loss and gradients for every model, inside one `shard_map` over the whole mesh: a
+`DeviceLoss` (`device_loss`) is one device's part of the step.
 
 The skeleton is the same for stacked and packed stage layouts (`Stages`); a layout supplies
 the pieces: `examples` (the local batch as micro-batches), `forward` (this device's `embed`,

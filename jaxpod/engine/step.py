@@ -3,10 +3,11 @@
     train_step(state, batch) -> (state, metrics)     the state donated: updated in place
     eval_step(params, batch) -> {"val_loss"[, "val_accuracy"]}
 
-One step: `loss_and_grads` in one `shard_map` over the mesh (`jaxpod.engine.loss`), then the
-layout's guarded update (`StackedStages.update` under GSPMD, `PackedStages.update` per stage
-in `shard_map`). Metrics, one dict for every model: loss, grad_norm, update_norm (0 for a
-skipped step), param_norm, lr, loss_scale, skipped_steps, and accuracy for classifiers.
+One step: a `DeviceLoss`'s `loss_and_grads` in one `shard_map` over the mesh
+(`jaxpod.engine.loss`), then the layout's guarded update (`StackedStages.update` under GSPMD,
+`PackedStages.update` per stage in `shard_map`). Metrics, one dict for every model: loss,
+grad_norm, update_norm (0 for a skipped step), param_norm, lr, loss_scale, skipped_steps,
+and accuracy for classifiers.
 
 With `train.batch_parts` = k > 1 a step is k calls, each on 1/k of the batch (`run_step`):
 
