@@ -100,6 +100,7 @@ def make_engine(stages, cfg: Config, *, bubble_fill: float = 0.0, unroll: bool =
     maps = _shard_maps(stages, device_loss(stages, cfg, bubble_fill=bubble_fill, unroll=unroll))
 
     def loss_and_grads(params, batch, scale=None, step=None):
+        """`(loss, aux, grads)` of a whole batch; scale 1 and step 0 unless given."""
         scale = jnp.ones((), F32) if scale is None else scale
         step = jnp.zeros((), jnp.int32) if step is None else step
         return maps.loss_and_grads(params, batch, scale, step)
@@ -142,6 +143,7 @@ def make_engine(stages, cfg: Config, *, bubble_fill: float = 0.0, unroll: bool =
 
 
 def _is_spec(x) -> bool:
+    """A `PartitionSpec` is a leaf of a tree of specs (it is a tuple)."""
     return isinstance(x, P)
 
 
