@@ -1,4 +1,5 @@
-"""Loss and gradients for every model, inside one `shard_map` over the whole mesh.
+"""Loss and gradients for every model, inside one `shard_map` over the whole mesh: a
+`DeviceLoss` (`device_loss`) is one device's part of the step.
 
 The skeleton is the same for stacked and packed stage layouts (`Stages`); a layout supplies
 the pieces: `examples` (the local batch as micro-batches), `forward` (this device's `embed`,
@@ -36,7 +37,7 @@ from jaxpod.parallel.pipeline import forward_ticks
 from jaxpod.parallel.pipeline_train import train_ticks
 from jaxpod.parallel.remat import saving
 from jaxpod.parallel.replica import reduce_grads, vary_params
-from jaxpod.parallel.schedules import make_schedule
+from jaxpod.parallel.schedules import Schedule, make_schedule
 
 
 class Examples(NamedTuple):
@@ -66,41 +67,100 @@ class Stages(Protocol):
     def pipeline_functions(self, params) -> tuple[Callable, Callable, Callable, Any]: ...
 
 
-def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: bool):
-    """Per-device `(eval_loss, loss_and_grads)` for the inside of `shard_map`:
+def device_loss(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: bool) -> DeviceLoss:
+    """The per-device loss and gradients of `stages` under `cfg` (`DeviceLoss`): the
+    training pipeline table (pipeline > 1) and the remat policy its skipped bubbles keep."""
+    n_stages = stages.mesh.shape["pipeline"]
+    kind, virtual = cfg.train.pipeline_schedule, cfg.train.virtual_stages
+    schedule = make_schedule(kind, n_stages, cfg.pipeline_group, virtual) if n_stages > 1 else None
+    saves = saving(cfg.model.remat, offload="activations" in cfg.memory.offload)
+    return DeviceLoss(stages, cfg, schedule, saves, bubble_fill, unroll)
+
+
+class DeviceLoss(NamedTuple):
+    """A device's part of the step, for the inside of `shard_map` (module docstring):
 
     `eval_loss(params, batch, step) -> (loss, aux)`; `loss_and_grads(params, batch, scale,
     step) -> (loss, aux, grads of scale * loss)`, all summed over the data axes. `aux` holds
-    the head's extra sums (a classifier's `correct` count)."""
-    n_stages = stages.mesh.shape["pipeline"]
-    pipelined = n_stages > 1
-    passes = cfg.pipeline_passes
-    kind, virtual = cfg.train.pipeline_schedule, cfg.train.virtual_stages
-    schedule = make_schedule(kind, n_stages, cfg.pipeline_group, virtual) if pipelined else None
-    # evaluation runs forward only: the schedule itself, or GPipe for tables with backward
-    forward_kind = "gpipe" if kind == "1f1b" else kind
-    saves = saving(cfg.model.remat, offload="activations" in cfg.memory.offload)
+    the head's extra sums (a classifier's `correct` count). `params` and `batch` are this
+    device's shards (`stages.stored_specs`, `stages.batch_specs`); `schedule` is the
+    training pipeline table (None: one stage), `saves` the remat policy of a skipped bubble's
+    cond, `bubble_fill` what the pipeline carry holds in bubbles (tests: it must not
+    matter), `unroll` unrolls every loop (cost analysis)."""
 
-    def micro_loss(params, inputs, targets, weights, denominator):
-        embed, stage, head = stages.forward(params, pipelined=False)
+    stages: Stages
+    cfg: Config
+    schedule: Schedule | None
+    saves: Callable | None
+    bubble_fill: float
+    unroll: bool
+
+    def eval_loss(self, params, batch, step):
+        """(loss, aux) of the batch, summed over the data axes: the micro-batches one by one,
+        or pipelined by the schedule itself (GPipe for tables with backward ops)."""
+        stages, cfg = self.stages, self.cfg
+        ex = stages.examples(params, batch, step, EVAL_STREAM)
+        params = vary_params(params, stages.stored_specs, stages.data_axes)
+        micro = (ex.inputs, ex.targets, ex.weights)
+        if self.schedule is None:
+            outs = jax.lax.map(lambda b: self.micro_loss(params, *b, ex.denominator), micro)
+            return self.summed(jax.tree.map(jnp.sum, outs))
+        kind = "gpipe" if cfg.train.pipeline_schedule == "1f1b" else cfg.train.pipeline_schedule
+        n_stages, virtual = stages.mesh.shape["pipeline"], cfg.train.virtual_stages
+        table = make_schedule(kind, n_stages, cfg.part_micro, virtual)
+        return self.summed(self.pipeline_loss(params, *micro, ex.denominator, table=table))
+
+    def loss_and_grads(self, params, batch, scale, step, partial=None, reduce=True):
+        """(loss, aux, grads). `partial`: this device's unreduced gradient sum of the batch's
+        earlier parts, added before the reduction; `reduce=False` returns the unreduced sum
+        (`train.batch_parts`: the replicas reduce once a step, in the last part's call)."""
+        stages, passes = self.stages, self.cfg.pipeline_passes
+        ex = stages.examples(params, batch, step, TRAIN_STREAM)
+        params = vary_params(params, stages.stored_specs, stages.data_axes)
+        batches = (ex.inputs, ex.targets, ex.weights)
+        if self.schedule is None:
+            out, grads = self.accumulate(params, scale, batches, ex.denominator)
+        elif passes == 1:
+            out, grads = self.pass_grads(scale, params, *batches, ex.denominator)
+        else:  # [M, ...] -> [passes, M / passes, ...]: one pipeline schedule per pass
+            batches = jax.tree.map(lambda a: a.reshape(passes, -1, *a.shape[1:]), batches)
+            out, grads = self.accumulate(params, scale, batches, ex.denominator)
+        loss, aux = self.summed(out)
+        if partial is not None:
+            grads = jax.tree.map(jnp.add, partial, grads)
+        if not reduce:
+            return loss, aux, grads
+        allreduce, bucket = self.cfg.parallel.grad_allreduce, self.cfg.parallel.grad_bucket_bytes
+        grads = reduce_grads(
+            grads, stages.stored_specs, stages.data_axes, allreduce=allreduce, bucket_bytes=bucket
+        )
+        return loss, aux, grads
+
+    def micro_loss(self, params, inputs, targets, weights, denominator):
+        """(loss, aux) of one micro-batch on one stage: head(stage(embed(x)))."""
+        embed, stage, head = self.stages.forward(params, pipelined=False)
         return head(stage(embed(inputs)), targets, weights, denominator)
 
-    def pipeline_loss(params, inputs, targets, weights, denominator, table=schedule):
-        embed, stage, head = stages.forward(params, pipelined=True)
+    def pipeline_loss(self, params, inputs, targets, weights, denominator, table=None):
+        """(loss, aux) of the micro-batches `[M, mb, ...]` through a forward-only pipeline
+        `table` (default the training one): embedded, `forward_ticks` (ppermute between
+        stages), then the layout's pipelined head."""
+        embed, stage, head = self.stages.forward(params, pipelined=True)
         ys = forward_ticks(
             stage,
             embed(inputs),
-            table,
-            bubble_fill=bubble_fill,
-            unroll=unroll,
-            skip_bubbles=cfg.train.skip_bubbles,
-            saves=saves,
+            self.schedule if table is None else table,
+            bubble_fill=self.bubble_fill,
+            unroll=self.unroll,
+            skip_bubbles=self.cfg.train.skip_bubbles,
+            saves=self.saves,
         )
         return head(ys, targets, weights, denominator)
 
-    def pipeline_train(scale, params, inputs, targets, weights, denominator):
-        """((loss, aux), grads of loss * scale) of one pass, differentiated stage by stage."""
-        embed, stage, head, params = stages.pipeline_functions(params)
+    def pipeline_train(self, scale, params, inputs, targets, weights, denominator):
+        """((loss, aux), grads of loss * scale) of one pass, differentiated stage by stage by
+        a table with backward ops (`train_ticks`), grads on the device."""
+        embed, stage, head, params = self.stages.pipeline_functions(params)
         loss, aux, grads = train_ticks(
             embed,
             stage,
@@ -109,70 +169,36 @@ def local_functions(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: 
             inputs,
             targets,
             weights,
-            schedule,
+            self.schedule,
             scale=scale,
-            bubble_fill=bubble_fill,
-            unroll=unroll,
+            bubble_fill=self.bubble_fill,
+            unroll=self.unroll,
         )
-        return (loss, aux), stages.grads_to_device(grads)
+        return (loss, aux), self.stages.grads_to_device(grads)
 
-    def value_and_grad(fn, scale, *args):
-        """((loss, aux), grads of loss * scale), grads on the device."""
-        if fn is pipeline_train:
-            return pipeline_train(scale, *args)
+    def pass_grads(self, scale, params, inputs, targets, weights, denominator):
+        """((loss, aux), grads of loss * scale), grads on the device, of one micro-batch (one
+        stage) or one pipeline pass: `jax.value_and_grad` of its loss, or `pipeline_train`."""
+        if self.schedule is not None and self.schedule.explicit_backward:
+            return self.pipeline_train(scale, params, inputs, targets, weights, denominator)
+        fn = self.micro_loss if self.schedule is None else self.pipeline_loss
         scaled = lambda *a: (lambda out: (out[0] * scale.astype(out[0].dtype), out))(fn(*a))
+        args = (params, inputs, targets, weights, denominator)
         (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(*args)
-        return out, stages.grads_to_device(grads)
+        return out, self.stages.grads_to_device(grads)
 
-    def accumulate(fn, params, scale, batches, denominator):
-        """Sum `value_and_grad(fn)` over the leading axis of `batches` (one micro-batch, or one
+    def accumulate(self, params, scale, batches, denominator):
+        """Sum `pass_grads` over the leading axis of `batches` (one micro-batch, or one
         pipeline pass of `cfg.pipeline_group` micro-batches, per iteration)."""
 
         def body(acc, batch):
-            out, grads = value_and_grad(fn, scale, params, *batch, denominator)
+            out, grads = self.pass_grads(scale, params, *batch, denominator)
             return jax.tree.map(jnp.add, acc, grads), out
 
         zeros = jax.tree.map(lambda p: vary_like(jnp.zeros(p.shape, p.dtype), p), params)
-        grads, outs = jax.lax.scan(body, zeros, batches, unroll=unroll)
+        grads, outs = jax.lax.scan(body, zeros, batches, unroll=self.unroll)
         return jax.tree.map(jnp.sum, outs), grads
 
-    def summed(out):
-        return jax.lax.psum(out, stages.data_axes)
-
-    def eval_loss(params, batch, step):
-        ex = stages.examples(params, batch, step, EVAL_STREAM)
-        params = vary_params(params, stages.stored_specs, stages.data_axes)
-        micro = (ex.inputs, ex.targets, ex.weights)
-        if not pipelined:
-            outs = jax.lax.map(lambda b: micro_loss(params, *b, ex.denominator), micro)
-            return summed(jax.tree.map(jnp.sum, outs))
-        table = make_schedule(forward_kind, n_stages, cfg.part_micro, virtual)
-        return summed(pipeline_loss(params, *micro, ex.denominator, table=table))
-
-    def loss_and_grads(params, batch, scale, step, partial=None, reduce=True):
-        """(loss, aux, grads). `partial`: this device's unreduced gradient sum of the batch's
-        earlier parts, added before the reduction; `reduce=False` returns the unreduced sum
-        (`train.batch_parts`: the replicas reduce once a step, in the last part's call)."""
-        ex = stages.examples(params, batch, step, TRAIN_STREAM)
-        params = vary_params(params, stages.stored_specs, stages.data_axes)
-        batches = (ex.inputs, ex.targets, ex.weights)
-        per_pass = pipeline_train if pipelined and schedule.explicit_backward else pipeline_loss
-        if not pipelined:
-            out, grads = accumulate(micro_loss, params, scale, batches, ex.denominator)
-        elif passes == 1:
-            out, grads = value_and_grad(per_pass, scale, params, *batches, ex.denominator)
-        else:  # [M, ...] -> [passes, M / passes, ...]: one pipeline schedule per pass
-            batches = jax.tree.map(lambda a: a.reshape(passes, -1, *a.shape[1:]), batches)
-            out, grads = accumulate(per_pass, params, scale, batches, ex.denominator)
-        loss, aux = summed(out)
-        if partial is not None:
-            grads = jax.tree.map(jnp.add, partial, grads)
-        if not reduce:
-            return loss, aux, grads
-        allreduce, bucket = cfg.parallel.grad_allreduce, cfg.parallel.grad_bucket_bytes
-        grads = reduce_grads(
-            grads, stages.stored_specs, stages.data_axes, allreduce=allreduce, bucket_bytes=bucket
-        )
-        return loss, aux, grads
-
-    return eval_loss, loss_and_grads
+    def summed(self, out):
+        """`out` summed over the data axes (psum)."""
+        return jax.lax.psum(out, self.stages.data_axes)

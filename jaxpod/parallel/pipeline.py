@@ -59,9 +59,28 @@ def forward_ticks(
     everything): a cond's backward would otherwise keep every weight the stage reads once per
     tick (its residuals are the cond's outputs, so the scan cannot hoist the loop-invariant
     ones; tests/planner/test_plan_vs_xla.py)."""
-    stages, micro, virtual = schedule.stages, schedule.micro, schedule.virtual
     if schedule.explicit_backward:
         raise ValueError(f"{schedule.kind} holds backward ticks: run it with train_ticks")
+    tick, probe = _forward_tick(stage_fn, xs, schedule, axis, skip_bubbles, saves)
+    carry = jnp.full(xs.shape[1:], bubble_fill, xs.dtype)
+    carry = vary_like(vary_like(carry, xs), probe)
+    rows = tuple(
+        jnp.asarray(a) for a in (schedule.op, schedule.micro_index, schedule.virtual_stage)
+    )
+    _, outs = jax.lax.scan(tick, carry, rows, unroll=unroll)
+    return _in_micro_batch_order(outs, schedule)
+
+
+def _forward_tick(
+    stage_fn: Callable, xs: jax.Array, schedule: Schedule, axis: str, skip_bubbles: bool, saves
+) -> tuple[Callable, jax.ShapeDtypeStruct]:
+    """`(tick, probe)` of `forward_ticks`: `tick(carry, row) -> (sent, out)` runs one row of
+    the table on this device (its input `xs[m]` on the first stage's first virtual stage,
+    else the received `carry`; zeros on a bubble) and sends the output around the ring
+    (`ppermute`); `out` is the output where the last stage finishes a micro-batch, else zeros.
+    With `skip_bubbles` the stage runs under a `lax.cond` on the tick's liveness, a remat unit
+    saving `saves` (`forward_ticks`). `probe`: the type of a stage's output."""
+    stages, micro, virtual = schedule.stages, schedule.micro, schedule.virtual
     stage = jax.lax.axis_index(axis)
     ring = [(i, i + 1) for i in range(stages - 1)] + ([(stages - 1, 0)] if virtual > 1 else [])
     last = stages - 1
@@ -84,17 +103,17 @@ def forward_ticks(
         lambda a, live, r: jax.lax.cond(live, lambda a: stage_fn(a, r), idle, a),
         policy=saves or jax.checkpoint_policies.everything_saveable,
     )
-    carry = jnp.full(xs.shape[1:], bubble_fill, xs.dtype)
-    carry = vary_like(vary_like(carry, xs), probe)
-    rows = tuple(
-        jnp.asarray(a) for a in (schedule.op, schedule.micro_index, schedule.virtual_stage)
-    )
-    _, outs = jax.lax.scan(tick, carry, rows, unroll=unroll)
-    # the tick on which the last stage finishes each micro-batch (static: from the table)
+    return tick, probe
+
+
+def _in_micro_batch_order(outs: jax.Array, schedule: Schedule) -> jax.Array:
+    """`outs[ticks, *act]` -> `ys[M, *act]`: the ticks on which the last stage finishes each
+    micro-batch (static: from the table), in micro-batch order."""
+    last, virtual = schedule.stages - 1, schedule.virtual
     final = (schedule.op[:, last] == FORWARD) & (schedule.virtual_stage[:, last] == virtual - 1)
     ticks = np.nonzero(final)[0][np.argsort(schedule.micro_index[final, last], kind="stable")]
-    if np.array_equal(ticks, np.arange(stages - 1, stages - 1 + micro)):
-        return outs[stages - 1 :]  # GPipe: the last M ticks, in order
+    if np.array_equal(ticks, np.arange(last, last + schedule.micro)):
+        return outs[last:]  # GPipe: the last M ticks, in order
     return outs[jnp.asarray(ticks)]
 
 

@@ -20,6 +20,7 @@ of M. The loss is scaled (loss scaling) before its gradient seeds the backward.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,84 +73,147 @@ def train_ticks(
     this device's part (the caller reduces them over the data axes). `bubble_fill`: what the
     buffers and the first tick's received values hold before anything is sent (any value,
     tests use NaN, leaves the results unchanged)."""
-    stages, micro = schedule.stages, schedule.micro
-    k = int(schedule.in_flight.max())
-    index = jax.lax.axis_index(axis)
-    is_first, is_last = index == 0, index == stages - 1
-    down = [(i, i + 1) for i in range(stages - 1)]
-    up = [(i + 1, i) for i in range(stages - 1)]
-    at = lambda a, m: a[jnp.clip(m, 0, micro - 1)]  # noqa: E731
-    weights_of = lambda m: None if weights is None else at(weights, m)  # noqa: E731
-
-    # The activation's type: the embedding's and every stage output's varying axes together
-    # (the branches of a tick must agree on the carry's types).
-    act = _typed_zeros(jax.eval_shape(lambda: embed(params, inputs[0])))  # a typed template
-    for _ in range(3):
-        act = vary_like(act, jax.eval_shape(lambda a=act: stage(params, a)))
-    as_act = lambda x: vary_like(x.astype(act.dtype), act)  # noqa: E731
-    out0 = jax.eval_shape(lambda: head(params, _typed_zeros(act), targets[0], weights_of(0)))
-
-    def stage_input(p, m, kept):
-        return jax.lax.cond(is_first, lambda: as_act(embed(p, at(inputs, m))), lambda: kept)
-
-    def head_and_grads(y, m):
-        """(loss, aux, dL/dparams, dL/dy) of micro-batch m's head, the loss scaled."""
-        loss_of = lambda p, y: head(p, y, at(targets, m), weights_of(m))  # noqa: E731
-        loss, vjp, aux = jax.vjp(loss_of, params, y, has_aux=True)
-        dp, dy = vjp(vary_like(scale.astype(loss.dtype), loss))
-        return loss, aux, dp, as_act(dy)
-
-    def no_head(y, m):
-        dp = jax.tree.map(_typed_zeros, params)
-        aux = jax.tree.map(_typed_zeros, out0[1])
-        return _typed_zeros(out0[0]), aux, dp, _typed_zeros(act)
-
-    def forward(carry, m):
-        acts, grads_in, _, _, acc, loss_sum, aux_sum = carry
-        x = stage_input(params, m, acts[m % k])
-        acts = acts.at[m % k].set(x)
-        y = as_act(stage(params, x))
-        loss, aux, dp, dy = jax.lax.cond(is_last, head_and_grads, no_head, y, m)
-        grads_in = jnp.where(is_last, grads_in.at[m % k].set(dy), grads_in)
-        acc = jax.tree.map(jnp.add, acc, dp)
-        aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
-        return acts, grads_in, y, _typed_zeros(act), acc, loss_sum + loss, aux_sum
-
-    def backward(carry, m):
-        acts, grads_in, _, _, acc, loss_sum, aux_sum = carry
-        stage_from_kept = lambda p, kept: as_act(stage(p, stage_input(p, m, kept)))  # noqa: E731
-        _, vjp = jax.vjp(stage_from_kept, params, acts[m % k])
-        dp, dx = vjp(grads_in[m % k])
-        acc = jax.tree.map(jnp.add, acc, dp)
-        return acts, grads_in, _typed_zeros(act), as_act(dx), acc, loss_sum, aux_sum
-
-    def idle(carry, m):
-        acts, grads_in, _, _, acc, loss_sum, aux_sum = carry
-        return acts, grads_in, _typed_zeros(act), _typed_zeros(act), acc, loss_sum, aux_sum
-
-    def tick(state, row):
-        carry, (recv_act, recv_grad) = state
-        op, m, act_slot, grad_slot = (mine(r, axis) for r in row)
-        acts = jnp.where(act_slot >= 0, carry[0].at[act_slot % k].set(recv_act), carry[0])
-        grads_in = jnp.where(grad_slot >= 0, carry[1].at[grad_slot % k].set(recv_grad), carry[1])
-        out = jax.lax.switch(op, [idle, forward, backward], (acts, grads_in, *carry[2:]), m)
-        sent = (jax.lax.ppermute(out[2], axis, down), jax.lax.ppermute(out[3], axis, up))
-        return (out, sent), None
-
+    ticks = _Ticks(embed, stage, head, params, inputs, targets, weights, schedule, scale, axis)
+    act = ticks.act
     fill = lambda shape: vary_like(jnp.full(shape, bubble_fill, act.dtype), act)  # noqa: E731
-    buffer = fill((k, *act.shape))
-    carry = (
+    buffer = fill((ticks.k, *act.shape))
+    carry = _Carry(
         buffer,
         buffer,
         _typed_zeros(act),
         _typed_zeros(act),
         jax.tree.map(_typed_zeros, params),
-        _typed_zeros(out0[0]),
-        jax.tree.map(_typed_zeros, out0[1]),
+        _typed_zeros(ticks.out0[0]),
+        jax.tree.map(_typed_zeros, ticks.out0[1]),
     )
     acts_in, grads_in = receive_slots(schedule)
     rows = tuple(jnp.asarray(a) for a in (schedule.op, schedule.micro_index, acts_in, grads_in))
     sent = (fill(act.shape), fill(act.shape))
-    (carry, _), _ = jax.lax.scan(tick, (carry, sent), rows, unroll=unroll)
-    _, _, _, _, grads, loss, aux = carry
-    return loss, aux, grads
+    (carry, _), _ = jax.lax.scan(ticks.tick, (carry, sent), rows, unroll=unroll)
+    return carry.loss, carry.aux, carry.grads
+
+
+class _Carry(NamedTuple):
+    """What a stage carries from tick to tick: `acts[k, *act]` and `grads_in[k, *act]`, ring
+    buffers of its in-flight micro-batches' inputs and of the gradients received for their
+    backward (slot `m % k`); `y` and `dx`, what this tick sends down (activation) and up
+    (gradient); the sums over the micro-batches so far of the parameter `grads`, the `loss`
+    and the head's `aux`."""
+
+    acts: jax.Array
+    grads_in: jax.Array
+    y: jax.Array
+    dx: jax.Array
+    grads: Any
+    loss: jax.Array
+    aux: Any
+
+
+class _Ticks:
+    """One `train_ticks` call: its arguments, this stage's place (`is_first`, `is_last`,
+    traced from `axis_index`), `k` ring-buffer slots (the most micro-batches in flight on a
+    stage), and the types every branch of a tick agrees on: `act`, a typed zero activation
+    (the embedding's and every stage output's varying axes together), `out0` the head's
+    `(loss, aux)` shapes. `tick` is the scan's body; `forward`, `backward` and `idle` the
+    ops of the table (module docstring)."""
+
+    def __init__(self, embed, stage, head, params, inputs, targets, weights, schedule, scale, axis):
+        self.embed, self.stage, self.head, self.params = embed, stage, head, params
+        self.inputs, self.targets, self.weights = inputs, targets, weights
+        self.scale, self.axis = scale, axis
+        self.stages, self.micro = schedule.stages, schedule.micro
+        self.k = int(schedule.in_flight.max())
+        index = jax.lax.axis_index(axis)
+        self.is_first, self.is_last = index == 0, index == self.stages - 1
+        act = _typed_zeros(jax.eval_shape(lambda: embed(params, inputs[0])))  # a typed template
+        for _ in range(3):
+            act = vary_like(act, jax.eval_shape(lambda a=act: stage(params, a)))
+        self.act = act
+        self.out0 = jax.eval_shape(
+            lambda: head(params, _typed_zeros(act), targets[0], self.weights_of(0))
+        )
+
+    def at(self, a: jax.Array, m) -> jax.Array:
+        """Micro-batch `m` of `a[M, ...]` (clipped: bubbles read a valid index)."""
+        return a[jnp.clip(m, 0, self.micro - 1)]
+
+    def weights_of(self, m):
+        """Micro-batch `m` of the weights, or None."""
+        return None if self.weights is None else self.at(self.weights, m)
+
+    def as_act(self, x: jax.Array) -> jax.Array:
+        """`x` in the activation's dtype and varying axes (`act`)."""
+        return vary_like(x.astype(self.act.dtype), self.act)
+
+    def stage_input(self, p, m, kept):
+        """The stage's input of micro-batch m: embedded on the first stage, else `kept`."""
+        embedded = lambda: self.as_act(self.embed(p, self.at(self.inputs, m)))
+        return jax.lax.cond(self.is_first, embedded, lambda: kept)
+
+    def head_and_grads(self, y, m):
+        """(loss, aux, dL/dparams, dL/dy) of micro-batch m's head, the loss scaled."""
+
+        def loss_of(p, y):
+            return self.head(p, y, self.at(self.targets, m), self.weights_of(m))
+
+        loss, vjp, aux = jax.vjp(loss_of, self.params, y, has_aux=True)
+        dp, dy = vjp(vary_like(self.scale.astype(loss.dtype), loss))
+        return loss, aux, dp, self.as_act(dy)
+
+    def no_head(self, y, m):
+        """`head_and_grads`' zeros, off the last stage."""
+        dp = jax.tree.map(_typed_zeros, self.params)
+        aux = jax.tree.map(_typed_zeros, self.out0[1])
+        return _typed_zeros(self.out0[0]), aux, dp, _typed_zeros(self.act)
+
+    def forward(self, carry: _Carry, m) -> _Carry:
+        """FORWARD m: the input kept (slot m % k), the stage run and its output sent down;
+        on the last stage the head's loss, its gradient dL/dy kept for the backward of m,
+        and the head's parameter gradients."""
+        acts, grads_in, _, _, acc, loss_sum, aux_sum = carry
+        k = self.k
+        x = self.stage_input(self.params, m, acts[m % k])
+        acts = acts.at[m % k].set(x)
+        y = self.as_act(self.stage(self.params, x))
+        loss, aux, dp, dy = jax.lax.cond(self.is_last, self.head_and_grads, self.no_head, y, m)
+        grads_in = jnp.where(self.is_last, grads_in.at[m % k].set(dy), grads_in)
+        acc = jax.tree.map(jnp.add, acc, dp)
+        aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
+        return _Carry(acts, grads_in, y, _typed_zeros(self.act), acc, loss_sum + loss, aux_sum)
+
+    def backward(self, carry: _Carry, m) -> _Carry:
+        """BACKWARD m: the stage recomputed from its kept input, its vjp applied to the
+        received gradient: dL/dparams added, dL/dx sent up."""
+        acts, grads_in, _, _, acc, loss_sum, aux_sum = carry
+        k = self.k
+
+        def stage_from_kept(p, kept):
+            return self.as_act(self.stage(p, self.stage_input(p, m, kept)))
+
+        _, vjp = jax.vjp(stage_from_kept, self.params, acts[m % k])
+        dp, dx = vjp(grads_in[m % k])
+        acc = jax.tree.map(jnp.add, acc, dp)
+        return _Carry(
+            acts, grads_in, _typed_zeros(self.act), self.as_act(dx), acc, loss_sum, aux_sum
+        )
+
+    def idle(self, carry: _Carry, m) -> _Carry:
+        """A bubble: nothing computed, zeros sent."""
+        return carry._replace(y=_typed_zeros(self.act), dx=_typed_zeros(self.act))
+
+    def tick(self, state, row):
+        """One row of the table: what arrived stored in its slot, the stage's op
+        (`lax.switch`: only the live branch runs), its outputs sent down and up."""
+        carry, (recv_act, recv_grad) = state
+        k, axis = self.k, self.axis
+        op, m, act_slot, grad_slot = (mine(r, axis) for r in row)
+        acts = jnp.where(act_slot >= 0, carry.acts.at[act_slot % k].set(recv_act), carry.acts)
+        grads_in = jnp.where(
+            grad_slot >= 0, carry.grads_in.at[grad_slot % k].set(recv_grad), carry.grads_in
+        )
+        carry = carry._replace(acts=acts, grads_in=grads_in)
+        out = jax.lax.switch(op, [self.idle, self.forward, self.backward], carry, m)
+        down = [(i, i + 1) for i in range(self.stages - 1)]
+        up = [(i + 1, i) for i in range(self.stages - 1)]
+        sent = (jax.lax.ppermute(out.y, axis, down), jax.lax.ppermute(out.dx, axis, up))
+        return (out, sent), None
