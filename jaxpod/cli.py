@@ -181,6 +181,20 @@ def _compile(args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2) if args.json else format_compile(result))
 
 
+def _estimate(args: argparse.Namespace) -> None:
+    import json
+
+    from jaxpod.config import load_config, peek
+    from jaxpod.inspect.estimate import estimate_config, format_estimate, parse_estimate_target
+
+    config, overrides = _split_config_and_overrides(args.items, "estimate")
+    profile, devices = parse_estimate_target(args.target)
+    fill = peek(config, overrides, "mesh.replica") == -1
+    cfg = load_config(config, overrides)
+    result = estimate_config(cfg, profile, devices, fill)
+    print(json.dumps(result, indent=2) if args.json else format_estimate(result))
+
+
 def _progress(text: str) -> None:
     """A progress line on stderr (a full-size compile takes minutes)."""
     print(f"jaxpod: {text} ...", file=sys.stderr, flush=True)
@@ -323,6 +337,18 @@ def build_parser() -> argparse.ArgumentParser:
         "tpu-v4:2x2x2, tpu-v6e:4x4, h100:8 (default: this machine's devices)",
     )
     comp.set_defaults(run=_compile)
+
+    est = sub.add_parser("estimate", help="the step time of a mapping on N devices (analytic)")
+    est.add_argument("items", nargs="+", metavar="CONFIG [KEY=VALUE ...]")
+    est.add_argument(
+        "--target",
+        required=True,
+        metavar="PROFILE:N",
+        help="N devices of a profile (a100-80gb:1024, h100-80gb:64) or a TPU topology "
+        "(tpu-v5p:8x8x4)",
+    )
+    est.add_argument("--json", action="store_true", help="print one JSON object")
+    est.set_defaults(run=_estimate)
 
     runs = sub.add_parser("runs", help="a table of the runs under DIR (default: runs)")
     runs.add_argument("dir", nargs="?", default="runs")
