@@ -106,11 +106,11 @@ def _profile(args: argparse.Namespace) -> None:
 def _plan(args: argparse.Namespace) -> None:
     import json
 
-    from jaxpod.config import load_config
+    from jaxpod.config import MAX_PLANNED_DEVICES, load_config
     from jaxpod.planner.plan import format_plan, plan
 
     config, overrides = _split_config_and_overrides(args.items, "plan")
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, max_devices=MAX_PLANNED_DEVICES)
     _warn(cfg)
     _warn_host_ram(cfg)
     if args.chart:
@@ -184,14 +184,14 @@ def _compile(args: argparse.Namespace) -> None:
 def _estimate(args: argparse.Namespace) -> None:
     import json
 
-    from jaxpod.config import load_config, peek
+    from jaxpod.config import MAX_PLANNED_DEVICES, load_config
     from jaxpod.inspect.estimate import estimate_config, format_estimate, parse_estimate_target
 
     config, overrides = _split_config_and_overrides(args.items, "estimate")
     profile, devices = parse_estimate_target(args.target)
-    fill = peek(config, overrides, "mesh.replica") == -1
-    cfg = load_config(config, overrides)
-    result = estimate_config(cfg, profile, devices, fill)
+    on = [*overrides, f"devices={devices}"]  # mesh.replica=-1 fills from the target
+    cfg = load_config(config, on, max_devices=MAX_PLANNED_DEVICES)
+    result = estimate_config(cfg, profile)
     print(json.dumps(result, indent=2) if args.json else format_estimate(result))
 
 
@@ -217,7 +217,10 @@ def _load_for_target(config: str, overrides: list[str], text: str | None):
     replica, pipeline, tensor = (peek(config, overrides, f"mesh.{a}") for a in MESH_AXES)
     if replica != -1:
         check_mesh_fits(target, replica * pipeline * tensor)
-    return target, load_config(config, [*overrides, f"devices={target.chips}"])
+    from jaxpod.config import MAX_PLANNED_DEVICES
+
+    chips = f"devices={target.chips}"
+    return target, load_config(config, [*overrides, chips], max_devices=MAX_PLANNED_DEVICES)
 
 
 def _runs(args: argparse.Namespace) -> None:

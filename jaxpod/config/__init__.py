@@ -12,7 +12,13 @@ from jaxpod.config.load import (
     peek,
     with_overrides,
 )
-from jaxpod.config.rules import BYTE_VOCAB, MAX_DEVICES, PATH_DATA, parse_bytes
+from jaxpod.config.rules import (
+    BYTE_VOCAB,
+    MAX_DEVICES,
+    MAX_PLANNED_DEVICES,
+    PATH_DATA,
+    parse_bytes,
+)
 from jaxpod.config.schema import (
     CHOICES,
     DTYPES,
@@ -37,6 +43,7 @@ __all__ = [
     "IMAGE_DATA",
     "LIST_CHOICES",
     "MAX_DEVICES",
+    "MAX_PLANNED_DEVICES",
     "PATH_DATA",
     "TEXT_DATA",
     "Config",

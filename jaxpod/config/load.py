@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import yaml
 
-from jaxpod.config.rules import fail, get, validate_and_resolve
+from jaxpod.config.rules import MAX_DEVICES, fail, get, validate_and_resolve
 from jaxpod.config.safe_yaml import MAX_YAML, DuplicateKeyError, safe_yaml
 from jaxpod.config.schema import ARGUMENTS, SECTIONS, Config
 
@@ -218,9 +218,9 @@ def _typed(d: dict[str, Any], processes: int) -> Config:
     return Config(**scalars, **sections, processes=processes)
 
 
-def _build(d: dict[str, Any], processes: int) -> Config:
+def _build(d: dict[str, Any], processes: int, max_devices: int = MAX_DEVICES) -> Config:
     """Coerce a normalized dict into dataclasses, then validate and resolve."""
-    return validate_and_resolve(_typed(d, processes))
+    return validate_and_resolve(_typed(d, processes), max_devices)
 
 
 def read_yaml_mapping(path: str | os.PathLike, *, allow_empty: bool = True) -> dict:
@@ -275,12 +275,14 @@ def load_config(
     *,
     processes: int = 1,
     allow_empty: bool = True,
+    max_devices: int = MAX_DEVICES,
 ) -> Config:
     """Read a YAML preset (None = defaults), apply KEY=VALUE overrides, validate and resolve.
 
     `processes`: how many processes share the mesh, each with `devices` devices;
-    `allow_empty=False` refuses an empty file."""
-    return _build(_read(path, overrides, allow_empty), processes)
+    `allow_empty=False` refuses an empty file; `max_devices`: `MAX_DEVICES` for what runs
+    here, `MAX_PLANNED_DEVICES` for the commands that only plan."""
+    return _build(_read(path, overrides, allow_empty), processes, max_devices)
 
 
 def peek(path: str | os.PathLike | None, overrides: Sequence[str], key: str) -> Any:

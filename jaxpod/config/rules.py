@@ -22,7 +22,8 @@ from jaxpod.config.rules_parallel import check_parallel
 from jaxpod.config.schema import IMAGE_DATA, TEXT_DATA, Config
 
 PATH_DATA = ("text-files", "image-folder")  # the data.name values that read data.path
-MAX_DEVICES = 256
+MAX_DEVICES = 256  # what `train` runs on one host's virtual CPU devices
+MAX_PLANNED_DEVICES = 65536  # what the commands that only plan accept (a pod's count)
 BYTE_VOCAB = 256  # every dataset is byte-level: token ids are byte values 0..255
 SEED_LIMIT = 2**32  # train.seed seeds numpy's generators: an unsigned 32-bit integer
 INT32_MAX = 2**31 - 1  # a count the compiled step takes as an argument is an int32
@@ -38,12 +39,12 @@ def _devices(cfg: Config) -> str:
     )
 
 
-def check_mesh(cfg: Config) -> None:
+def check_mesh(cfg: Config, max_devices: int = MAX_DEVICES) -> None:
     """`devices` (of every process together) and the mesh axes."""
     if cfg.processes < 1:
         fail(f"processes={cfg.processes} must be >= 1")
-    if cfg.devices < 1 or cfg.total_devices > MAX_DEVICES:
-        fail(f"{_devices(cfg)} must be between 1 and {MAX_DEVICES}")
+    if cfg.devices < 1 or cfg.total_devices > max_devices:
+        fail(f"{_devices(cfg)} must be between 1 and {max_devices}")
     if cfg.mesh.replica < 1 and cfg.mesh.replica != -1:
         fail(f"mesh.replica={cfg.mesh.replica} must be >= 1, or -1 to fill from devices")
     _check_fields(cfg, "mesh")
@@ -342,10 +343,10 @@ def warnings(cfg: Config) -> list[str]:
     return out
 
 
-def validate_and_resolve(cfg: Config) -> Config:
+def validate_and_resolve(cfg: Config, max_devices: int = MAX_DEVICES) -> Config:
     """Check every section, then return `cfg` with mesh.replica, train.grad_accum and
-    train.global_batch resolved."""
-    check_mesh(cfg)
+    train.global_batch resolved; `max_devices`: the most devices the mesh may span."""
+    check_mesh(cfg, max_devices)
     replica = resolve_replica(cfg)
     check_model(cfg)
     check_train(cfg)

@@ -43,18 +43,12 @@ def parse_estimate_target(text: str) -> tuple[str, int]:
     )
 
 
-def workload_of(cfg: Config, devices: int, replica_fill: bool) -> Workload:
-    """The step-time model's view of a transformer config on `devices` devices."""
+def workload_of(cfg: Config) -> Workload:
+    """The step-time model's view of a transformer config (its mesh resolved)."""
     md, m, t = cfg.model, cfg.mesh, cfg.train
     if cfg.kind.stages != "stacked":
         raise UserError(f"model.name={md.name}: estimate models transformers (gpt, bert)")
-    replica = devices // (m.pipeline * m.tensor) if replica_fill else m.replica
-    if replica * m.pipeline * m.tensor != devices:
-        raise UserError(
-            f"the mesh {m.replica}x{m.pipeline}x{m.tensor} has "
-            f"{m.replica * m.pipeline * m.tensor} devices, the target {devices}: set "
-            "mesh.replica=-1 to fill from the target, or change the mesh"
-        )
+    replica = m.replica
     rts = max(cfg.memory.rts, cfg.memory.rts_optimizer or 1)
     return Workload(
         layers=md.layers,
@@ -78,10 +72,12 @@ def workload_of(cfg: Config, devices: int, replica_fill: bool) -> Workload:
     )
 
 
-def estimate_config(cfg: Config, profile: str, devices: int, replica_fill: bool) -> dict:
-    """The estimate of `cfg` on `devices` of `profile`: step time, tokens/s, model FLOP/s per
-    device (6·params + attention per token, no recompute) and MFU, with the breakdown."""
-    w = workload_of(cfg, devices, replica_fill)
+def estimate_config(cfg: Config, profile: str) -> dict:
+    """The estimate of `cfg` on its mesh of `profile` devices: step time, tokens/s, model
+    FLOP/s per device (6·params + attention per token, no recompute) and MFU, and the
+    breakdown."""
+    w = workload_of(cfg)
+    devices = w.devices
     speed = get_speed(profile)
     est = estimate(w, speed)
     tokens = w.global_batch * w.seq

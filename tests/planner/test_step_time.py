@@ -92,10 +92,10 @@ def test_the_estimate_adds_its_parts():
 
 def test_estimate_a_config_on_a_pod():
     """A 2x2x2 tiny config filled to 64 A100s: 16 replicas, the batch with them."""
-    cfg = make_tiny_cfg(mesh=(2, 2, 2))
+    cfg = make_tiny_cfg("devices=64", "mesh.replica=-1", "mesh.pipeline=2", "mesh.tensor=2")
     assert parse_estimate_target("a100-80gb:64") == ("a100-80gb", 64)
     assert parse_estimate_target("tpu-v5p:4x4x4") == ("tpu-v5p", 64)
-    r = estimate_config(cfg, "a100-80gb", 64, replica_fill=True)
+    r = estimate_config(cfg, "a100-80gb")
     assert r["mapping"] == "replica 16 x pipeline 2 x tensor 2"
     assert r["global_batch"] == 16 * cfg.train.micro_batch * cfg.train.grad_accum
     assert r["tokens_per_s"] == pytest.approx(r["global_batch"] * 64 / r["step_time_s"])
@@ -103,8 +103,11 @@ def test_estimate_a_config_on_a_pod():
 
 
 def test_estimate_cli(capsys):
-    main(["estimate", "configs/tiny.yaml", "mesh.replica=-1", "--target", "h100-80gb:16", "--json"])
+    main(
+        ["estimate", "configs/tiny.yaml", "mesh.replica=-1", "--target", "h100-80gb:1024", "--json"]
+    )
     out = json.loads(capsys.readouterr().out)
+    assert out["mapping"] == "replica 256 x pipeline 2 x tensor 2"  # past train's 256 devices
     keys = {"step_time_s", "tokens_per_s", "model_flops_per_device_s", "mfu", "breakdown"}
     assert keys <= set(out)
     for bad in (["--target", "h100-80gb:9"], ["--target", "nope:4"]):
