@@ -23,6 +23,7 @@ import sys
 
 from jaxpod import errors
 from jaxpod.errors import UserError
+from jaxpod.inspect.pod_commands import add_pod_commands
 
 
 def _split_config_and_overrides(items: list[str], command: str) -> tuple[str, list[str]]:
@@ -181,20 +182,6 @@ def _compile(args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2) if args.json else format_compile(result))
 
 
-def _estimate(args: argparse.Namespace) -> None:
-    import json
-
-    from jaxpod.config import MAX_PLANNED_DEVICES, load_config
-    from jaxpod.inspect.estimate import estimate_config, format_estimate, parse_estimate_target
-
-    config, overrides = _split_config_and_overrides(args.items, "estimate")
-    profile, devices = parse_estimate_target(args.target)
-    on = [*overrides, f"devices={devices}"]  # mesh.replica=-1 fills from the target
-    cfg = load_config(config, on, max_devices=MAX_PLANNED_DEVICES)
-    result = estimate_config(cfg, profile)
-    print(json.dumps(result, indent=2) if args.json else format_estimate(result))
-
-
 def _progress(text: str) -> None:
     """A progress line on stderr (a full-size compile takes minutes)."""
     print(f"jaxpod: {text} ...", file=sys.stderr, flush=True)
@@ -341,17 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comp.set_defaults(run=_compile)
 
-    est = sub.add_parser("estimate", help="the step time of a mapping on N devices (analytic)")
-    est.add_argument("items", nargs="+", metavar="CONFIG [KEY=VALUE ...]")
-    est.add_argument(
-        "--target",
-        required=True,
-        metavar="PROFILE:N",
-        help="N devices of a profile (a100-80gb:1024, h100-80gb:64) or a TPU topology "
-        "(tpu-v5p:8x8x4)",
-    )
-    est.add_argument("--json", action="store_true", help="print one JSON object")
-    est.set_defaults(run=_estimate)
+    add_pod_commands(sub, _split_config_and_overrides)
 
     runs = sub.add_parser("runs", help="a table of the runs under DIR (default: runs)")
     runs.add_argument("dir", nargs="?", default="runs")

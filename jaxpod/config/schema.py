@@ -30,7 +30,17 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 Master = Literal["float32", "same-as-params"]
 Moments = Literal["same-as-master", "float32"]
 LossScale = Literal["none", "static", "dynamic"]
-Device = Literal["cpu", "ipu-gc200", "h100-80gb", "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"]
+Device = Literal[
+    "cpu",
+    "ipu-gc200",
+    "a100-40gb",
+    "a100-80gb",
+    "h100-80gb",
+    "tpu-v4",
+    "tpu-v5e",
+    "tpu-v5p",
+    "tpu-v6e",
+]
 Stream = Literal["layer", "matrix"]
 Offload = Literal["optimizer", "params", "activations"]
 PipelineSchedule = Literal["gpipe", "circular", "1f1b"]  # = jaxpod.parallel.schedules.KINDS

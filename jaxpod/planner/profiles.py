@@ -64,6 +64,20 @@ PROFILES: dict[str, DeviceProfile] = {
             "(256 GB of DDR per 4-IPU M2000)",
         ),
         DeviceProfile(
+            "a100-40gb",
+            40 * GiB,
+            1024 * GiB // 8,
+            "NVIDIA A100 SXM4 40 GB HBM2; streaming = host DRAM, 1 TiB per 8-GPU DGX A100",
+            chips_per_host=8,
+        ),
+        DeviceProfile(
+            "a100-80gb",
+            80 * GiB,
+            2048 * GiB // 8,
+            "NVIDIA A100 SXM4 80 GB HBM2e; streaming = host DRAM, 2 TiB per 8-GPU DGX A100 (80 GB)",
+            chips_per_host=8,
+        ),
+        DeviceProfile(
             "h100-80gb",
             80 * GiB,
             256 * GiB,

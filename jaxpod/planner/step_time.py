@@ -13,6 +13,7 @@ schedule's own table (`jaxpod.parallel.schedule_time`). Figures per step, in sec
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -166,14 +167,18 @@ def bubble_factor(w: Workload) -> float:
     """Step time over busy time of the mapping's pipeline schedule, from its table."""
     if w.p == 1:
         return 1.0
-    m = w.micro_batches
-    kind = w.schedule
-    if w.virtual > 1 and kind == "1f1b":
+    return _bubble(w.schedule, w.p, w.micro_batches, w.virtual, w.lockstep)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bubble(kind: str, p: int, m: int, virtual: int, lockstep: bool) -> float:
+    """`bubble_factor` of one schedule table (cached: a search prices many mappings)."""
+    if virtual > 1 and kind == "1f1b":
         kind = "interleaved-1f1b"
-    if kind == "interleaved-1f1b" and m % w.p:
-        m = math.ceil(m / w.p) * w.p
-    table = make_schedule(kind, w.p, m, w.virtual)
-    time = lockstep_time(table) if w.lockstep else mpmd_time(table)
+    if kind in ("interleaved-1f1b", "circular") and m % p:
+        m = math.ceil(m / p) * p
+    table = make_schedule(kind, p, m, virtual)
+    time = lockstep_time(table) if lockstep else mpmd_time(table)
     return time / work(table)
 
 

@@ -232,7 +232,7 @@ BAD_OVERRIDES = [
     (["precision.compute=int8"], ("precision.compute='int8' is not one of float32",)),
     (["precision.master=float16"], ("precision.master='float16' is not one of float32, same-",)),
     (["precision.loss_scale=auto"], ("precision.loss_scale='auto' is not one of none, static",)),
-    (["memory.device=ipu"], ("memory.device='ipu' is not one of cpu, ipu-gc200, h100-80gb",)),
+    (["memory.device=ipu"], ("memory.device='ipu' is not one of cpu, ipu-gc200, a100-40gb, a100-80gb, h100-80gb",)),
     (["memory.offload=[gradients]"], ("memory.offload item 'gradients' is not one of optim",)),
     (["memory.offload=[7]"], ("memory.offload[0]=7 must be a string",)),
     (["memory.offload={a: 1}"], ("memory.offload={'a': 1} must be a list",)),

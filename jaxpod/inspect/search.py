@@ -1,0 +1,140 @@
+"""`jaxpod search`: the fastest mappings of a config on N devices. Jax-free.
+
+Every mapping is enumerated, pruned by divisibility and bounds, never sampled: tensor width t
+(dividing the heads, the MLP and the vocabulary, inside one fast domain), pipeline depth p
+(dividing the layers), replicas r = N / (t·p), the micro-batch and accumulation that make the
+global batch, the schedule (GPipe, 1F1B, circular with 2 virtual stages), the remat policy
+and RTS over the replicas. Each is validated as a config (`jaxpod.config.load_config`), kept
+if the planner says it fits the profile's memory, and ranked by the step-time model
+(`jaxpod.inspect.estimate`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from jaxpod.config import MAX_PLANNED_DEVICES, Config, load_config
+from jaxpod.errors import ConfigError
+from jaxpod.inspect.estimate import estimate_config
+from jaxpod.planner.plan import plan
+from jaxpod.planner.speed import get_speed
+
+REMATS = ("none", "full", "comms")
+MAX_MICRO_BATCH = 32
+TERMS = {  # breakdown key -> what it is, for the reasons
+    "matmul_s": "matmul time",
+    "memory_s": "memory-bound time",
+    "bubble_s": "pipeline bubble",
+    "tensor_exposed_s": "exposed tensor collectives",
+    "pipeline_exposed_s": "exposed pipeline sends",
+    "data_exposed_s": "exposed data-parallel collectives",
+    "update_s": "update time",
+}
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def mappings(cfg: Config, devices: int, global_batch: int, fast_group: int) -> Iterator[list]:
+    """Override lists of every mapping worth planning (see the module docstring)."""
+    md = cfg.model
+    for t in divisors(min(devices, fast_group, 64)):
+        if md.heads % t or md.d_ff % t or md.vocab % t or devices % t:
+            continue
+        for p in divisors(devices // t):
+            if md.layers % p:
+                continue
+            r = devices // (t * p)
+            if global_batch % r:
+                continue
+            yield from _batching(cfg, t, p, r, global_batch // r)
+
+
+def _batching(cfg: Config, t: int, p: int, r: int, per_replica: int) -> Iterator[list]:
+    """The micro-batch, schedule, remat and RTS choices of one (t, p, r)."""
+    mesh = [f"mesh.replica={r}", f"mesh.pipeline={p}", f"mesh.tensor={t}"]
+    for mb in divisors(per_replica):
+        if mb > MAX_MICRO_BATCH:
+            break
+        accum = per_replica // mb
+        batch = [f"train.micro_batch={mb}", f"train.grad_accum={accum}", "train.global_batch=null"]
+        for schedule in _schedules(cfg, p, accum):
+            for remat in REMATS:
+                for rts in sorted({1, r}):
+                    memory = [f"memory.rts={rts}", f"memory.rts_optimizer={rts}"]
+                    yield [*mesh, *batch, *schedule, f"model.remat={remat}", *memory]
+
+
+def _schedules(cfg: Config, p: int, accum: int) -> list[list[str]]:
+    if p == 1:
+        return [["train.pipeline_schedule=gpipe", "train.virtual_stages=1"]]
+    out = [[f"train.pipeline_schedule={k}", "train.virtual_stages=1"] for k in ("gpipe", "1f1b")]
+    if cfg.model.layers % (2 * p) == 0 and accum % p == 0:
+        out.append(["train.pipeline_schedule=circular", "train.virtual_stages=2"])
+    return out
+
+
+def search(
+    config: str, overrides: list[str], profile: str, devices: int, global_batch: int | None
+) -> dict:
+    """`{"considered", "valid", "fitting", "top": [{"overrides", "estimate", "plan_bytes"}]}`
+    sorted by step time (all fitting mappings)."""
+    base = [*overrides, f"devices={devices}", f"memory.device={profile}", "mesh.replica=-1"]
+    cfg = load_config(config, base, max_devices=MAX_PLANNED_DEVICES)
+    batch = global_batch or cfg.train.global_batch
+    speed = get_speed(profile)
+    considered = valid = 0
+    ranked = []
+    for more in mappings(cfg, devices, batch, speed.fast_group):
+        considered += 1
+        try:
+            c = load_config(config, [*base, *more], max_devices=MAX_PLANNED_DEVICES)
+        except ConfigError:
+            continue
+        valid += 1
+        planned = plan(c)
+        if not planned["fits"]:
+            continue
+        est = estimate_config(c, profile)
+        ranked.append(
+            {"overrides": more, "estimate": est, "plan_bytes": planned["bytes_per_device"]}
+        )
+    ranked.sort(key=lambda m: m["estimate"]["step_time_s"])
+    return {"considered": considered, "valid": valid, "fitting": len(ranked), "top": ranked}
+
+
+def reason(a: dict, b: dict) -> str:
+    """Why mapping `a` beats `b`: the term of the breakdown that differs most."""
+    ba, bb = a["estimate"]["breakdown"], b["estimate"]["breakdown"]
+    key = max(TERMS, key=lambda k: bb[k] - ba[k])
+    gain = bb[key] - ba[key]
+    if gain <= 0:
+        return "ties with the next"
+    return f"{TERMS[key]}: {_time(gain)} less"
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
+def format_search(result: dict, top: int, target: str) -> str:
+    """The text report: how many mappings were considered, fit, and the fastest with why."""
+    ranked = result["top"]
+    lines = [
+        f"search on {target}: {result['considered']} mappings considered, {result['valid']} "
+        f"valid configs, {result['fitting']} fit (the step-time model, docs/estimate.md)"
+    ]
+    if not ranked:
+        return lines[0] + "\nno mapping fits: see `jaxpod plan` for what the smallest needs"
+    for i, m in enumerate(ranked[:top], 1):
+        e = m["estimate"]
+        total = m["plan_bytes"]["device_total"] / 1e9
+        shown = [o for o in m["overrides"] if not o.endswith(("=null", "_optimizer=1"))]
+        lines.append(
+            f"{i}. {_time(e['step_time_s'])}/step, {e['tokens_per_s']:,.0f} tokens/s, MFU "
+            f"{e['mfu']:.1%}, {total:.2f} GB/device: {' '.join(shown)}"
+        )
+        if i < len(ranked):
+            lines.append(f"   beats the next by {reason(m, ranked[i])}")
+    return "\n".join(lines)
