@@ -1,5 +1,7 @@
 """`jaxpod` command line: parse, set up the process, call the library. Nothing else.
 
+CONFIG is a YAML file or the name of a shipped preset (`tiny`, `demo`: jaxpod/configs/).
+
     jaxpod train CONFIG [KEY=VALUE ...] [--allow-changes KEY,...] [--coordinator HOST:PORT
                                          --num-processes N --process-id I | --distributed auto]
     jaxpod profile CONFIG [KEY=VALUE ...] [--steps N] [--warmup W] [same multi-host flags]
@@ -251,7 +253,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "items",
         nargs="+",
         metavar="CONFIG [KEY=VALUE ...]",
-        help="a YAML preset (e.g. configs/demo.yaml) and overrides (e.g. mesh.tensor=2), any order",
+        help="a preset name (e.g. demo) or YAML file, and overrides (e.g. mesh.tensor=2)",
     )
     group = parser.add_argument_group(
         "multi-host", "one process per host; `devices` then counts each process's CPU devices"
