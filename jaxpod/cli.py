@@ -2,6 +2,7 @@
 
 CONFIG is a YAML file or the name of a shipped preset (`tiny`, `demo`: jaxpod/configs/).
 
+    jaxpod --version
     jaxpod train CONFIG [KEY=VALUE ...] [--allow-changes KEY,...] [--coordinator HOST:PORT
                                          --num-processes N --process-id I | --distributed auto]
     jaxpod profile CONFIG [KEY=VALUE ...] [--steps N] [--warmup W] [same multi-host flags]
@@ -23,7 +24,7 @@ import argparse
 import os
 import sys
 
-from jaxpod import errors
+from jaxpod import __version__, errors
 from jaxpod.errors import UserError
 
 
@@ -285,6 +286,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxpod", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"jaxpod {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a config on the (replica, pipeline, tensor) mesh")
