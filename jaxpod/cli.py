@@ -173,7 +173,7 @@ def _compile(args: argparse.Namespace) -> None:
         os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # from jax's persistent cache
     from jaxpod.inspect.compile import compile_for_target, compile_step, format_compile
 
-    progress = None if args.json else _progress
+    progress = None if args.json else sys.stderr  # each stage and its elapsed time
     if target is None:
         from jaxpod.parallel.mesh import make_mesh, select_devices
 
@@ -182,11 +182,6 @@ def _compile(args: argparse.Namespace) -> None:
     else:
         result = compile_for_target(cfg, target, progress=progress)
     print(json.dumps(result, indent=2) if args.json else format_compile(result))
-
-
-def _progress(text: str) -> None:
-    """A progress line on stderr (a full-size compile takes minutes)."""
-    print(f"jaxpod: {text} ...", file=sys.stderr, flush=True)
 
 
 MESH_AXES = ("replica", "pipeline", "tensor")
