@@ -54,7 +54,7 @@ def test_apache_licence():
     assert "Apache License" in text and "Version 2.0, January 2004" in text
 
 
-@pytest.mark.parametrize("extra", [None, "tpu", "cuda", "gpu-target", "notebooks"])
+@pytest.mark.parametrize("extra", [None, "tpu", "cuda", "gpu-target", "data", "notebooks"])
 def test_a_users_install_takes_ranges(extra):
     """Each runtime (or user extra's) requirement has a lower and an upper bound, no pin."""
     for req in _requirements(extra):
@@ -66,7 +66,7 @@ def test_the_lock_pins_every_requirement_inside_its_range():
     """`make` installs constraints.txt: every package the ranges name is locked there, at a
     version the range allows (a lock that falls outside a range would never be installed)."""
     locked = _locked()
-    extras = ["tpu", "cuda", "gpu-target", "notebooks", "dev"]
+    extras = ["tpu", "cuda", "gpu-target", "data", "notebooks", "dev"]
     for req in [*_requirements(), *(r for e in extras for r in _requirements(e))]:
         name = canonicalize_name(req.name)
         if name == "jaxpod" or (req.extras and name == "jax"):
