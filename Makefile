@@ -16,23 +16,34 @@ TB_PORT ?= 6006
 TEST_WORKERS ?= 2
 PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-.PHONY: demo test test-fast lint format tensorboard profile runs bench notebooks figures clean
+.PHONY: demo test test-fast lint format lock tensorboard profile runs bench notebooks figures clean
 
-# The virtualenv: uv installs the pinned packages (and byte-compiles them) in a third of pip's
-# time; pip does it if uv cannot. XLA:GPU's compiler (pyproject's `gpu-target` extra, for
-# `jaxpod compile --target h100:N`) goes to $(VENV)/gpu-target, off jax's plugin path: where
-# no GPU is, a CUDA plugin jax finds at start-up logs warnings (jaxpod/target/gpu.py).
+# The virtualenv: uv installs the packages (and byte-compiles them) in a third of pip's time;
+# pip does it if uv cannot. constraints.txt holds the versions the suite is tested with
+# (pyproject.toml gives the ranges a user's install may take; `make lock` re-resolves them).
+# XLA:GPU's compiler (pyproject's `gpu-target` extra, for `jaxpod compile --target h100:N`)
+# goes to $(VENV)/gpu-target, off jax's plugin path: where no GPU is, a CUDA plugin jax finds
+# at start-up logs warnings (jaxpod/target/gpu.py).
 UV := uv==0.13.9
-GPU_COMPILER := jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2
-$(STAMP): pyproject.toml
+LOCK := constraints.txt
+GPU_COMPILER := jax-cuda12-plugin jax-cuda12-pjrt
+$(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(UV)
-	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e ".[dev]" \
-		|| $(BIN)/pip install --quiet -e ".[dev]"
-	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps --target $(VENV)/gpu-target \
-		$(GPU_COMPILER) || $(BIN)/pip install --quiet --no-deps --target $(VENV)/gpu-target \
-		$(GPU_COMPILER)
+
+$(STAMP): pyproject.toml $(LOCK) | $(BIN)/uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -c $(LOCK) -e ".[dev]" \
+		|| $(BIN)/pip install --quiet -c $(LOCK) -e ".[dev]"
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -c $(LOCK) \
+		--target $(VENV)/gpu-target $(GPU_COMPILER) || $(BIN)/pip install --quiet --no-deps \
+		-c $(LOCK) --target $(VENV)/gpu-target $(GPU_COMPILER)
 	touch $(STAMP)
+
+# Re-resolve $(LOCK) after a change of pyproject.toml's dependencies: the versions already
+# locked are kept where they still fit (LOCK_FLAGS=--upgrade takes the newest); then `make test`.
+lock: | $(BIN)/uv
+	$(BIN)/uv pip compile pyproject.toml --extra dev --extra gpu-target --python $(BIN)/python \
+		--annotation-style line --custom-compile-command "make lock" $(LOCK_FLAGS) -o $(LOCK)
 
 demo: $(STAMP)
 	$(BIN)/jaxpod train $(CONFIG) train.logdir=$(DEMO_LOGDIR)

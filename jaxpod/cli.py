@@ -1,5 +1,8 @@
 """`jaxpod` command line: parse, set up the process, call the library. Nothing else.
 
+CONFIG is a YAML file or the name of a shipped preset (`tiny`, `demo`: jaxpod/configs/).
+
+    jaxpod --version
     jaxpod train CONFIG [KEY=VALUE ...] [--allow-changes KEY,...] [--coordinator HOST:PORT
                                          --num-processes N --process-id I | --distributed auto]
     jaxpod profile CONFIG [KEY=VALUE ...] [--steps N] [--warmup W] [same multi-host flags]
@@ -21,7 +24,7 @@ import argparse
 import os
 import sys
 
-from jaxpod import errors
+from jaxpod import __version__, errors
 from jaxpod.errors import UserError
 from jaxpod.inspect.pod_commands import add_pod_commands
 
@@ -171,7 +174,7 @@ def _compile(args: argparse.Namespace) -> None:
         os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # from jax's persistent cache
     from jaxpod.inspect.compile import compile_for_target, compile_step, format_compile
 
-    progress = None if args.json else _progress
+    progress = None if args.json else sys.stderr  # each stage and its elapsed time
     if target is None:
         from jaxpod.parallel.mesh import make_mesh, select_devices
 
@@ -180,11 +183,6 @@ def _compile(args: argparse.Namespace) -> None:
     else:
         result = compile_for_target(cfg, target, progress=progress)
     print(json.dumps(result, indent=2) if args.json else format_compile(result))
-
-
-def _progress(text: str) -> None:
-    """A progress line on stderr (a full-size compile takes minutes)."""
-    print(f"jaxpod: {text} ...", file=sys.stderr, flush=True)
 
 
 MESH_AXES = ("replica", "pipeline", "tensor")
@@ -255,7 +253,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "items",
         nargs="+",
         metavar="CONFIG [KEY=VALUE ...]",
-        help="a YAML preset (e.g. configs/demo.yaml) and overrides (e.g. mesh.tensor=2), any order",
+        help="a preset name (e.g. demo) or YAML file, and overrides (e.g. mesh.tensor=2)",
     )
     group = parser.add_argument_group(
         "multi-host", "one process per host; `devices` then counts each process's CPU devices"
@@ -287,6 +285,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxpod", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"jaxpod {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a config on the (replica, pipeline, tensor) mesh")

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxpod.config.presets import resolve_config
 from jaxpod.config.rules import MAX_DEVICES, fail, get, validate_and_resolve
 from jaxpod.config.safe_yaml import MAX_YAML, DuplicateKeyError, safe_yaml
 from jaxpod.config.schema import ARGUMENTS, SECTIONS, Config
@@ -224,18 +225,19 @@ def _build(d: dict[str, Any], processes: int, max_devices: int = MAX_DEVICES) ->
 
 
 def read_yaml_mapping(path: str | os.PathLike, *, allow_empty: bool = True) -> dict:
-    """The mapping at the top of a YAML config file, read with the bounded loader ({} for an
-    empty file, if `allow_empty`); one-line `ConfigError` if it is missing, unreadable, too
-    large, not YAML, uses aliases, gives a key twice, is empty (unless allowed) or not a
-    mapping."""
+    """The mapping at the top of a YAML config file or shipped preset (`tiny`), read with the
+    bounded loader ({} for an empty file, if `allow_empty`); one-line `ConfigError` if it is
+    missing, unreadable, too large, not YAML, uses aliases, gives a key twice, is empty (unless
+    allowed) or not a mapping."""
     shown = os.fspath(path)
+    path = resolve_config(path)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read(MAX_YAML + 1)
     except FileNotFoundError:
-        fail(f"config file '{shown}' does not exist; pass a path like configs/tiny.yaml")
+        fail(f"config file '{shown}' does not exist; pass a YAML file or a preset name like tiny")
     except IsADirectoryError:
-        fail(f"config file '{shown}' is a directory; pass a YAML file like configs/tiny.yaml")
+        fail(f"config file '{shown}' is a directory; pass a YAML file or a preset name like tiny")
     except (OSError, UnicodeDecodeError) as exc:
         fail(f"config file '{shown}' cannot be read ({type(exc).__name__}); pass a YAML file")
     try:
@@ -249,7 +251,7 @@ def read_yaml_mapping(path: str | os.PathLike, *, allow_empty: bool = True) -> d
     if raw is None:
         fail(
             f"config file '{shown}' is empty (or only comments), which would train every "
-            "default; start from a preset such as configs/tiny.yaml"
+            "default; start from a preset such as tiny"
         )
     if not isinstance(raw, Mapping):
         fail(

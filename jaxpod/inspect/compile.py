@@ -10,6 +10,7 @@ the planner's prediction of the same quantities for this backend (`planner.backe
 from __future__ import annotations
 
 import time
+from typing import TextIO
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jaxpod.config import Config
 from jaxpod.engine import Engine, TrainState, abstract_engine
 from jaxpod.planner.backend import backend_plan
 from jaxpod.run.mapping import most_on_one_device
+from jaxpod.run.progress import Phase
 from jaxpod.target.buffers import compile_with_spaces, device_memory_bytes
 from jaxpod.target.devices import describe_layout, target_devices, torus_layout, torus_mesh
 from jaxpod.target.hlo import collectives, transfers
@@ -66,28 +68,30 @@ def inspect_options(platform: str = "cpu") -> dict:
     return dict(INSPECT_OPTIONS) if platform == "cpu" and jax.default_backend() == "cpu" else {}
 
 
-def compile_step(cfg: Config, mesh: Mesh, profile: str | None = None, progress=None) -> dict:
+def compile_step(
+    cfg: Config, mesh: Mesh, profile: str | None = None, progress: TextIO | None = None
+) -> dict:
     """Lower and compile the train step on `mesh` to read it (`compile_to_inspect`): what the
     compiled program holds per device (`read_program`) beside the planner's prediction for
     `profile` (default: the backend's own, `backend_plan`). With `train.batch_parts` > 1,
     the call that updates (the last part's, its summed gradients an argument): the most a
     call holds but for the other calls' scalars (tests/engine/test_batch_parts.py).
-    `progress(text)`, if given, hears each stage begin."""
-    say = progress or (lambda text: None)
+    `progress`, if given, is where each stage shows its name and elapsed time (`Phase`)."""
+    phase = lambda text: Phase(text, progress, prefix="jaxpod: ")
     platform = mesh.devices.flat[0].platform
     t0 = time.perf_counter()
-    say(f"building the abstract state on {mesh.size} {platform} devices")
-    engine, state, batch = abstract_inputs(cfg, mesh)
-    args = engine.updating_arguments(state, batch)
+    with phase(f"building the abstract state on {mesh.size} {platform} devices"):
+        engine, state, batch = abstract_inputs(cfg, mesh)
+        args = engine.updating_arguments(state, batch)
     t1 = time.perf_counter()
-    say("lowering the train step")
-    lowered = engine.train_step.lower(*args)
+    with phase("lowering the train step"):
+        lowered = engine.train_step.lower(*args)
     t2 = time.perf_counter()
-    say(f"compiling it with XLA:{platform.upper()}")
-    if platform == "cpu":
-        compiled, spaces = compile_to_inspect(lowered, platform), {}
-    else:  # its buffer assignment by memory space: what is in HBM
-        compiled, spaces = compile_with_spaces(lowered, inspect_options(platform))
+    with phase(f"compiling it with XLA:{platform.upper()}"):
+        if platform == "cpu":
+            compiled, spaces = compile_to_inspect(lowered, platform), {}
+        else:  # its buffer assignment by memory space: what is in HBM
+            compiled, spaces = compile_with_spaces(lowered, inspect_options(platform))
     t3 = time.perf_counter()
     program = read_program(compiled, args, spaces)
     planned = backend_plan(cfg, profile or platform)
@@ -113,13 +117,13 @@ def compile_step(cfg: Config, mesh: Mesh, profile: str | None = None, progress=N
     }
 
 
-def compile_for_target(cfg: Config, target: Target, progress=None) -> dict:
+def compile_for_target(cfg: Config, target: Target, progress: TextIO | None = None) -> dict:
     """`compile_step` on `target`'s compile-only devices (no accelerator attached), the mesh
     laid on its torus (`jaxpod.target.devices`), planned for the target's profile."""
-    say = progress or (lambda text: None)
-    say(f"{target.text}: {target.chips} chips, topology {target.topology_name}")
-    shape = (cfg.mesh.replica, cfg.mesh.pipeline, cfg.mesh.tensor)
-    mesh = torus_mesh(shape, target_devices(target))
+    text = f"{target.text}: {target.chips} chips, topology {target.topology_name}"
+    with Phase(text, progress, prefix="jaxpod: "):
+        shape = (cfg.mesh.replica, cfg.mesh.pipeline, cfg.mesh.tensor)
+        mesh = torus_mesh(shape, target_devices(target))
     result = compile_step(cfg, mesh, profile=target.profile, progress=progress)
     layout = torus_layout(mesh)
     return {"target": target.text, "layout": describe_layout(layout) if layout else "", **result}

@@ -46,6 +46,7 @@ from jaxpod.run.metrics import (
 )
 from jaxpod.run.preflight import Cleared, preflight
 from jaxpod.run.profiling import PROFILE_DIR, StepProfiler
+from jaxpod.run.progress import Phase
 from jaxpod.run.resume import (
     check_changes,
     check_saved_config,
@@ -116,11 +117,13 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
     """The run top to bottom: build, open the record (resume or fresh start), compile, train,
     close the record. A resume of a finished run returns at once, writing nothing."""
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    shown = None if quiet else sys.stdout  # where a long phase shows its elapsed time
     mesh = make_mesh(cfg.mesh, select_devices(cfg.total_devices))
     logdir = Path(cfg.train.logdir)
     ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints)
     start = ckpt.latest_step() or 0
-    task, state = _build(cfg, mesh, ckpt, start)
+    with Phase("building       the model, its state and the data", shown):
+        task, state = _build(cfg, mesh, ckpt, start)
     mapping = describe(cfg, mesh, state, task.per_step, task.unit, task.engine.stages.params_count)
     say(format_mapping(mapping))
     say(f"data           {task.dataset.describe()}")
@@ -140,7 +143,8 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
         _write_setup(logdir, cfg, mapping)
 
     t0 = time.perf_counter()
-    _compile(task.engine, state, task.batch(0))
+    with Phase("compiling      the train step", shown):
+        _compile(task.engine, state, task.batch(0))
     say(f"compiled       train step in {time.perf_counter() - t0:.1f} s")
 
     losses, val_losses = [], {}

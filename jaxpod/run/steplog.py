@@ -12,6 +12,7 @@ import time
 from jaxpod.config import Config
 from jaxpod.data.feed import fetch_when_done
 from jaxpod.errors import UserError
+from jaxpod.run.progress import elapsed_and_eta
 from jaxpod.run.tasks import Task
 
 
@@ -20,18 +21,21 @@ class StepLog:
 
     `push(step, metrics)` after dispatching a step; `flush()` reads everything still pending
     (before an evaluation, a trace stop, the end); `restart_timing(step)` excludes work done
-    between steps (evaluation, writing a trace) from the next step times."""
+    between steps (evaluation, writing a trace) from the next step times. Without a progress
+    bar (no terminal: SLURM, nohup, a pipe) each log line ends with the time the steps since
+    `start` took and the time the rest will take at that pace (`clock`: the time source)."""
 
-    def __init__(self, cfg: Config, task: Task, writer, bar, log, start: int, ckpt):
+    def __init__(self, cfg: Config, task: Task, writer, bar, log, start: int, ckpt, clock=None):
         self.cfg, self.task, self.writer, self.bar, self.log = cfg, task, writer, bar, log
-        self.ckpt = ckpt
+        self.ckpt, self.clock = ckpt, clock or time.perf_counter
+        self.began, self.first = self.clock(), start
         self.rate = f"{task.unit}_per_s"
         self.losses: list[float] = []
         self.pending: list = []  # (step, metrics on device) not yet read to the host
         self.restart_timing(start)
 
     def restart_timing(self, step: int) -> None:
-        self.last_time, self.last_step = time.perf_counter(), step
+        self.last_time, self.last_step = self.clock(), step
 
     def push(self, step: int, metrics) -> None:
         self.pending.append((step, metrics))
@@ -50,7 +54,7 @@ class StepLog:
             bad = nonfinite(self.cfg, host)
             if (step % log_every and step != steps) and not bad:
                 continue
-            now = time.perf_counter()
+            now = self.clock()
             step_time = (now - self.last_time) / (step - self.last_step)
             self.last_time, self.last_step = now, step
             speed = self.task.per_step / step_time
@@ -58,9 +62,10 @@ class StepLog:
             self.bar.set_postfix(loss=f"{host['loss']:.3f}", **{self.rate: f"{speed:,.0f}"})
             if self.bar.disable:
                 acc = f"acc {host['accuracy']:.3f}  " if "accuracy" in host else ""
+                times = elapsed_and_eta(now - self.began, step - self.first, steps - step)
                 self.log(
                     f"step {step:>6}/{steps}  loss {host['loss']:.4f}  {acc}"
-                    f"lr {host['lr']:.2e}  {speed:,.0f} {self.task.unit}/s"
+                    f"lr {host['lr']:.2e}  {speed:,.0f} {self.task.unit}/s  {times}"
                 )
             if bad:
                 saved = self.ckpt.saved_step

@@ -83,6 +83,20 @@ def test_compile_from_abstract_shapes():
     assert out["temp_bytes"] > 0 and out["argument_bytes"] >= out["state_bytes_per_device"] > 0
 
 
+def test_compile_shows_each_phase_as_it_begins():
+    """Without --json each stage is named on stderr as it begins (then its elapsed time every
+    15 s without a terminal: tests/run/test_progress.py); a preset by name."""
+    proc = jaxpod("compile", "tiny")
+    assert proc.returncode == 0, proc.stderr
+    phases = [line for line in proc.stderr.splitlines() if not line.endswith(" s")]
+    assert phases == [
+        "jaxpod: building the abstract state on 8 cpu devices ...",
+        "jaxpod: lowering the train step ...",
+        "jaxpod: compiling it with XLA:CPU ...",
+    ], proc.stderr
+    assert proc.stdout.startswith("mesh           8 cpu devices")
+
+
 def test_train_over_the_device_budget_is_refused_before_running(tmp_path):
     logdir = tmp_path / "run"
     proc = jaxpod(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,9 @@ def test_same_losses_on_every_mesh_through_the_cli(tmp_path):
         assert (tmp_path / name / "config.yaml").exists()
         assert list((tmp_path / name).glob("events.out.tfevents.*"))
         assert "mesh: replica" in proc.stdout and "global batch   16" in proc.stdout
+        # no terminal: the phases it waits in are named, step lines carry elapsed and ETA
+        assert "compiling      the train step ...\ncompiled       train step in" in proc.stdout
+        assert re.search(r"step +4/4  loss .* tokens/s  elapsed \d+ s  eta 0 s\n", proc.stdout)
     # fp32, different reduction order across 8 devices; Adam over 4 steps: measured at most
     # 9.6e-8 relative; the bound is 1e-6, about 8 float32 ulps.
     np.testing.assert_allclose(runs["pod"], runs["single"], rtol=1e-6, atol=0)

@@ -1,0 +1,222 @@
+"""Tokenized text: a byte-level BPE (Hugging Face `tokenizers`), token files written once and
+read as memory-mapped windows.
+
+Documents -> token ids -> two flat token files, `train.tokens` and `val.tokens`: each document
+goes wholly to one split, chosen by a hash of its text (so validation is held-out documents,
+and adding a file moves no other document across). The files are written once, in chunks of
+documents (memory bounded by a chunk, not the corpus), into a temporary directory renamed
+into place, so a reader never sees half a file. A step's rows are windows of `seq_len + 1`
+tokens read from the memory map: row `i` of step `k` is the same window for every mesh and
+process count (`global_indices`, `epoch_permutation`, as for bytes), and a process touches
+only the pages of the rows it reads. Host-side only: numpy and `tokenizers`, nothing
+downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from jaxpod.data.text import epoch_permutation, global_indices
+from jaxpod.errors import DataError
+
+END_OF_TEXT = "<|endoftext|>"  # id 0: closes every document
+META = "meta.json"
+CHUNK = 256  # documents encoded (and held) at a time
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise DataError(
+            "data.tokenizer needs Hugging Face tokenizers; pip install 'jaxpod[data]'"
+        ) from None
+    return tokenizers
+
+
+def train_bpe(texts: Iterable[str], vocab: int):
+    """A byte-level BPE of `vocab` ids trained on `texts` (id 0: `END_OF_TEXT`); the same
+    texts in the same order give the same tokenizer."""
+    tk = _tokenizers()
+    tokenizer = tk.Tokenizer(tk.models.BPE())
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer saved at `path` (a `tokenizer.json`); one-line `DataError` otherwise."""
+    tk = _tokenizers()
+    if not Path(path).is_file():
+        raise DataError(f"data.tokenizer={os.fspath(path)!r} is no file; name a tokenizer.json")
+    try:
+        return tk.Tokenizer.from_file(os.fspath(path))
+    except Exception as exc:  # the library raises a bare Exception for a bad file
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(
+            f"data.tokenizer={os.fspath(path)!r} is no tokenizer.json ({first}); name one "
+            "saved by Hugging Face tokenizers"
+        ) from None
+
+
+def is_validation(text: str, val_fraction: float) -> bool:
+    """Whether a document is held out: a hash of its text, below `val_fraction` of the range."""
+    digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < val_fraction
+
+
+def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for text in texts:
+        chunk.append(text)
+        if len(chunk) == CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def write_token_files(
+    texts: Iterable[str], tokenizer, directory: str | os.PathLike, val_fraction: float
+) -> Path:
+    """Encode `texts` (documents) into `directory`'s `train.tokens` and `val.tokens` once;
+    an existing complete directory is kept as it is. Returns the directory."""
+    directory = Path(directory)
+    if (directory / META).is_file():
+        return directory
+    vocab = tokenizer.get_vocab_size()
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    end = tokenizer.token_to_id(END_OF_TEXT)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".writing-", dir=directory.parent))
+    counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
+    try:
+        with open(work / "train.tokens", "wb") as train, open(work / "val.tokens", "wb") as val:
+            for chunk in _chunks(texts):
+                for text, encoding in zip(chunk, tokenizer.encode_batch(chunk), strict=True):
+                    split = "val" if is_validation(text, val_fraction) else "train"
+                    ids = np.asarray([*encoding.ids, *([end] if end is not None else [])], dtype)
+                    (val if split == "val" else train).write(ids.tobytes())
+                    counts[split][0] += 1
+                    counts[split][1] += ids.size
+        meta = {"vocab": vocab, "dtype": np.dtype(dtype).name, "val_fraction": val_fraction}
+        meta |= {f"{s}_{k}": counts[s][i] for s in counts for i, k in enumerate(("docs", "ids"))}
+        (work / META).write_text(json.dumps(meta, indent=2))
+        try:
+            os.replace(work, directory)
+        except OSError:  # another process wrote it first: theirs is the same
+            if not (directory / META).is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return directory
+
+
+@dataclass(frozen=True)
+class TokenFileDataset:
+    """Windows of `seq_len + 1` token ids from the token files in `directory` (memory-mapped);
+    the same interface as `jaxpod.data.text.TokenDataset`."""
+
+    name: str
+    seq_len: int
+    seed: int
+    directory: Path
+    _source: str = field(default="", repr=False)
+
+    unit = "tokens"
+
+    @property
+    def window(self) -> int:
+        return self.seq_len + 1
+
+    @property
+    def meta(self) -> dict:
+        return json.loads((self.directory / META).read_text())
+
+    def _map(self, split: str) -> np.ndarray:
+        """The split's windows, uint[n, window], mapped from disk (nothing read yet)."""
+        path = self.directory / f"{split}.tokens"
+        dtype = np.dtype(self.meta["dtype"])
+        n = path.stat().st_size // dtype.itemsize // self.window
+        if n == 0:
+            return np.zeros((0, self.window), dtype)
+        return np.memmap(path, dtype=dtype, mode="r", shape=(n, self.window))
+
+    @property
+    def num_train_windows(self) -> int:
+        return int(self._map("train").shape[0])
+
+    @property
+    def num_val_windows(self) -> int:
+        return int(self._map("val").shape[0])
+
+    def train_rows(self, step: int, start: int, stop: int, global_batch: int) -> np.ndarray:
+        """Rows [start, stop) of training step `step`: int32[stop-start, seq_len+1]; each
+        epoch visits the train windows in a permutation seeded by (seed, epoch)."""
+        windows = self._map("train")
+        g = global_indices(step, start, stop, global_batch)
+        n = windows.shape[0]
+        epochs = g // n
+        idx = np.empty_like(g)
+        for epoch in np.unique(epochs):
+            sel = epochs == epoch
+            idx[sel] = epoch_permutation(self.seed, int(epoch), n)[g[sel] % n]
+        return windows[idx].astype(np.int32)
+
+    def val_rows(self, batch: int, start: int, stop: int, global_batch: int) -> np.ndarray:
+        """Rows [start, stop) of validation batch `batch`, in order (wrapping around)."""
+        windows = self._map("val")
+        g = global_indices(batch, start, stop, global_batch)
+        return windows[g % windows.shape[0]].astype(np.int32)
+
+    def per_example(self) -> int:
+        return self.seq_len
+
+    def shapes(self, global_batch: int) -> tuple[tuple[int, ...], ...]:
+        return ((global_batch, self.window),)
+
+    def read(self, split: str, step: int, start: int, stop: int, global_batch: int) -> tuple:
+        rows = self.train_rows if split == "train" else self.val_rows
+        return (rows(step, start, stop, global_batch),)
+
+    def val_batches(self, global_batch: int) -> int | None:
+        return None
+
+    def describe(self) -> str:
+        m = self.meta
+        return (
+            f"{self.name}: {self._source}, BPE of {m['vocab']:,} ids; {m['train_docs']:,} train "
+            f"/ {m['val_docs']:,} held-out documents, {self.num_train_windows:,} / "
+            f"{self.num_val_windows:,} windows of {self.window} tokens"
+        )
+
+
+def open_token_files(
+    directory: str | os.PathLike, *, name: str, seq_len: int, seed: int, source: str = ""
+) -> TokenFileDataset:
+    """The dataset of written token files; one-line `DataError` if a split has no window."""
+    ds = TokenFileDataset(name, seq_len, seed, Path(directory), _source=source)
+    m = ds.meta
+    if ds.num_train_windows < 2 or ds.num_val_windows < 1:
+        raise DataError(
+            f"{name}: {m['train_ids']:,} train / {m['val_ids']:,} held-out tokens, too few "
+            f"for model.seq_len={seq_len} (2 train and 1 held-out window of {seq_len + 1}); "
+            "add text or lower model.seq_len"
+        )
+    return ds
