@@ -278,8 +278,8 @@ for t in range(table.ticks):
 #   alternates one backward and one forward, so stage `s` holds at most `S − s` micro-batches'
 #   inputs, whatever `M`. Same bubble as GPipe, and in lockstep it pays for ticks that mix a
 #   forward with a backward.
-# * **interleaved-1f1b**, **zb-h1**, **zb-v**: tables only so far (the executors run the three
-#   above): Megatron's interleaved order, and the zero-bubble schedules that split each
+# * **zb-h1** (`train.pipeline_schedule=zb-h1`), and **interleaved-1f1b** and **zb-v** (tables
+#   only so far): Megatron's interleaved order, and the zero-bubble schedules that split each
 #   backward into B (input gradients) and W (weight gradients, deferred into the bubble); all
 #   their ops cost one unit, so in lockstep they lose nothing (`jaxpod.parallel.schedule_time`).
 #

@@ -243,7 +243,9 @@ def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
         )
     check_schedule(cfg, group)
     tokens = t.micro_batch * group * cfg.model.seq_len
-    spread = t.pipeline_schedule != "1f1b"  # the head runs on 1/S of a pass's tokens per stage
+    # the head runs on 1/S of a pass's tokens per stage, but under the tables with backward
+    # ops (`jaxpod.parallel.schedules.STEPWISE`), one micro-batch at a time on the last
+    spread = t.pipeline_schedule not in ("1f1b", "zb-h1")
     if cfg.kind.stages == "stacked" and spread and tokens % cfg.mesh.pipeline:
         name = _group_name(t)
         fail(

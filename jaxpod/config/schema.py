@@ -43,7 +43,8 @@ Device = Literal[
 ]
 Stream = Literal["layer", "matrix"]
 Offload = Literal["optimizer", "params", "activations"]
-PipelineSchedule = Literal["gpipe", "circular", "1f1b"]  # = jaxpod.parallel.schedules.KINDS
+# = jaxpod.parallel.schedules.KINDS
+PipelineSchedule = Literal["gpipe", "circular", "1f1b", "zb-h1"]
 GradAllreduce = Literal["psum", "ring"]  # = the keys of jaxpod.parallel.replica.ALLREDUCE
 
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
@@ -109,8 +110,8 @@ class TrainConfig:
     # pipeline passes and sums their gradients; null: one pass of a call's micro-batches
     pipeline_group: int | None = None
     # the pipeline schedule (mesh.pipeline > 1): gpipe, circular (virtual_stages virtual
-    # stages per stage, layers round-robin) or 1f1b (backward interleaved: memory
-    # independent of M)
+    # stages per stage, layers round-robin), 1f1b (backward interleaved: memory
+    # independent of M) or zb-h1 (1f1b with the backward split, weight gradients deferred)
     pipeline_schedule: PipelineSchedule = "gpipe"
     virtual_stages: int = 1  # circular: virtual stages per pipeline stage
     skip_bubbles: bool = False  # gpipe/circular: a bubble tick skips its stage (lax.cond)

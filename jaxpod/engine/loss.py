@@ -37,7 +37,7 @@ from jaxpod.parallel.pipeline import forward_ticks
 from jaxpod.parallel.pipeline_train import train_ticks
 from jaxpod.parallel.remat import saving
 from jaxpod.parallel.replica import reduce_grads, vary_params
-from jaxpod.parallel.schedules import Schedule, make_schedule
+from jaxpod.parallel.schedules import STEPWISE, Schedule, make_schedule
 
 
 class Examples(NamedTuple):
@@ -105,7 +105,8 @@ class DeviceLoss(NamedTuple):
         if self.schedule is None:
             outs = jax.lax.map(lambda b: self.micro_loss(params, *b, ex.denominator), micro)
             return self.summed(jax.tree.map(jnp.sum, outs))
-        kind = "gpipe" if cfg.train.pipeline_schedule == "1f1b" else cfg.train.pipeline_schedule
+        kind = cfg.train.pipeline_schedule
+        kind = "gpipe" if kind in STEPWISE else kind
         n_stages, virtual = stages.mesh.shape["pipeline"], cfg.train.virtual_stages
         table = make_schedule(kind, n_stages, cfg.part_micro, virtual)
         return self.summed(self.pipeline_loss(params, *micro, ex.denominator, table=table))

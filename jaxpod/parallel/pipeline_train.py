@@ -1,4 +1,5 @@
-"""Pipelines whose table holds the backward too (1F1B), as one `lax.scan` inside `shard_map`.
+"""Pipelines whose table holds the backward too (1F1B, ZB-H1), as one `lax.scan` inside
+`shard_map`.
 
 Each tick a stage runs one op of the table (`lax.switch`: only the live branch executes, so
 bubble ticks cost nothing but the tick's two `ppermute`s):
@@ -12,9 +13,14 @@ bubble ticks cost nothing but the tick's two `ppermute`s):
              `jax.vjp` applied to the gradient received from the next stage: dL/dparams
              added to the carry, dL/dx sent up (on the first stage the vjp reaches the
              embedding's parameters instead)
+    B m:     the backward split (ZB-H1): the vjp with respect to the stage's input only,
+             dL/dx sent up; the input and the received gradient stay kept for W
+    W m:     the vjp with respect to the parameters only, from the same kept input and
+             gradient (recomputed again): dL/dparams added, nothing sent
 
-A stage keeps at most `max(schedule.in_flight)` micro-batches' inputs: memory independent
-of M. The loss is scaled (loss scaling) before its gradient seeds the backward.
+A stage keeps at most `max(schedule.in_flight)` micro-batches' inputs (until their backward,
+or their W): memory independent of M. The loss is scaled (loss scaling) before its gradient
+seeds the backward.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import numpy as np
 
 from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.pipeline import mine
-from jaxpod.parallel.schedules import BACKWARD, FORWARD, Schedule
+from jaxpod.parallel.schedules import BACKWARD, BACKWARD_INPUT, FORWARD, Schedule
 
 
 def receive_slots(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
@@ -41,7 +47,7 @@ def receive_slots(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
         for s in range(schedule.stages):
             if s > 0 and op[t - 1, s - 1] == FORWARD:
                 acts[t, s] = mb[t - 1, s - 1]
-            if s < schedule.stages - 1 and op[t - 1, s + 1] == BACKWARD:
+            if s < schedule.stages - 1 and op[t - 1, s + 1] in (BACKWARD, BACKWARD_INPUT):
                 grads[t, s] = mb[t - 1, s + 1]
     return acts, grads
 
@@ -197,6 +203,28 @@ class _Ticks:
             acts, grads_in, _typed_zeros(self.act), self.as_act(dx), acc, loss_sum, aux_sum
         )
 
+    def backward_input(self, carry: _Carry, m) -> _Carry:
+        """B m: the stage recomputed from its kept input, its vjp with respect to that
+        input applied to the received gradient: dL/dx sent up, the parameters untouched."""
+        kept = carry.acts[m % self.k]
+        _, vjp = jax.vjp(lambda x: self.stage_from_kept(self.params, x, m), kept)
+        (dx,) = vjp(carry.grads_in[m % self.k])
+        return carry._replace(y=_typed_zeros(self.act), dx=self.as_act(dx))
+
+    def backward_weight(self, carry: _Carry, m) -> _Carry:
+        """W m: the vjp with respect to the parameters, from the same kept input and
+        gradient: dL/dparams added, nothing sent."""
+        kept = carry.acts[m % self.k]
+        _, vjp = jax.vjp(lambda p: self.stage_from_kept(p, kept, m), self.params)
+        (dp,) = vjp(carry.grads_in[m % self.k])
+        grads = jax.tree.map(jnp.add, carry.grads, dp)
+        zero = _typed_zeros(self.act)
+        return carry._replace(y=zero, dx=zero, grads=grads)
+
+    def stage_from_kept(self, p, kept, m):
+        """The stage's output of micro-batch m from its kept input (embedded on the first)."""
+        return self.as_act(self.stage(p, self.stage_input(p, m, kept)))
+
     def idle(self, carry: _Carry, m) -> _Carry:
         """A bubble: nothing computed, zeros sent."""
         return carry._replace(y=_typed_zeros(self.act), dx=_typed_zeros(self.act))
@@ -212,7 +240,8 @@ class _Ticks:
             grad_slot >= 0, carry.grads_in.at[grad_slot % k].set(recv_grad), carry.grads_in
         )
         carry = carry._replace(acts=acts, grads_in=grads_in)
-        out = jax.lax.switch(op, [self.idle, self.forward, self.backward], carry, m)
+        ops = [self.idle, self.forward, self.backward, self.backward_input, self.backward_weight]
+        out = jax.lax.switch(op, ops, carry, m)
         down = [(i, i + 1) for i in range(self.stages - 1)]
         up = [(i + 1, i) for i in range(self.stages - 1)]
         sent = (jax.lax.ppermute(out.y, axis, down), jax.lax.ppermute(out.dx, axis, up))

@@ -19,6 +19,8 @@ Kinds (bubble = idle fraction of the stage-ticks, `Schedule.bubble`):
 - `1f1b`: forwards and backwards in one table, each tick one op per stage: stage s runs
   min(S - s, M) warm-up forwards, then alternates one backward and one forward, then drains;
   2(M + S - 1) ticks. A stage holds at most S - s micro-batches' inputs, whatever M.
+- `zb-h1`, and the tables the executors do not run yet (`interleaved-1f1b`, `zb-v`):
+  `jaxpod.parallel.schedules_split`.
 
 Jax-free (numpy only), so the planner can use it.
 """
@@ -34,8 +36,10 @@ import numpy as np
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 # the backward split (zero-bubble kinds): B, the input gradient; W, the weight gradient
 BACKWARD_INPUT, BACKWARD_WEIGHT = 3, 4
-Kind = Literal["gpipe", "circular", "1f1b"]
-KINDS: tuple[str, ...] = ("gpipe", "circular", "1f1b")  # the kinds the executors run
+Kind = Literal["gpipe", "circular", "1f1b", "zb-h1"]
+KINDS: tuple[str, ...] = ("gpipe", "circular", "1f1b", "zb-h1")  # the kinds executors run
+# the kinds whose tables hold the backward ops, run stage by stage by `train_ticks`
+STEPWISE: tuple[str, ...] = ("1f1b", "zb-h1")
 # every table `make_schedule` builds (`jaxpod.parallel.schedules_split`: the kinds past 1F1B)
 TABLES: tuple[str, ...] = (*KINDS, "interleaved-1f1b", "zb-h1", "zb-v")
 # the kinds whose V virtual stages per device sit in a V: device s holds s and 2S - 1 - s

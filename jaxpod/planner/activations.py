@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from jaxpod.config import Config
+from jaxpod.parallel.schedules import STEPWISE
 from jaxpod.planner import efficientnet
 from jaxpod.planner.counts import efficientnet_stage_params, layer_params
 from jaxpod.planner.layer import layer_sets
@@ -158,10 +159,10 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int) -> dict:
         # the head's operands through the layers' backward, as pipelined below (read on 1x1x1
         # and 1x1x4, remat full; without remat XLA:CPU computes the head's gradients at once)
         head_kept = _head_kept(cfg, head_tokens, sb)
-    if stages > 1 and kind != "1f1b":
+    if stages > 1 and kind not in STEPWISE:
         buffers, tick_grads = _tick_scan_buffers(cfg, sets, ticks, per_tick)
         head_kept = _head_kept(cfg, head_tokens, sb)  # its gradients after the backward ticks
-    if stages > 1 and kind == "1f1b":
+    if stages > 1 and kind in STEPWISE:
         # the stage inputs of at most S micro-batches and their gradients (two ring buffers),
         # the two values sent each tick; a backward tick's residuals of the stage's layers;
         # the head runs on one micro-batch at a time on the last stage (its gradients inside
@@ -223,7 +224,7 @@ def _head_moment(cfg: Config, pipe: dict, btd: int, head_peak: int) -> int:
     residuals, the forward's rows (`btd` bytes each), the head (`head_peak`)."""
     tr = cfg.train
     saved = pipe["saved"]
-    if cfg.mesh.pipeline > 1 and tr.pipeline_schedule != "1f1b":
+    if cfg.mesh.pipeline > 1 and tr.pipeline_schedule not in STEPWISE:
         # the embedded micro-batches (BERT: and its LN's rows)
         micro = cfg.pipeline_group
         return saved + (micro + 2 * micro * (cfg.model.name == "bert")) * btd + head_peak

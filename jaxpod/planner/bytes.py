@@ -22,6 +22,7 @@ import math
 
 from jaxpod.config import Config
 from jaxpod.optim.strips import strips
+from jaxpod.parallel.schedules import STEPWISE
 from jaxpod.planner.activations import DTYPE_BYTES, MOMENTS, compute_bytes
 from jaxpod.planner.counts import layer_params
 from jaxpod.planner.profiles import DeviceProfile, get_profile
@@ -62,7 +63,7 @@ def _state_bytes(cfg: Config, layout: dict) -> dict:
     master_all = local / rts * mb
     moment_bytes = 4 if cfg.optim.moments == "float32" else mb
     accumulated = cfg.part_micro > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
-    accumulated |= cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule == "1f1b"  # carried
+    accumulated |= cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule in STEPWISE  # carried
     return {
         "master": master_all,
         "weights": master_all + (local / rts * pb if mb != pb else 0),

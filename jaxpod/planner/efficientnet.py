@@ -24,6 +24,7 @@ blocks, head) holds per image is `jaxpod.planner.efficientnet_pieces`; here, per
 from __future__ import annotations
 
 from jaxpod.config import Config
+from jaxpod.parallel.schedules import STEPWISE
 from jaxpod.planner.efficientnet_pieces import F32, HEAD_BACKWARD_TEMPS, pieces
 
 # Pipelined without remat the gradient row is built beside the backward, a leaf at a time
@@ -85,7 +86,7 @@ def _schedule_carries(cfg: Config, carry: int) -> tuple[int, int]:
     S, micro = mesh.pipeline, cfg.pipeline_group
     if S == 1:
         return 1, 0
-    if tr.pipeline_schedule == "1f1b":
+    if tr.pipeline_schedule in STEPWISE:
         # two ring buffers of S, the two values sent
         return 2 * micro + 2 * S - 2, (2 * S + 2) * carry
     ticks = micro + S - 1

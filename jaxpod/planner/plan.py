@@ -30,6 +30,7 @@ import dataclasses
 from jaxpod.config import Config, parse_bytes
 from jaxpod.config.rules import resolve_batch
 from jaxpod.errors import ConfigError, UserError
+from jaxpod.parallel.schedules import STEPWISE
 from jaxpod.planner.activations import DTYPE_BYTES, activation_bytes
 from jaxpod.planner.bytes import device_bytes
 from jaxpod.planner.counts import (
@@ -183,7 +184,7 @@ def _train_changes(cfg: Config, limit: int, params_override: int | None) -> list
     tr = cfg.train
     fits = lambda **changes: _fits(_with_train(cfg, **changes), limit, params_override)
     out = []
-    if cfg.mesh.pipeline > 1 and tr.pipeline_schedule != "1f1b":
+    if cfg.mesh.pipeline > 1 and tr.pipeline_schedule not in STEPWISE:
         trial = _with_train(cfg, pipeline_schedule="1f1b", virtual_stages=1)
         if _device_total(trial, params_override) < _device_total(cfg, params_override):
             out.append(("train.pipeline_schedule=1f1b", trial))

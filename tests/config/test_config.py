@@ -601,6 +601,7 @@ COMPANIONS = {
         "train.virtual_stages=2",
     ],
     ("train.pipeline_schedule", "1f1b"): ["mesh.pipeline=2"],
+    ("train.pipeline_schedule", "zb-h1"): ["mesh.pipeline=2"],
 }
 
 

@@ -39,6 +39,7 @@ SCHEDULES = {
     "gpipe": (),
     "circular": ("train.pipeline_schedule=circular", "train.virtual_stages=2"),
     "1f1b": ("train.pipeline_schedule=1f1b",),
+    "zb-h1": ("train.pipeline_schedule=zb-h1",),
 }
 # a bubble tick computes nothing (`lax.cond`); the carry's NaN bubble fill must not leak
 SKIPPING = {f"{k}-skip": (*SCHEDULES[k], "train.skip_bubbles=true") for k in ("gpipe", "circular")}
@@ -120,18 +121,18 @@ def assert_matches_reference(engine, model, loss, grads, what: str) -> None:
 # Which case proves what (GPipe's engine equivalence is test_mesh_equivalence.py's; the
 # executors themselves are checked for every S in {2, 4} and M in {S, 2S, 4S} in
 # tests/parallel/test_schedules.py; benchmarks/check_schedules.py runs the whole model x
-# mesh x M x schedule matrix). Per schedule, circular and 1f1b:
+# mesh x M x schedule matrix). Per schedule, circular, 1f1b and zb-h1:
 #   bert 2x4x1, M = S:   BERT (masked-token weights, per-row keys), replica > 1, depth 4
 #   gpt 1x2x4, M = 4S:   GPT, tensor width 4
 #   gpt 2x2x2, M = 2S:   replica > 1, tensor 2: test_a_train_step_updates_like_gpipe
 #                        (circular skipping its bubbles there)
-# and gpipe skipping its bubbles on 4 stages (gpt 1x4x1, M = 2S). These cases run the
+# and gpipe skipping its bubbles and zb-h1 on 4 stages (gpt 1x4x1, M = 2S). These cases run the
 # engine's loss and gradients at the plain model's own initial params, put in the engine's
 # shardings and stored layer order (no init program per case); the engine's init is the
 # train step's here (both layer orders) and test_mesh_equivalence.py's / test_init.py's.
-CASES = [("bert", (2, 4, 1), 4, k) for k in ("circular", "1f1b")]
-CASES += [("gpt", (1, 2, 4), 8, k) for k in ("circular", "1f1b")]
-CASES += [("gpt", (1, 4, 1), 8, "gpipe-skip")]
+CASES = [("bert", (2, 4, 1), 4, k) for k in ("circular", "1f1b", "zb-h1")]
+CASES += [("gpt", (1, 2, 4), 8, k) for k in ("circular", "1f1b", "zb-h1")]
+CASES += [("gpt", (1, 4, 1), 8, "gpipe-skip"), ("gpt", (1, 4, 1), 8, "zb-h1")]
 
 
 @pytest.mark.parametrize(
@@ -151,7 +152,7 @@ def test_schedule_matches_the_single_device_reference(tiny_cfg, mesh_for, model,
 
 
 # the train step's schedules: circular skips its bubbles (its plain ticks: `CASES`)
-STEP_SCHEDULES = ("gpipe", "circular-skip", "1f1b")
+STEP_SCHEDULES = ("gpipe", "circular-skip", "1f1b", "zb-h1")
 
 
 def test_a_train_step_updates_like_gpipe(tiny_cfg, mesh_for):
@@ -183,15 +184,16 @@ VISION = TINY_VISION
 PASSES = ("train.pipeline_group=1",)
 
 
-def test_1f1b_efficientnet_heterogeneous_stages(tiny_cfg, mesh_for):
-    """1F1B on EfficientNet's two packed stages (4x2x1, 2 micro-batches), and GPipe taking them
-    in two passes: GPipe's loss, correct count and gradients of every stage row (GPipe's are
-    proven against the plain network in tests/engine/test_packed_engine.py)."""
+def test_stepwise_schedules_on_efficientnet_heterogeneous_stages(tiny_cfg, mesh_for):
+    """1F1B and ZB-H1 on EfficientNet's two packed stages (4x2x1, 2 micro-batches), and GPipe
+    taking them in two passes: GPipe's loss, correct count and gradients of every stage row
+    (GPipe's are proven against the plain network in tests/engine/test_packed_engine.py)."""
     from jaxpod.data.images import load_images
 
     digits = load_images("digits", image_size=32, seed=0)
     results, params = {}, None
-    for name, extra in (("gpipe", ()), ("1f1b", SCHEDULES["1f1b"]), ("gpipe-passes", PASSES)):
+    kinds = (("gpipe", ()), ("1f1b", SCHEDULES["1f1b"]), ("zb-h1", SCHEDULES["zb-h1"]))
+    for name, extra in (*kinds, ("gpipe-passes", PASSES)):
         cfg = tiny_cfg(*VISION, *extra, mesh=(4, 2, 1))
         assert cfg.train.grad_accum == 2 and cfg.pipeline_passes == (2 if extra == PASSES else 1)
         if params is None:  # the init (one program: it does not depend on the schedule)
@@ -203,7 +205,7 @@ def test_1f1b_efficientnet_heterogeneous_stages(tiny_cfg, mesh_for):
         batch = jax.device_put(digits.train_batch(0, 0, g, g), engine.batch_sharding)
         results[name] = jax.device_get(jax.jit(engine.loss_and_grads)(params, batch))
     l1, a1, g1 = results["gpipe"]
-    for name in ("1f1b", "gpipe-passes"):
+    for name in ("1f1b", "zb-h1", "gpipe-passes"):
         l2, a2, g2 = results[name]
         assert abs(float(l2) - float(l1)) <= LOSS_RTOL * abs(float(l1)), name
         assert int(a1["correct"]) == int(a2["correct"]), name

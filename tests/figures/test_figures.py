@@ -15,7 +15,14 @@ from jaxpod.config import load_config
 from jaxpod.figures import save
 from jaxpod.figures.memory import stack
 from jaxpod.figures.schedule import full_step, schedules_figure
-from jaxpod.parallel.schedules import BACKWARD, FORWARD, KINDS, make_schedule
+from jaxpod.parallel.schedules import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    KINDS,
+    make_schedule,
+)
 from jaxpod.planner.plan import plan
 
 matplotlib.use("Agg")
@@ -26,8 +33,9 @@ PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 def test_full_step_runs_every_forward_and_backward_once(kind):
     table = make_schedule(kind, 4, 8, 2 if kind == "circular" else 1)
     op, micro, chunk = full_step(table)
+    backward = (BACKWARD_INPUT, BACKWARD_WEIGHT) if kind == "zb-h1" else (BACKWARD,)
     for s in range(4):
-        for o in (FORWARD, BACKWARD):
+        for o in (FORWARD, *backward):
             mine = op[:, s] == o
             done = sorted(zip(micro[mine, s].tolist(), chunk[mine, s].tolist(), strict=True))
             assert done == [(m, c) for m in range(8) for c in range(table.virtual)]

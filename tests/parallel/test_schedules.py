@@ -23,6 +23,7 @@ from jaxpod.parallel.pipeline import forward_ticks
 from jaxpod.parallel.pipeline_train import receive_slots, train_ticks
 from jaxpod.parallel.schedules import (
     BACKWARD,
+    BACKWARD_WEIGHT,
     FORWARD,
     IDLE,
     KINDS,
@@ -100,12 +101,14 @@ def test_1f1b_table_invariants():
         assert sched.bubble == pytest.approx((s_ - 1) / (m_ + s_ - 1))
 
 
-def test_1f1b_buffers_never_collide():
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_stepwise_buffers_never_collide(kind):
     """What `train_ticks` keeps per stage (an activation from its arrival until the stage's
-    backward of it, a gradient from its arrival until that backward) fits in K =
+    backward of it, or its W; a gradient from its arrival until then) fits in K =
     max(in_flight) slots indexed m % K: the micro-batches held at once are distinct mod K."""
+    done = BACKWARD if kind == "1f1b" else BACKWARD_WEIGHT
     for s_, m_, _ in cases("1f1b"):
-        sched = make_schedule("1f1b", s_, m_)
+        sched = make_schedule(kind, s_, m_)
         k = int(sched.in_flight.max())
         acts_in, grads_in = receive_slots(sched)
         for s in range(s_):
@@ -120,7 +123,7 @@ def test_1f1b_buffers_never_collide():
                     held_acts.add(m)
                 for held in (held_acts, held_grads):
                     assert len({x % k for x in held}) == len(held), (s_, m_, s, t, held)
-                if op == BACKWARD:
+                if op == done:
                     held_acts.discard(m)
                     held_grads.discard(m)
                 if op == FORWARD and s == s_ - 1:
@@ -142,7 +145,7 @@ def test_layer_order_is_round_robin():
 
 
 def test_unknown_schedule_is_refused():
-    assert set(KINDS) == {"gpipe", "circular", "1f1b"}
+    assert set(KINDS) == {"gpipe", "circular", "1f1b", "zb-h1"}
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         make_schedule("zb-h2", 2, 4)
     with pytest.raises(ValueError, match="not a multiple of 2 stages"):
@@ -260,7 +263,7 @@ def _pipelined(kind: str, stages: int, micro: int, virtual: int):
 
 EXECUTOR_CASES = [
     (kind, s, m, v)
-    for kind, v in (("gpipe", 1), ("1f1b", 1), ("circular", 2))
+    for kind, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("circular", 2))
     for s in (2, 4)
     for m in (s, 2 * s, 4 * s)
 ]
