@@ -278,10 +278,10 @@ for t in range(table.ticks):
 #   alternates one backward and one forward, so stage `s` holds at most `S − s` micro-batches'
 #   inputs, whatever `M`. Same bubble as GPipe, and in lockstep it pays for ticks that mix a
 #   forward with a backward.
-# * **zb-h1** (`train.pipeline_schedule=zb-h1`), and **interleaved-1f1b** and **zb-v** (tables
-#   only so far): Megatron's interleaved order, and the zero-bubble schedules that split each
-#   backward into B (input gradients) and W (weight gradients, deferred into the bubble); all
-#   their ops cost one unit, so in lockstep they lose nothing (`jaxpod.parallel.schedule_time`).
+# * **interleaved-1f1b**, **zb-h1** and **zb-v**: Megatron's interleaved order, and the
+#   zero-bubble schedules that split each backward into B (input gradients) and W (weight
+#   gradients, deferred into the bubble); all their ops cost one unit, so in lockstep they
+#   lose nothing (`jaxpod.parallel.schedule_time`).
 #
 # (In SPMD every device computes on every tick, so gpipe and circular compute the bubbles and
 # throw them away: `(V·M + S − 1) / (V·M)` executed over useful layer FLOPs.)

@@ -273,3 +273,12 @@ def one_process_run(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("one-process") / "run"
     finish([start("train", TINY, *TINY4, "devices=8", f"train.logdir={logdir}")], timeout=300)
     return logdir
+
+
+@pytest.fixture
+def in_process_cli(monkeypatch):
+    """`jaxpod.cli.main` called inside the test process: the CLI's process-wide error state
+    (`jaxpod.errors.exit_on_user_error`) is undone afterwards."""
+    from jaxpod import errors
+
+    monkeypatch.setattr(errors, "_cli", dict(errors._cli))

@@ -22,6 +22,8 @@ from jaxpod.config.rules_parallel import check_parallel
 from jaxpod.config.schema import IMAGE_DATA, TEXT_DATA, Config
 
 PATH_DATA = ("text-files", "image-folder")  # the data.name values that read data.path
+# the pipeline schedules that cut each stage's layers into virtual stages (chunks)
+CHUNKED = ("circular", "interleaved-1f1b", "zb-v")
 MAX_DEVICES = 256  # what `train` runs on one host's virtual CPU devices
 MAX_PLANNED_DEVICES = 65536  # what the commands that only plan accept (a pod's count)
 BYTE_VOCAB = 256  # every dataset is byte-level: token ids are byte values 0..255
@@ -245,7 +247,7 @@ def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
     tokens = t.micro_batch * group * cfg.model.seq_len
     # the head runs on 1/S of a pass's tokens per stage, but under the tables with backward
     # ops (`jaxpod.parallel.schedules.STEPWISE`), one micro-batch at a time on the last
-    spread = t.pipeline_schedule not in ("1f1b", "zb-h1")
+    spread = t.pipeline_schedule not in ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
     if cfg.kind.stages == "stacked" and spread and tokens % cfg.mesh.pipeline:
         name = _group_name(t)
         fail(
@@ -287,10 +289,11 @@ def check_schedule(cfg: Config, group: int) -> None:
     """The pipeline schedule against the mesh, the model and a pass's `group` micro-batches."""
     t, stages, md = cfg.train, cfg.mesh.pipeline, cfg.model
     kind, v = t.pipeline_schedule, t.virtual_stages
-    if v > 1 and kind != "circular":
+    if v > 1 and kind not in CHUNKED:
         fail(
-            f"train.virtual_stages={v} splits each pipeline stage into virtual stages, which only "
-            "train.pipeline_schedule=circular runs; set train.virtual_stages=1 or the schedule"
+            f"train.virtual_stages={v} splits each pipeline stage into virtual stages, which "
+            f"train.pipeline_schedule={kind} does not run; set train.virtual_stages=1, or a "
+            f"schedule of {', '.join(CHUNKED)}"
         )
     if kind == "gpipe":
         return
@@ -299,28 +302,33 @@ def check_schedule(cfg: Config, group: int) -> None:
             f"train.pipeline_schedule={kind} schedules pipeline stages but mesh.pipeline=1; "
             "set mesh.pipeline > 1 or train.pipeline_schedule=gpipe"
         )
-    if kind != "circular":
+    if kind not in CHUNKED:
         return
     if cfg.kind.stages != "stacked":
         fail(
-            "train.pipeline_schedule=circular cuts a stack of identical layers into virtual "
-            f"stages; model.name={md.name} has heterogeneous stages: use gpipe or 1f1b"
+            f"train.pipeline_schedule={kind} cuts a stack of identical layers into virtual "
+            f"stages; model.name={md.name} has heterogeneous stages: use gpipe, 1f1b or zb-h1"
+        )
+    if kind == "zb-v" and v != 2:
+        fail(
+            f"train.pipeline_schedule=zb-v runs two chunks per stage in a V; set "
+            f"train.virtual_stages=2 (not {v})"
         )
     if v < 2:
         fail(
-            "train.pipeline_schedule=circular needs train.virtual_stages >= 2 (virtual "
-            "stages per stage; with 1 it is gpipe)"
+            f"train.pipeline_schedule={kind} needs train.virtual_stages >= 2 (virtual "
+            "stages per stage; with 1 it is gpipe or 1f1b)"
         )
     if md.layers % (stages * v):
         fail(
             f"model.layers={md.layers} does not divide into mesh.pipeline*train.virtual_stages"
             f" = {stages}*{v} = {stages * v} virtual stages; use a multiple of {stages * v}"
         )
-    if group % stages:
+    if group % stages and kind != "zb-v":
         name = _group_name(t)
         fail(
             f"{name}={group} micro-batches per pass is not a multiple of mesh.pipeline="
-            f"{stages}: train.pipeline_schedule=circular sends them around the ring in groups "
+            f"{stages}: train.pipeline_schedule={kind} sends them around the ring in groups "
             f"of {stages}; use a multiple of {stages}"
         )
     per_virtual = md.layers // (stages * v)

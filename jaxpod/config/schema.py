@@ -44,7 +44,7 @@ Device = Literal[
 Stream = Literal["layer", "matrix"]
 Offload = Literal["optimizer", "params", "activations"]
 # = jaxpod.parallel.schedules.KINDS
-PipelineSchedule = Literal["gpipe", "circular", "1f1b", "zb-h1"]
+PipelineSchedule = Literal["gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
 GradAllreduce = Literal["psum", "ring"]  # = the keys of jaxpod.parallel.replica.ALLREDUCE
 
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
@@ -111,9 +111,11 @@ class TrainConfig:
     pipeline_group: int | None = None
     # the pipeline schedule (mesh.pipeline > 1): gpipe, circular (virtual_stages virtual
     # stages per stage, layers round-robin), 1f1b (backward interleaved: memory
-    # independent of M) or zb-h1 (1f1b with the backward split, weight gradients deferred)
+    # independent of M), zb-h1 (1f1b with the backward split, weight gradients deferred),
+    # interleaved-1f1b (1f1b over virtual_stages chunks) or zb-v (zb-h1 over two chunks in
+    # a V)
     pipeline_schedule: PipelineSchedule = "gpipe"
-    virtual_stages: int = 1  # circular: virtual stages per pipeline stage
+    virtual_stages: int = 1  # circular, interleaved-1f1b, zb-v: chunks per pipeline stage
     skip_bubbles: bool = False  # gpipe/circular: a bubble tick skips its stage (lax.cond)
     seed: int = 0
     logdir: str = "runs/default"

@@ -34,10 +34,11 @@ from jaxpod.config import Config
 from jaxpod.models.family import EVAL_STREAM, TRAIN_STREAM
 from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.pipeline import forward_ticks
+from jaxpod.parallel.pipeline_chunks import train_chunk_ticks
 from jaxpod.parallel.pipeline_train import train_ticks
 from jaxpod.parallel.remat import saving
 from jaxpod.parallel.replica import reduce_grads, vary_params
-from jaxpod.parallel.schedules import STEPWISE, Schedule, make_schedule
+from jaxpod.parallel.schedules import STEPWISE, Schedule, forward_only, make_schedule
 
 
 class Examples(NamedTuple):
@@ -106,8 +107,15 @@ class DeviceLoss(NamedTuple):
             outs = jax.lax.map(lambda b: self.micro_loss(params, *b, ex.denominator), micro)
             return self.summed(jax.tree.map(jnp.sum, outs))
         kind = cfg.train.pipeline_schedule
-        kind = "gpipe" if kind in STEPWISE else kind
         n_stages, virtual = stages.mesh.shape["pipeline"], cfg.train.virtual_stages
+        if kind == "zb-v":  # its forwards only, run as they were trained
+            table = forward_only(make_schedule(kind, n_stages, cfg.part_micro, virtual))
+            zero = jnp.zeros((), jnp.float32)
+            (loss, aux), _ = self.pipeline_train(zero, params, *micro, ex.denominator, table)
+            return self.summed((loss, aux))
+        # the forward-only table with the training one's layer placement
+        kind = "circular" if kind == "interleaved-1f1b" else kind
+        kind = "gpipe" if kind in STEPWISE else kind
         table = make_schedule(kind, n_stages, cfg.part_micro, virtual)
         return self.summed(self.pipeline_loss(params, *micro, ex.denominator, table=table))
 
@@ -158,11 +166,14 @@ class DeviceLoss(NamedTuple):
         )
         return head(ys, targets, weights, denominator)
 
-    def pipeline_train(self, scale, params, inputs, targets, weights, denominator):
+    def pipeline_train(self, scale, params, inputs, targets, weights, denominator, table=None):
         """((loss, aux), grads of loss * scale) of one pass, differentiated stage by stage by
-        a table with backward ops (`train_ticks`), grads on the device."""
+        a table with backward ops (`train_ticks`; over chunks, `train_chunk_ticks`), grads on
+        the device. `table`: another than the training one (a forward-only evaluation)."""
+        table = self.schedule if table is None else table
         embed, stage, head, params = self.stages.pipeline_functions(params)
-        loss, aux, grads = train_ticks(
+        run = train_chunk_ticks if table.virtual > 1 else train_ticks
+        loss, aux, grads = run(
             embed,
             stage,
             lambda p, y, t, w: head(p, y, t, w, denominator),
@@ -170,7 +181,7 @@ class DeviceLoss(NamedTuple):
             inputs,
             targets,
             weights,
-            self.schedule,
+            table,
             scale=scale,
             bubble_fill=self.bubble_fill,
             unroll=self.unroll,

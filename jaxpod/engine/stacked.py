@@ -163,11 +163,12 @@ class StackedStages:
     @property
     def layer_order(self) -> np.ndarray | None:
         """Where each stored layer comes from (`stored[i] = logical[order[i]]`) when the
-        schedule assigns virtual stages round-robin (circular); None: the logical order."""
+        schedule gives each stage several virtual stages (round-robin, or in a V); None: the
+        logical order."""
         t, stages = self.cfg.train, self.cfg.mesh.pipeline
         if t.virtual_stages == 1:
             return None
-        return layer_order(self.cfg.model.layers, stages, t.virtual_stages)
+        return layer_order(self.cfg.model.layers, stages, t.virtual_stages, t.pipeline_schedule)
 
     def reordered(self, state: TrainState, saved_order: list[int] | None) -> TrainState:
         """`state` whose stacked layers are stored in `saved_order` (a checkpoint's; None: the
@@ -275,7 +276,8 @@ class StackedStages:
 
     def pipeline_functions(self, params):
         """For schedules that differentiate stage by stage (1F1B): `(embed(p, inputs),
-        stage(p, x), head(p, y, targets, weights, denominator), params)`, each a function of
+        stage(p, x, r), head(p, y, targets, weights, denominator), params)` (r: the virtual
+        stage), each a function of
         the params, with every host-resident leaf fetched to the device once, here, before
         the ticks (jax rejects a transfer inside the tick scan)."""
         if self.any_host:
@@ -284,7 +286,7 @@ class StackedStages:
             )
         model = lambda p: self._model(p, fetched_layers=False, fetched=True)  # noqa: E731
         embed = lambda p, inputs: model(p).embed(inputs, TP)  # noqa: E731
-        stage = lambda p, x: self._run_layers(model(p), x, fetched=True)  # noqa: E731
+        stage = lambda p, x, r=0: self._run_layers(model(p), x, True, r)  # noqa: E731
         head = lambda p, *a: self._micro_head(model(p), *a)  # noqa: E731
         return embed, stage, head, params
 

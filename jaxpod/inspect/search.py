@@ -3,7 +3,8 @@
 Every mapping is enumerated, pruned by divisibility and bounds, never sampled: tensor width t
 (dividing the heads, the MLP and the vocabulary, inside one fast domain), pipeline depth p
 (dividing the layers), replicas r = N / (t·p), the micro-batch and accumulation that make the
-global batch, the schedule (GPipe, 1F1B, circular with 2 virtual stages), the remat policy
+global batch, the schedule (GPipe, 1F1B, ZB-H1; circular, interleaved 1F1B and ZB-V with 2
+virtual stages), the remat policy
 and RTS over the replicas. Each is validated as a config (`jaxpod.config.load_config`), kept
 if the planner says it fits the profile's memory, and ranked by the step-time model
 (`jaxpod.inspect.estimate`).
@@ -69,9 +70,13 @@ def _batching(cfg: Config, t: int, p: int, r: int, per_replica: int) -> Iterator
 def _schedules(cfg: Config, p: int, accum: int) -> list[list[str]]:
     if p == 1:
         return [["train.pipeline_schedule=gpipe", "train.virtual_stages=1"]]
-    out = [[f"train.pipeline_schedule={k}", "train.virtual_stages=1"] for k in ("gpipe", "1f1b")]
-    if cfg.model.layers % (2 * p) == 0 and accum % p == 0:
-        out.append(["train.pipeline_schedule=circular", "train.virtual_stages=2"])
+    one = ("gpipe", "1f1b", "zb-h1")
+    out = [[f"train.pipeline_schedule={k}", "train.virtual_stages=1"] for k in one]
+    if cfg.model.layers % (2 * p):
+        return out
+    chunked = ("circular", "interleaved-1f1b") if accum % p == 0 else ()
+    for k in (*chunked, "zb-v"):
+        out.append([f"train.pipeline_schedule={k}", "train.virtual_stages=2"])
     return out
 
 

@@ -19,8 +19,8 @@ Kinds (bubble = idle fraction of the stage-ticks, `Schedule.bubble`):
 - `1f1b`: forwards and backwards in one table, each tick one op per stage: stage s runs
   min(S - s, M) warm-up forwards, then alternates one backward and one forward, then drains;
   2(M + S - 1) ticks. A stage holds at most S - s micro-batches' inputs, whatever M.
-- `zb-h1`, and the tables the executors do not run yet (`interleaved-1f1b`, `zb-v`):
-  `jaxpod.parallel.schedules_split`.
+- `zb-h1`, `interleaved-1f1b`, `zb-v`: `jaxpod.parallel.schedules_split` (the chunked
+  ones run by `jaxpod.parallel.pipeline_chunks`).
 
 Jax-free (numpy only), so the planner can use it.
 """
@@ -36,10 +36,12 @@ import numpy as np
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 # the backward split (zero-bubble kinds): B, the input gradient; W, the weight gradient
 BACKWARD_INPUT, BACKWARD_WEIGHT = 3, 4
-Kind = Literal["gpipe", "circular", "1f1b", "zb-h1"]
-KINDS: tuple[str, ...] = ("gpipe", "circular", "1f1b", "zb-h1")  # the kinds executors run
-# the kinds whose tables hold the backward ops, run stage by stage by `train_ticks`
-STEPWISE: tuple[str, ...] = ("1f1b", "zb-h1")
+Kind = Literal["gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
+# the kinds the executors run
+KINDS: tuple[str, ...] = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+# the kinds whose tables hold the backward ops, run stage by stage (`train_ticks`, or over
+# chunks `train_chunk_ticks`)
+STEPWISE: tuple[str, ...] = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 # every table `make_schedule` builds (`jaxpod.parallel.schedules_split`: the kinds past 1F1B)
 TABLES: tuple[str, ...] = (*KINDS, "interleaved-1f1b", "zb-h1", "zb-v")
 # the kinds whose V virtual stages per device sit in a V: device s holds s and 2S - 1 - s
@@ -217,14 +219,26 @@ def make_schedule(kind: str, stages: int, micro: int, virtual: int = 1) -> Sched
     raise ValueError(f"unknown pipeline schedule {kind!r}; choose from {', '.join(TABLES)}")
 
 
-def layer_order(layers: int, stages: int, virtual: int) -> np.ndarray:
-    """Where each stored layer comes from: with V virtual stages per stage assigned
-    round-robin, stage s's contiguous part of the stored stack holds its virtual stages
-    r = 0..V-1, i.e. the global stages r·S + s, in that order. `stored[i] =
-    logical[order[i]]`; V = 1: identity."""
+def forward_only(schedule: Schedule) -> Schedule:
+    """`schedule` with its backward ops made idle: its forwards, where and when it runs
+    them (an evaluation of a stage-by-stage schedule in its own layer placement)."""
+    keep = schedule.op == FORWARD
+    op = np.where(keep, schedule.op, IDLE).astype(np.int32)
+    micro = np.where(keep, schedule.micro_index, -1).astype(np.int32)
+    virtual = np.where(keep, schedule.virtual_stage, 0).astype(np.int32)
+    return Schedule(
+        schedule.kind, schedule.stages, schedule.micro, schedule.virtual, op, micro, virtual
+    )
+
+
+def layer_order(layers: int, stages: int, virtual: int, kind: str = "circular") -> np.ndarray:
+    """Where each stored layer comes from: stage s's contiguous part of the stored stack
+    holds its virtual stages r = 0..V-1, i.e. the global stages `global_stage(kind, s, r)`
+    (round-robin r·S + s, or in a V), in that order. `stored[i] = logical[order[i]]`;
+    V = 1: identity."""
     per_virtual = layers // (stages * virtual)  # the layers of one virtual stage
     order = [
-        (r * stages + s) * per_virtual + j
+        global_stage(kind, s, r, stages) * per_virtual + j
         for s in range(stages)
         for r in range(virtual)
         for j in range(per_virtual)

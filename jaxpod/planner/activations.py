@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 from jaxpod.config import Config
-from jaxpod.parallel.schedules import STEPWISE
+from jaxpod.parallel.chunk_routes import routes
+from jaxpod.parallel.schedules import STEPWISE, make_schedule
 from jaxpod.planner import efficientnet
 from jaxpod.planner.counts import efficientnet_stage_params, layer_params
 from jaxpod.planner.layer import layer_sets
@@ -168,8 +169,11 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int) -> dict:
         # the head runs on one micro-batch at a time on the last stage (its gradients inside
         # the tick). The carried gradients and the backward tick's stack gradients are the
         # two gradient copies of `device_bytes` ("carried").
-        saved = (2 * stages + 2) * sets["btd"]
-        buffers = per_stage * sets["saved"]
+        k = stages  # ring-buffer slots: over chunks, those the routes assign
+        if virtual > 1:
+            k = routes(make_schedule(kind, stages, micro, virtual)).slots
+        saved = (2 * k + 2) * sets["btd"]
+        buffers = per_tick * sets["saved"]
         head_tokens = tr.micro_batch * md.seq_len
     return {
         "saved": saved,

@@ -602,6 +602,12 @@ COMPANIONS = {
     ],
     ("train.pipeline_schedule", "1f1b"): ["mesh.pipeline=2"],
     ("train.pipeline_schedule", "zb-h1"): ["mesh.pipeline=2"],
+    ("train.pipeline_schedule", "interleaved-1f1b"): [
+        "mesh.pipeline=2",
+        "train.virtual_stages=2",
+        "train.grad_accum=2",
+    ],
+    ("train.pipeline_schedule", "zb-v"): ["mesh.pipeline=2", "train.virtual_stages=2"],
 }
 
 

@@ -70,9 +70,16 @@ def test_bad_schedules_are_refused_in_one_line(overrides, needle):
     assert needle in refused(*overrides)
 
 
-def test_circular_needs_stacked_layers():
+@pytest.mark.parametrize("kind", ["circular", "interleaved-1f1b", "zb-v"])
+def test_chunked_schedules_need_stacked_layers(kind):
     vision = ["model.name=efficientnet", "data.name=digits", "mesh.tensor=1", "mesh.replica=4",
               "model.pipeline_splits=[4a]"]  # fmt: skip
-    message = refused(*vision, "train.pipeline_schedule=circular", "train.virtual_stages=2")
-    assert "model.name=efficientnet has heterogeneous stages: use gpipe or 1f1b" in message
-    assert load_config(TINY, [*vision, "train.pipeline_schedule=1f1b"])
+    message = refused(*vision, f"train.pipeline_schedule={kind}", "train.virtual_stages=2")
+    assert "model.name=efficientnet has heterogeneous stages: use gpipe, 1f1b or zb-h1" in message
+    for ok in ("1f1b", "zb-h1"):
+        assert load_config(TINY, [*vision, f"train.pipeline_schedule={ok}"])
+
+
+def test_zb_v_runs_two_chunks():
+    message = refused("mesh.pipeline=2", "train.pipeline_schedule=zb-v", "train.virtual_stages=4")
+    assert "set train.virtual_stages=2 (not 4)" in message

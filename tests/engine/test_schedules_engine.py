@@ -40,7 +40,10 @@ SCHEDULES = {
     "circular": ("train.pipeline_schedule=circular", "train.virtual_stages=2"),
     "1f1b": ("train.pipeline_schedule=1f1b",),
     "zb-h1": ("train.pipeline_schedule=zb-h1",),
+    "interleaved-1f1b": ("train.pipeline_schedule=interleaved-1f1b", "train.virtual_stages=2"),
+    "zb-v": ("train.pipeline_schedule=zb-v", "train.virtual_stages=2"),
 }
+STEPWISE = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 # a bubble tick computes nothing (`lax.cond`); the carry's NaN bubble fill must not leak
 SKIPPING = {f"{k}-skip": (*SCHEDULES[k], "train.skip_bubbles=true") for k in ("gpipe", "circular")}
 ROWS = 8  # every case's global batch: replica x M micro-batches of 1 sequence
@@ -121,7 +124,7 @@ def assert_matches_reference(engine, model, loss, grads, what: str) -> None:
 # Which case proves what (GPipe's engine equivalence is test_mesh_equivalence.py's; the
 # executors themselves are checked for every S in {2, 4} and M in {S, 2S, 4S} in
 # tests/parallel/test_schedules.py; benchmarks/check_schedules.py runs the whole model x
-# mesh x M x schedule matrix). Per schedule, circular, 1f1b and zb-h1:
+# mesh x M x schedule matrix). Per schedule, circular and the stepwise ones:
 #   bert 2x4x1, M = S:   BERT (masked-token weights, per-row keys), replica > 1, depth 4
 #   gpt 1x2x4, M = 4S:   GPT, tensor width 4
 #   gpt 2x2x2, M = 2S:   replica > 1, tensor 2: test_a_train_step_updates_like_gpipe
@@ -130,9 +133,9 @@ def assert_matches_reference(engine, model, loss, grads, what: str) -> None:
 # engine's loss and gradients at the plain model's own initial params, put in the engine's
 # shardings and stored layer order (no init program per case); the engine's init is the
 # train step's here (both layer orders) and test_mesh_equivalence.py's / test_init.py's.
-CASES = [("bert", (2, 4, 1), 4, k) for k in ("circular", "1f1b", "zb-h1")]
-CASES += [("gpt", (1, 2, 4), 8, k) for k in ("circular", "1f1b", "zb-h1")]
-CASES += [("gpt", (1, 4, 1), 8, "gpipe-skip"), ("gpt", (1, 4, 1), 8, "zb-h1")]
+CASES = [("bert", (2, 4, 1), 4, k) for k in ("circular", *STEPWISE)]
+CASES += [("gpt", (1, 2, 4), 8, k) for k in ("circular", *STEPWISE)]
+CASES += [("gpt", (1, 4, 1), 8, k) for k in ("gpipe-skip", "zb-h1", "interleaved-1f1b", "zb-v")]
 
 
 @pytest.mark.parametrize(
@@ -152,7 +155,7 @@ def test_schedule_matches_the_single_device_reference(tiny_cfg, mesh_for, model,
 
 
 # the train step's schedules: circular skips its bubbles (its plain ticks: `CASES`)
-STEP_SCHEDULES = ("gpipe", "circular-skip", "1f1b", "zb-h1")
+STEP_SCHEDULES = ("gpipe", "circular-skip", *STEPWISE)
 
 
 def test_a_train_step_updates_like_gpipe(tiny_cfg, mesh_for):

@@ -31,9 +31,9 @@ PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_full_step_runs_every_forward_and_backward_once(kind):
-    table = make_schedule(kind, 4, 8, 2 if kind == "circular" else 1)
+    table = make_schedule(kind, 4, 8, 2 if kind in ("circular", "interleaved-1f1b") else 1)
     op, micro, chunk = full_step(table)
-    backward = (BACKWARD_INPUT, BACKWARD_WEIGHT) if kind == "zb-h1" else (BACKWARD,)
+    backward = (BACKWARD_INPUT, BACKWARD_WEIGHT) if kind.startswith("zb") else (BACKWARD,)
     for s in range(4):
         for o in (FORWARD, *backward):
             mine = op[:, s] == o

@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpod.parallel.pipeline import forward_ticks
+from jaxpod.parallel.pipeline_chunks import train_chunk_ticks
 from jaxpod.parallel.pipeline_train import receive_slots, train_ticks
 from jaxpod.parallel.schedules import (
     BACKWARD,
@@ -145,7 +146,7 @@ def test_layer_order_is_round_robin():
 
 
 def test_unknown_schedule_is_refused():
-    assert set(KINDS) == {"gpipe", "circular", "1f1b", "zb-h1"}
+    assert set(KINDS) == {"gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"}
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         make_schedule("zb-h2", 2, 4)
     with pytest.raises(ValueError, match="not a multiple of 2 stages"):
@@ -190,7 +191,7 @@ def _executor(kind: str, stages: int, micro: int, virtual: int):
     layers = 2 * stages * virtual
     params, inputs, targets = _model(layers, micro)
     sched = make_schedule(kind, stages, micro, virtual)
-    order = layer_order(layers, stages, virtual)
+    order = layer_order(layers, stages, virtual, kind)
     stored = {**params, "layers": params["layers"][order]}
     mesh = jax.make_mesh((stages,), ("pipeline",), axis_types=(jax.sharding.AxisType.Auto,))
     per_virtual = 2  # layers
@@ -208,7 +209,20 @@ def _executor(kind: str, stages: int, micro: int, virtual: int):
     def local(p, inputs, targets):
         p = {k: jax.lax.pcast(v, ("pipeline",), to="varying") if k != "layers" else v
              for k, v in p.items()}  # fmt: skip
-        if sched.explicit_backward:
+        if sched.explicit_backward and virtual > 1:
+            loss, _, grads = train_chunk_ticks(
+                lambda p, x: x @ p["embed"],
+                stage_of,
+                head,
+                p,
+                inputs,
+                targets,
+                None,
+                sched,
+                scale=jnp.float32(1.0),
+                bubble_fill=float("nan"),
+            )
+        elif sched.explicit_backward:
             loss, _, grads = train_ticks(
                 lambda p, x: x @ p["embed"], lambda p, x: stage_of(p, x, 0), head, p, inputs,
                 targets, None, sched, scale=jnp.float32(1.0), bubble_fill=float("nan"),
@@ -264,6 +278,7 @@ def _pipelined(kind: str, stages: int, micro: int, virtual: int):
 EXECUTOR_CASES = [
     (kind, s, m, v)
     for kind, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("circular", 2))
+    + (("interleaved-1f1b", 2), ("zb-v", 2))
     for s in (2, 4)
     for m in (s, 2 * s, 4 * s)
 ]

@@ -34,8 +34,8 @@ def test_every_mapping_of_the_pod_is_considered(found):
             per = 32 // r
             for mb in divisors(per):
                 accum = per // mb
-                circular = 4 % (2 * p) == 0 and accum % p == 0
-                kinds = 1 if p == 1 else 2 + circular
+                chunks = 4 % (2 * p) == 0  # zb-v; circular, interleaved 1f1b: and accum % p
+                kinds = 1 if p == 1 else 3 + chunks * (1 + 2 * (accum % p == 0))
                 expected += kinds * 3 * len({1, r})
     assert found["considered"] == expected
     assert found["fitting"] == len(found["top"]) > 0
@@ -52,7 +52,7 @@ def test_the_ranking_is_what_plan_and_estimate_say_alone(found):
         assert alone == pytest.approx(m["estimate"]["step_time_s"])
 
 
-def test_search_cli(capsys):
+def test_search_cli(capsys, in_process_cli):
     main(["search", CONFIG, "--target", "h100-80gb:16", "--top", "2", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert len(out["top"]) == 2 and {"considered", "valid", "fitting"} <= set(out)

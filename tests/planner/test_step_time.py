@@ -102,7 +102,7 @@ def test_estimate_a_config_on_a_pod():
     assert 0 < r["mfu"] < 1
 
 
-def test_estimate_cli(capsys):
+def test_estimate_cli(capsys, in_process_cli):
     main(
         ["estimate", "configs/tiny.yaml", "mesh.replica=-1", "--target", "h100-80gb:1024", "--json"]
     )
