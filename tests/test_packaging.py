@@ -36,7 +36,7 @@ def _requirements(extra: str | None = None) -> list[Requirement]:
     return [Requirement(t) for t in texts]
 
 
-def test_one_version_source(capsys):
+def test_one_version_source(capsys, in_process_cli):
     assert "version" not in PROJECT["project"] and PROJECT["project"]["dynamic"] == ["version"]
     dynamic = PROJECT["tool"]["setuptools"]["dynamic"]["version"]
     assert dynamic == {"attr": "jaxpod.__version__"}

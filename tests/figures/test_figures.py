@@ -66,14 +66,14 @@ def test_schedule_chart_is_deterministic(tmp_path):
     assert first == second
 
 
-def test_plan_chart(tmp_path, capsys):
+def test_plan_chart(tmp_path, capsys, in_process_cli):
     out = tmp_path / "charts" / "plan.png"
     cli.main(["plan", str(ROOT / "configs" / "tiny.yaml"), "--json", "--chart", str(out)])
     assert out.read_bytes().startswith(b"\x89PNG")
     assert "chart written to" in capsys.readouterr().err
 
 
-def test_plan_chart_names_a_picture(capsys):
+def test_plan_chart_names_a_picture(capsys, in_process_cli):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["plan", str(ROOT / "configs" / "tiny.yaml"), "--chart", "plan.txt"])
     assert exit_.value.code == 2
