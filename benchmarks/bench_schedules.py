@@ -2,7 +2,7 @@
 
     python benchmarks/bench_schedules.py [--only time,flops,memory] [--repeats N] [--out FILE]
 
-(time)   step time of gpipe, circular (V = 2) and 1f1b on 1x4x1 and 2x2x2 for M = 4, 8, 16
+(time)   step time of every schedule (V = 2 where chunked) on 1x4x1 and 2x2x2, M = 4, 8, 16
          micro-batches, gpipe and circular also with `train.skip_bubbles` (lax.cond on a
          tick's liveness): does skipping pay on this backend?
 (flops)  executed / useful FLOPs of the train step's loss and gradients (XLA's cost analysis
@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     GPT_D256,
@@ -34,12 +36,20 @@ from common import (  # noqa: E402
     write_report,
 )
 
+from jaxpod.parallel.schedules import make_schedule  # noqa: E402
+
 MODEL = [*GPT_D256, "model.remat=full"]
 SCHEDULES = {
     "gpipe": [],
     "circular": ["train.pipeline_schedule=circular", "train.virtual_stages=2"],
     "1f1b": ["train.pipeline_schedule=1f1b"],
+    "zb-h1": ["train.pipeline_schedule=zb-h1"],
+    "interleaved-1f1b": ["train.pipeline_schedule=interleaved-1f1b", "train.virtual_stages=2"],
+    "zb-v": ["train.pipeline_schedule=zb-v", "train.virtual_stages=2"],
 }
+# a stepwise tick's cost in stage forwards under remat `full`: the forward; the whole
+# backward (recomputation and both gradients); B and W (each recomputes, then its gradient)
+TICK_COST = {1: 1, 2: 3, 3: 2, 4: 2}
 MESHES = [(1, 4, 1), (2, 2, 2)]
 MICRO = [4, 8, 16]
 
@@ -82,10 +92,13 @@ def theory(kind: str, stages: int, micro: int) -> float:
     analysis charges a `lax.switch` its dearest branch, the backward (the stage's forward,
     recomputation shared, and its backward: 3 forwards' worth), while the useful step does 4
     forwards' worth per micro-batch under remat `full` (forward, recomputation, backward):
-    2(M + S - 1) · 3 / (4M)."""
-    if kind == "1f1b":
-        return 2 * (micro + stages - 1) * 3 / (4 * micro)
-    v = 2 if kind == "circular" else 1
+    2(M + S - 1) · 3 / (4M). The other stepwise kinds likewise from their tables' ticks
+    (`TICK_COST`: ZB's dearest branch is B or W, 2 forwards' worth; a chunk's tick 1/V)."""
+    v = 2 if kind in ("circular", "interleaved-1f1b", "zb-v") else 1
+    table = make_schedule(kind, stages, micro, v)
+    if table.explicit_backward:  # every tick charged its dearest branch, a chunk 1/V
+        dearest = max(TICK_COST[int(o)] for o in np.unique(table.op) if o)
+        return table.ticks * dearest / (v * 4 * micro)
     return (v * micro + stages - 1) / (v * micro)
 
 
@@ -94,7 +107,7 @@ def bench_time(repeats: int) -> tuple[dict, str]:
     for mesh in MESHES:
         m_id = "x".join(map(str, mesh))
         for kind, extra in SCHEDULES.items():
-            for skip in [False, True] if kind != "1f1b" else [False]:
+            for skip in [False, True] if kind in ("gpipe", "circular") else [False]:
                 name = kind + (" + skip" if skip else "")
                 row = [m_id, name]
                 for micro in MICRO:

@@ -189,7 +189,10 @@ class _Chunks:
             lambda c, row: self.backward(c, row, True, False),
             lambda c, row: self.backward(c, row, False, True),
         ]
-        c = jax.lax.switch(row.op, ops, c, row)
+        used = sorted({0, *np.unique(self.rows[0]).tolist()})  # only the table's ops
+        branch_of = np.zeros(len(ops), np.int32)
+        branch_of[used] = np.arange(len(used))
+        c = jax.lax.switch(jnp.asarray(branch_of)[row.op], [ops[o] for o in used], c, row)
         zero = _typed_zeros(self.act)
         n = self.stages
         down = jax.lax.ppermute(

@@ -129,6 +129,10 @@ class _Ticks:
         self.scale, self.axis = scale, axis
         self.stages, self.micro = schedule.stages, schedule.micro
         self.k = int(schedule.in_flight.max())
+        # the ops the table uses, in code order, and each op code's branch among them
+        self.used = sorted({0, *np.unique(schedule.op).tolist()})
+        self.branch_of = np.zeros(5, np.int32)
+        self.branch_of[self.used] = np.arange(len(self.used))
         index = jax.lax.axis_index(axis)
         self.is_first, self.is_last = index == 0, index == self.stages - 1
         act = _typed_zeros(jax.eval_shape(lambda: embed(params, inputs[0])))  # a typed template
@@ -241,7 +245,8 @@ class _Ticks:
         )
         carry = carry._replace(acts=acts, grads_in=grads_in)
         ops = [self.idle, self.forward, self.backward, self.backward_input, self.backward_weight]
-        out = jax.lax.switch(op, ops, carry, m)
+        branch = jnp.asarray(self.branch_of)[op]  # only the table's ops become branches
+        out = jax.lax.switch(branch, [ops[o] for o in self.used], carry, m)
         down = [(i, i + 1) for i in range(self.stages - 1)]
         up = [(i + 1, i) for i in range(self.stages - 1)]
         sent = (jax.lax.ppermute(out.y, axis, down), jax.lax.ppermute(out.dx, axis, up))
