@@ -9,7 +9,7 @@ kind the model is (`cfg.kind`: images or tokens, packed or stacked stages, tenso
 not its name. Every rule raises ``ConfigError`` with one line naming the field and the fix.
 
 Imports `schema` and, for EfficientNet's block names, the jax-free
-`jaxpod.models.efficientnet_specs` (`rules_model`), never jax: `jaxpod.config.load` builds the
+`jaxpod.config.efficientnet_specs` (`rules_model`), never jax: `jaxpod.config.load` builds the
 dataclasses and calls `validate_and_resolve`.
 """
 

@@ -1,13 +1,13 @@
 """EfficientNet's block rules: its scaling fits the block names, and `model.pipeline_splits`
 names blocks of the configured variant, each once, in model order (jax-free: the names come
-from `jaxpod.models.efficientnet_specs`)."""
+from `jaxpod.config.efficientnet_specs`)."""
 
 import math
 import string
 
+from jaxpod.config.efficientnet_specs import BASE_BLOCK_GROUPS, HEAD_CH, block_specs, coefficients
 from jaxpod.config.fields import fail
 from jaxpod.config.schema import Config
-from jaxpod.models.efficientnet_specs import BASE_BLOCK_GROUPS, HEAD_CH, block_specs, coefficients
 
 
 def check_blocks(cfg: Config) -> None:

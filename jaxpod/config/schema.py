@@ -15,9 +15,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from jaxpod.models.kinds import KINDS, ModelKind
+from jaxpod.config.kinds import KINDS, ModelKind
 
-ModelName = Literal["gpt", "bert", "efficientnet"]  # = the keys of jaxpod.models.kinds.KINDS
+ModelName = Literal["gpt", "bert", "efficientnet"]  # = the keys of jaxpod.config.kinds.KINDS
 Remat = Literal["none", "full", "minimal", "attention", "comms"]
 Variant = Literal["b0", "b1", "b2", "b3", "b4"]
 Norm = Literal["pre", "post"]
@@ -257,7 +257,7 @@ class Config:
 
     @property
     def kind(self) -> ModelKind:
-        """What kind of model `model.name` is (`jaxpod.models.kinds`)."""
+        """What kind of model `model.name` is (`jaxpod.config.kinds`)."""
         return KINDS[self.model.name]
 
     def warnings(self) -> list[str]:

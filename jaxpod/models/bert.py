@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpod.config import ModelConfig
+from jaxpod.config.kinds import KINDS
 from jaxpod.models.family import Family
-from jaxpod.models.kinds import KINDS
 from jaxpod.models.layers import INIT_STD, Layer, LayerNorm, apply_layers
 from jaxpod.models.mlm import check_vocab, mask_tokens
 from jaxpod.models.params import NO_DECAY, TABLE, param

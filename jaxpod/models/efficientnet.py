@@ -2,7 +2,7 @@
 
 The network is a sequence of *pieces*: the stem (3x3/2 conv, norm, swish), the MBConv blocks
 named like the reference (`"1a"`, `"2a"`, `"2b"`, ...: block group and repeat;
-`jaxpod.models.efficientnet_specs`), and the head (1x1 conv, norm, swish, global average
+`jaxpod.config.efficientnet_specs`), and the head (1x1 conv, norm, swish, global average
 pool, classifier). A pipeline cuts the sequence at block names: `build_stages(...,
 splits=["4a"])` gives two `Stage`s, stem..3b and 4a..head. Parameters are drawn piece by
 piece in network order, so for one seed they do not depend on `splits`; `restage` regroups
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpod.models.efficientnet_specs import (  # noqa: F401 (re-exported)
+from jaxpod.config.efficientnet_specs import (  # noqa: F401 (re-exported)
     BASE_BLOCK_GROUPS,
     IMAGE_CH,
     VARIANTS,
@@ -47,8 +47,8 @@ from jaxpod.models.efficientnet_specs import (  # noqa: F401 (re-exported)
     split_specs,
     stem_head_channels,
 )
+from jaxpod.config.kinds import KINDS
 from jaxpod.models.family import Family
-from jaxpod.models.kinds import KINDS
 from jaxpod.models.params import NO_DECAY, metadata, param
 
 F32 = jnp.float32

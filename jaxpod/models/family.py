@@ -1,7 +1,7 @@
 """A model family is a plug-in: what the engine needs of a model, and where families are found.
 
 The engine never names a model. It asks `family(cfg.model.name)` for a `Family`: the kind
-(`jaxpod.models.kinds`: what a batch holds and how stages are laid out) and a `build`
+(`jaxpod.config.kinds`: what a batch holds and how stages are laid out) and a `build`
 function. A *stacked* family builds one module (`StackedModel`) whose layers are one stack
 `[L, ...]` under the attribute `STACK`; the engine cuts that stack into pipeline stages and
 runs it (`jaxpod.parallel.stack`). A *packed* family builds its pipeline stages as a list of
@@ -23,7 +23,7 @@ from typing import Protocol
 import jax
 from flax import nnx
 
-from jaxpod.models.kinds import KINDS, ModelKind
+from jaxpod.config.kinds import KINDS, ModelKind
 
 # Random streams of per-row example keys: training and evaluation draw different ones.
 TRAIN_STREAM, EVAL_STREAM = 1, 2

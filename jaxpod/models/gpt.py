@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpod.config import ModelConfig
+from jaxpod.config.kinds import KINDS
 from jaxpod.models.family import Family
-from jaxpod.models.kinds import KINDS
 from jaxpod.models.layers import INIT_STD, Layer, LayerNorm, apply_layers
 from jaxpod.models.params import TABLE, param
 from jaxpod.parallel.tensor import position_rows, vocab_cross_entropy, vocab_embed

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from jaxpod.config import Config
-from jaxpod.models.efficientnet_specs import flops_per_image, stage_params
+from jaxpod.config.efficientnet_specs import flops_per_image, stage_params
 
 
 def efficientnet_stage_params(cfg: Config) -> list[int]:

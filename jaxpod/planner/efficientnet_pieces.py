@@ -11,7 +11,7 @@ is: docs/memory.md, "The planner's byte model". Jax-free.
 from __future__ import annotations
 
 from jaxpod.config import Config
-from jaxpod.models.efficientnet_specs import (
+from jaxpod.config.efficientnet_specs import (
     IMAGE_CH,
     BlockSpec,
     block_specs,

@@ -27,8 +27,8 @@ from jaxpod.config import (
     peek,
     with_overrides,
 )
+from jaxpod.config.kinds import KINDS
 from jaxpod.config.schema import SECTIONS
-from jaxpod.models.kinds import KINDS
 
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -818,12 +818,14 @@ def _config_imports(module: str) -> set[str]:
 
 
 def test_layers_import_downwards_only():
-    """schema <- fields <- rules_<topic> <- rules <- load (and safe_yaml, presets <- load): each
-    imports only layers below."""
+    """tables (kinds, efficientnet_specs) <- schema <- fields <- rules_<topic> <- rules <- load
+    (and safe_yaml, presets <- load): each imports only layers below."""
     topics = {p.stem for p in (ROOT / "jaxpod" / "config").glob("rules_*.py")}
-    assert _config_imports("schema") == set()
-    assert _config_imports("fields") == {"jaxpod.config.schema"}
-    base = {"jaxpod.config.schema", "jaxpod.config.fields"}
+    tables = {"jaxpod.config.kinds", "jaxpod.config.efficientnet_specs"}
+    assert _config_imports("kinds") == _config_imports("efficientnet_specs") == set()
+    assert _config_imports("schema") <= tables
+    assert _config_imports("fields") <= {"jaxpod.config.schema", *tables}
+    base = {"jaxpod.config.schema", "jaxpod.config.fields", *tables}
     for topic in topics:
         assert _config_imports(topic) <= base, topic
     below = base | {f"jaxpod.config.{t}" for t in topics}

@@ -27,9 +27,9 @@ from helpers.lab import (
     update_bound,
 )
 
+from jaxpod.config.kinds import ModelKind
 from jaxpod.engine import build_engine
 from jaxpod.models.family import Family, build_model, family, register
-from jaxpod.models.kinds import ModelKind
 from jaxpod.models.layers import apply_layers
 from jaxpod.models.params import NO_DECAY, TABLE, param
 from jaxpod.parallel.tensor import column_dense, row_dense, vocab_cross_entropy, vocab_embed

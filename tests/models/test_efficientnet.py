@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxpod.config.efficientnet_specs import stage_params
 from jaxpod.models.efficientnet import (
     MEAN_RGB,
     STD_RGB,
@@ -30,7 +31,6 @@ from jaxpod.models.efficientnet import (
     stage_io_shapes,
     stem_head_channels,
 )
-from jaxpod.models.efficientnet_specs import stage_params
 
 TINY = dict(num_classes=10, width_mult=0.25, depth_mult=0.1)
 SPLITS = ["3a", "6a"]
