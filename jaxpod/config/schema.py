@@ -22,7 +22,7 @@ Remat = Literal["none", "full", "minimal", "attention", "comms"]
 Variant = Literal["b0", "b1", "b2", "b3", "b4"]
 Norm = Literal["pre", "post"]
 OptimName = Literal["sgd", "adamw", "lamb", "lars"]
-Schedule = Literal["constant", "cosine", "polynomial"]
+LrSchedule = Literal["constant", "cosine", "polynomial"]
 TextData = Literal["stdlib-code", "synthetic", "text-files"]
 ImageData = Literal["digits", "synthetic-imagenet", "image-folder"]
 DataName = Literal[TextData, ImageData]  # nested Literals flatten: text names, then images
@@ -133,7 +133,7 @@ class OptimConfig:
 
     name: OptimName = "adamw"
     lr: float = 1e-3
-    schedule: Schedule = "cosine"
+    lr_schedule: LrSchedule = "cosine"
     warmup_steps: int = 0
     weight_decay: float = 0.0
     momentum: float = 0.9

@@ -26,7 +26,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpod.models.params import LAYERS, NO_DECAY, panel_axis_of_layer, param
 from jaxpod.parallel.manual import vary_like
-from jaxpod.parallel.tensor import column_dense, gather_sequence, reduce_rows, row_dense
+from jaxpod.parallel.tensor import (
+    ATTENTION_OUT,
+    ATTENTION_QKV,
+    column_dense,
+    gather_sequence,
+    reduce_rows,
+    row_dense,
+)
 
 INIT_STD = 0.02
 F32 = jnp.float32
@@ -156,7 +163,8 @@ class SelfAttention(nnx.Module):
     def qkv(self, x: jax.Array) -> jax.Array:
         """`x[B, T, D] @ W_qkv -> [B, T, n, HD_tensor]` (`n` = 3, or 1 for a panel of
         `W_qkv[D, 1, HD_tensor]`: queries, keys or values alone)."""
-        return checkpoint_name(column_dense(x, self.w_qkv[...], self.b_qkv[...]), "qkv")
+        qkv = column_dense(x, self.w_qkv[...], self.b_qkv[...])
+        return checkpoint_name(qkv, ATTENTION_QKV)
 
     def attend_qkv(self, qkv: jax.Array) -> jax.Array:
         """`qkv[B, T, 3, HD_tensor] -> o[B, T, HD_tensor]`, the queries in `chunks` chunks."""
@@ -166,7 +174,7 @@ class SelfAttention(nnx.Module):
         n = t // self.chunks  # queries per chunk
         attend_chunk = lambda qc, i: attend(qc, k, v, self.causal, i * n)
         out = map_chunks(attend_chunk, q, self.chunks, axis=1)
-        return checkpoint_name(out.reshape(b, t, -1), "attn_out")
+        return checkpoint_name(out.reshape(b, t, -1), ATTENTION_OUT)
 
     def project(self, o: jax.Array, tp: str | None) -> jax.Array:
         """The output projection (reads `W_o`, `b_o` only): `o[B, T, HD_tensor]` ->

@@ -166,7 +166,7 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
         "polynomial": lambda: optax.polynomial_schedule(
             cfg.lr, cfg.end_lr, cfg.power, transition_steps=decay_steps
         ),
-    }[cfg.schedule]()
+    }[cfg.lr_schedule]()
     if warmup == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])

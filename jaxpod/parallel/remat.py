@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxpod.parallel.tensor import COLLECTIVE_OUT
+from jaxpod.parallel.tensor import ATTENTION_OUT, ATTENTION_QKV, COLLECTIVE_OUT
 
 cp = jax.checkpoint_policies
 
@@ -27,7 +27,8 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "none": None,
     "full": cp.nothing_saveable,  # keep only the layer input
     "minimal": cp.dots_with_no_batch_dims_saveable,  # keep weight matmul outputs
-    "attention": cp.save_only_these_names("qkv", "attn_out"),  # keep the attention projections
+    # keep the attention projections
+    "attention": cp.save_only_these_names(ATTENTION_QKV, ATTENTION_OUT),
     "comms": cp.save_only_these_names(COLLECTIVE_OUT),  # recompute local math, never a psum
 }
 
@@ -47,7 +48,7 @@ OFFLOAD_POLICIES: dict[str, Callable] = {
     "none": cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
     "full": cp.nothing_saveable,  # saves nothing: nothing to offload
     "minimal": cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
-    "attention": _offload_names("qkv", "attn_out"),
+    "attention": _offload_names(ATTENTION_QKV, ATTENTION_OUT),
     "comms": _offload_names(COLLECTIVE_OUT),
 }
 

@@ -33,6 +33,10 @@ from jaxpod.parallel.manual import vary_like
 # Remat policies may save values tagged with this name so the backward pass never
 # recomputes (and re-synchronises) a collective.
 COLLECTIVE_OUT = "tensor_collective_out"
+# The attention's projections, tagged by the layer that computes them: the values the
+# `attention` remat policy keeps (`jaxpod.parallel.remat`).
+ATTENTION_QKV = "qkv"
+ATTENTION_OUT = "attn_out"
 
 
 def column_dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:

@@ -24,7 +24,7 @@ COMMON = ["train.steps=400", "train.log_every=1", "train.eval_every=0", "train.e
 # A constant learning rate after the preset's 5 warm-up steps: the step does not depend on
 # train.steps, so the resumed run (another train.steps) loads the interrupted run's compiled
 # step from the session's compilation cache instead of compiling its own.
-COMMON += ["optim.schedule=constant"]
+COMMON += ["optim.lr_schedule=constant"]
 
 
 def start(logdir: Path, *overrides: str) -> subprocess.Popen:

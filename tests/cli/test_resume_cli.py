@@ -129,7 +129,7 @@ def event_steps(run: Path) -> list[int]:
 
 def test_a_diverging_run_stops_before_saving_and_keeps_the_good_checkpoints(tmp_path):
     run = tmp_path / "run"
-    sgd = ["optim.name=sgd", "optim.lr=1000", "optim.grad_clip=0", "optim.schedule=constant"]
+    sgd = ["optim.name=sgd", "optim.lr=1000", "optim.grad_clip=0", "optim.lr_schedule=constant"]
     proc = train(run, *sgd, "train.steps=8", "train.checkpoint_every=1", "train.keep_checkpoints=2")
     line = user_error(proc, "training diverged at step 4: loss nan, so the run stopped")
     assert "the newest checkpoint, step 3, is intact" in line

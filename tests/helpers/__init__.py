@@ -68,7 +68,7 @@ TINY_VISION = (
     "model.depth_mult=0.2", "model.block_groups=3", "model.pipeline_splits=[3a]",
     "model.image_size=32", "model.num_classes=10", "model.remat=none",
     "train.micro_batch=2", "train.global_batch=16", "train.grad_accum=null", "optim.name=lars",
-    "optim.lr=0.5", "optim.weight_decay=1e-4", "optim.warmup_steps=0", "optim.schedule=constant",
+    "optim.lr=0.5", "optim.weight_decay=1e-4", "optim.warmup_steps=0", "optim.lr_schedule=constant",
 )  # fmt: skip
 
 # The tiny GPT of the pinned cases (tests/engine/test_pinned.py): 16 sequences a step.

@@ -90,7 +90,7 @@ FLAT_DECAY = {
 
 
 def test_polynomial_schedule_with_warmup_matches_closed_form():
-    cfg = OptimConfig(lr=0.8, schedule="polynomial", power=2.0, end_lr=0.01, warmup_steps=10)
+    cfg = OptimConfig(lr=0.8, lr_schedule="polynomial", power=2.0, end_lr=0.01, warmup_steps=10)
     total = 110
     lr = schedule(cfg, total)
     for s in [0, 1, 5, 9]:  # linear warm-up from 0
@@ -102,15 +102,15 @@ def test_polynomial_schedule_with_warmup_matches_closed_form():
 
 
 def test_constant_and_cosine_unchanged():
-    c = schedule(OptimConfig(lr=0.5, schedule="constant", warmup_steps=4), 20)
+    c = schedule(OptimConfig(lr=0.5, lr_schedule="constant", warmup_steps=4), 20)
     assert [float(c(s)) for s in (0, 2, 4, 19)] == pytest.approx([0.0, 0.25, 0.5, 0.5])
-    cos = schedule(OptimConfig(lr=0.5, schedule="cosine", warmup_steps=0), 20)
+    cos = schedule(OptimConfig(lr=0.5, lr_schedule="cosine", warmup_steps=0), 20)
     assert [float(cos(s)) for s in (0, 10, 20)] == pytest.approx([0.5, 0.25, 0.0], abs=1e-7)
 
 
 def test_cosine_with_warmup_matches_closed_form():
     """Linear warm-up 0 -> lr over 4 steps, then lr/2 (1 + cos(pi t / 16)) over the other 16."""
-    cos = schedule(OptimConfig(lr=0.5, schedule="cosine", warmup_steps=4), 20)
+    cos = schedule(OptimConfig(lr=0.5, lr_schedule="cosine", warmup_steps=4), 20)
     steps = [0, 1, 2, 4, 6, 12, 19, 20, 30]
     want = [0.5 * s / 4 if s < 4 else 0.25 * (1 + math.cos(math.pi * min(s - 4, 16) / 16))
             for s in steps]  # fmt: skip
@@ -206,7 +206,7 @@ def test_masked_leaves_get_no_decay_and_no_trust_ratio():
     np.testing.assert_array_equal(upd["norm"]["scale"], -0.5 * np.ones(5))
     assert not np.allclose(upd["dense"]["kernel"], -0.5)
     for name in ("sgd", "adamw"):  # decay masked for every optimizer
-        cfg = OptimConfig(name=name, weight_decay=0.1, schedule="constant", grad_clip=0.0)
+        cfg = OptimConfig(name=name, weight_decay=0.1, lr_schedule="constant", grad_clip=0.0)
         tx, _ = make_optimizer(cfg, 10, decay_mask=FLAT_DECAY)
         upd = _first_update(tx)(zeros, params)
         assert not bool(np.any(upd["norm"]["scale"] != 0)), name
@@ -339,7 +339,7 @@ def test_make_optimizer_call_compatible_with_train():
     needs it compiled; the other tests compile and run these chains)."""
     cfg = load_config("configs/tiny.yaml")
     for name in ("sgd", "adamw", "lamb", "lars"):
-        optim = dataclasses.replace(cfg.optim, name=name, schedule="polynomial", power=2.0)
+        optim = dataclasses.replace(cfg.optim, name=name, lr_schedule="polynomial", power=2.0)
         tx, lr = make_optimizer(optim, cfg.train.steps)
         params = _stacked_params()
         grads = jax.tree.map(lambda g: g[0], _grads(params, 0, 1))

@@ -241,7 +241,7 @@ def _setup(master_dtype_, name="lars"):
         "bias": np.zeros((4,), master_dtype_),
     }
     tx, _ = make_optimizer(
-        OptimConfig(name=name, lr=0.5, schedule="constant", weight_decay=1e-4), 100,
+        OptimConfig(name=name, lr=0.5, lr_schedule="constant", weight_decay=1e-4), 100,
         decay_mask={"w": True, "bias": False}, clip=False,
     )  # fmt: skip
     return params, tx, tx.init(params)

@@ -31,7 +31,7 @@ def _dict(*overrides: str) -> dict:
     [
         ("optim.lr=0.001", "optim.lr"),
         ("train.steps=40", "train.steps"),
-        ("optim.schedule=constant", "optim.schedule"),
+        ("optim.lr_schedule=constant", "optim.lr_schedule"),
         ("data.name=synthetic", "data.name"),
         ("train.global_batch=32", "train.global_batch"),
     ],
