@@ -61,7 +61,13 @@ class StopRequests:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.armed = False
         self.requested: int | None = None  # the signal received while armed
+        self.failure = None  # a failed write of the run record (`RecordWriteError`): stop too
         self._old: dict[int, object] = {}
+
+    @property
+    def ends_run(self) -> bool:
+        """A signal or a failed write of the record: save this step and stop."""
+        return self.requested is not None or self.failure is not None
 
     def _handle(self, signum: int, frame) -> None:
         if not self.armed or self.requested is not None:

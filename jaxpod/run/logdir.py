@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from jaxpod.errors import UserError
+from jaxpod.run.record import RecordWriteError, check_regular, reason
 
 LOCK_FILE = ".jaxpod.lock"
 CHECKPOINTS = "checkpoints"  # a run's checkpoints: <logdir>/checkpoints/<step>/
@@ -55,6 +56,11 @@ def check_logdir(logdir: str | Path) -> None:
     saves = path / CHECKPOINTS
     if saves.exists() and not saves.is_dir():
         raise UserError(f"{_where(path)}: {saves} is a file, where checkpoints go; {fix}")
+    if saves.is_dir() and not os.access(saves, os.W_OK | os.X_OK):
+        raise UserError(
+            f"{_where(path)}: {saves} is not writable (permission denied), so no checkpoint "
+            f"could be saved; make it writable (chmod u+w {saves}) or {fix}"
+        )
     resolved = path.resolve()
     for run in (resolved, *resolved.parents):  # in a run's checkpoints: they are not a run
         if run.name == CHECKPOINTS and (run.parent / "config.yaml").is_file():
@@ -111,11 +117,12 @@ def _describe(holder: dict) -> str:
 def _lock(path: Path) -> int:
     """An fd holding the flock of `path`; one-line `UserError` if another process holds it."""
     while True:
+        check_regular(path)  # never a link followed, nor a FIFO opened
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise UserError(
-                f"{_where(path.parent)}: cannot create {path.name} ({exc.strerror}); "
+                f"{_where(path.parent)}: cannot create {path.name} ({reason(exc)}); "
                 "pick another train.logdir"
             ) from None
         try:
@@ -164,9 +171,14 @@ def hold(logdir: str | Path) -> LogdirLock:
         )
     me = {"pid": os.getpid(), "host": socket.gethostname()}
     me["started"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
     lock = _held[key] = LogdirLock(path, fd, created)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+    except OSError as exc:
+        lock.release()
+        failed = RecordWriteError(path / LOCK_FILE, exc)
+        raise UserError(f"{failed}; {failed.fix} or pick another train.logdir") from None
     return lock
 
 
