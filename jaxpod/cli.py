@@ -11,8 +11,10 @@
 User mistakes (config, data, mesh, flags) and failed runs print one line `jaxpod: error: ...`
 and exit 2, with no traceback; the config and the checks before training (`jaxpod.run.preflight`:
 budget, host RAM, the run directory checked and locked) run before jax even starts (one process;
-with several, the loop runs them once the processes have joined). Ctrl-C exits 130 (SIGTERM 143).
-Options and KEY=VALUE overrides may come in any order.
+with several, the loop runs them once the processes have joined). Ctrl-C exits 130 (SIGTERM 143,
+SIGHUP 129). A reader of stdout or stderr that goes away never stops a run (`jaxpod.run.console`);
+the other commands then end quietly, exit 0. Options and KEY=VALUE overrides may come in any
+order.
 """
 
 from __future__ import annotations
@@ -350,23 +352,49 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+RUNS = ("train", "profile")  # commands whose console may go away while they run on
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     errors.exit_on_user_error()
+    if args.command in RUNS:
+        from jaxpod.run.console import keep_going
+
+        keep_going()  # the reader of stdout or stderr going away never stops training
+    try:
+        code, line = _run(args)
+    finally:  # a run directory claimed but not released, on every way out
+        if "jaxpod.run.logdir" in sys.modules:
+            sys.modules["jaxpod.run.logdir"].release_all()
+    if line is not None:
+        try:
+            print(line, file=errors.user_stderr(), flush=True)
+        except (OSError, ValueError):  # noqa: S110 - nobody reads stderr any more
+            pass
+    if code:
+        errors.exit_now(code, wait=1.0 if code > 128 else 5.0)
+
+
+def _run(args: argparse.Namespace) -> tuple[int, str | None]:
+    """`(exit code, the line to print)` of running the command: 0 and None when it ran."""
+    import signal
+
     try:
         args.run(args)
-        return
+        sys.stdout.flush()  # here, not at exit: a reader that went away is seen
+        return 0, None
     except UserError as err:
-        code, line = 2, f"jaxpod: error: {errors.one_line(err)}"
+        return 2, f"jaxpod: error: {errors.one_line(err)}"
     except KeyboardInterrupt as stop:
-        import signal
-
         code = 128 + getattr(stop, "signum", signal.SIGINT)
-        line = f"jaxpod: {getattr(stop, 'message', 'interrupted')}"
-    if "jaxpod.run.logdir" in sys.modules:  # a run directory claimed but not released
-        sys.modules["jaxpod.run.logdir"].release_all()
-    print(line, file=errors.user_stderr())
-    errors.exit_now(code)
+        return code, f"jaxpod: {getattr(stop, 'message', 'interrupted')}"
+    except BrokenPipeError:  # `jaxpod runs | head -1`: the reader has what it wanted
+        from jaxpod.run.console import to_devnull
+
+        for fd in (1, 2):  # what is still buffered goes nowhere, quietly
+            to_devnull(fd)
+        return 0, None
 
 
 if __name__ == "__main__":
