@@ -1,7 +1,7 @@
 """`jaxpod` command line: parse, set up the process, call the library. Nothing else.
 
-    jaxpod train CONFIG [KEY=VALUE ...] [--allow-changes KEY,...] [--coordinator HOST:PORT
-                                         --num-processes N --process-id I | --distributed auto]
+    jaxpod train CONFIG [KEY=VALUE ...] [--allow-changes KEY,...] [--logdir-exists ok]
+                 [--coordinator HOST:PORT --num-processes N --process-id I | --distributed auto]
     jaxpod profile CONFIG [KEY=VALUE ...] [--steps N] [--warmup W] [same multi-host flags]
     jaxpod plan CONFIG [KEY=VALUE ...] [--json] [--chart FILE.png]
     jaxpod compile CONFIG [KEY=VALUE ...] [--json] [--target TARGET]
@@ -57,14 +57,14 @@ def _warn(cfg) -> None:
         print(f"jaxpod: warning: {warning}", file=sys.stderr)
 
 
-def _preflight(cfg, spec):
+def _preflight(cfg, spec, foreign_ok: bool = False):
     """One process: the checks before training, before jax starts (`Cleared`, for the loop).
     Several: None; the loop runs them once the processes have joined (each knows its role)."""
     if spec.enabled:
         return None
     from jaxpod.run.preflight import preflight
 
-    return preflight(cfg)
+    return preflight(cfg, foreign_ok=foreign_ok)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -76,12 +76,13 @@ def _train(args: argparse.Namespace) -> None:
     config, overrides = _split_config_and_overrides(args.items, "train")
     spec = _spec(args)
     cfg = load_run_config(config, overrides, spec)  # joins the runtime, before jax
-    cleared = _preflight(cfg, spec)
+    foreign_ok = args.logdir_exists == "ok"
+    cleared = _preflight(cfg, spec, foreign_ok)
     _warn(cfg)
     from jaxpod.run.loop import run_training
 
     allow = [k.strip() for k in (args.allow_changes or "").split(",") if k.strip()]
-    run_training(cfg, allow_changes=allow, cleared=cleared)
+    run_training(cfg, allow_changes=allow, cleared=cleared, foreign_ok=foreign_ok)
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -109,6 +110,7 @@ def _plan(args: argparse.Namespace) -> None:
     import json
 
     from jaxpod.config import load_config
+    from jaxpod.inspect.chart import check_chart_path, write_chart
     from jaxpod.planner.plan import format_plan, plan
 
     config, overrides = _split_config_and_overrides(args.items, "plan")
@@ -116,34 +118,14 @@ def _plan(args: argparse.Namespace) -> None:
     _warn(cfg)
     _warn_host_ram(cfg)
     if args.chart:
-        _check_chart_path(args.chart)
+        check_chart_path(args.chart)
     result = plan(cfg)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     if args.chart:
         from pathlib import Path
 
-        from jaxpod.figures.memory import plan_chart
-
-        path = plan_chart(result, args.chart, name=" ".join([Path(config).stem, *overrides]))
+        path = write_chart(result, args.chart, name=" ".join([Path(config).stem, *overrides]))
         print(f"jaxpod: chart written to {path}", file=sys.stderr)
-
-
-def _check_chart_path(chart: str) -> None:
-    """One-line `UserError` unless `chart` names an image file that can be written."""
-    from pathlib import Path
-
-    from jaxpod.run.logdir import nearest_existing
-
-    if not chart.lower().endswith((".png", ".svg", ".pdf")):
-        raise UserError(f"--chart {chart}: name a .png, .svg or .pdf file")
-    path = Path(chart)
-    if path.is_dir():
-        raise UserError(f"--chart {chart} is a directory; name a file in it")
-    existing = nearest_existing(path.parent)
-    if not existing.is_dir():
-        raise UserError(f"--chart {chart}: {existing} is a file, not a directory; name another")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--chart {chart} cannot be written in {existing}; name another path")
 
 
 def _warn_host_ram(cfg) -> None:
@@ -294,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY,...",
         help="resume although these config keys (or sections, or 'all') changed since the "
         "checkpoint; the old config is kept as config.until-<step>.yaml",
+    )
+    train.add_argument(
+        "--logdir-exists",
+        choices=["ok"],
+        help="ok: train.logdir may hold files that are not a jaxpod run (never touched; none "
+        "may have a name the record uses)",
     )
     train.set_defaults(run=_train)
 

@@ -18,7 +18,6 @@ devices of one global mesh; only process 0 writes the run record, holds the lock
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from collections.abc import Collection
@@ -47,15 +46,16 @@ from jaxpod.run.metrics import (
     write_eval_record,
 )
 from jaxpod.run.preflight import Cleared, preflight
-from jaxpod.run.profiling import PROFILE_DIR, StepProfiler
+from jaxpod.run.profiling import StepProfiler
 from jaxpod.run.record import RecordWriteError, write_atomic
 from jaxpod.run.resume import (
     check_changes,
     check_saved_config,
-    earlier_record,
+    is_shared,
     keep_config,
     keep_records_upto,
     lost_records,
+    start_fresh,
     trim_events,
 )
 from jaxpod.run.steplog import StepLog
@@ -74,21 +74,13 @@ class RunResult:
     trace: Path | None = None  # the profile written by train.profile_steps, if any
 
 
-def _prepare_logdir(logdir: Path) -> None:
-    """Start a fresh record in `logdir` (replacing an earlier run's metrics, events, evals
-    and profiler traces)."""
-    logdir.mkdir(parents=True, exist_ok=True)
-    for old in [logdir / METRICS_FILE, logdir / EVAL_FILE, *logdir.glob("events.out.tfevents.*")]:
-        old.unlink(missing_ok=True)
-    shutil.rmtree(logdir / PROFILE_DIR, ignore_errors=True)
-
-
 def run_training(
     cfg: Config,
     *,
     quiet: bool = False,
     allow_changes: Collection[str] = (),
     cleared: Cleared | None = None,
+    foreign_ok: bool = False,
 ) -> RunResult:
     """Train `cfg` and leave the run record in `cfg.train.logdir`.
 
@@ -99,10 +91,12 @@ def run_training(
     devices of each process (`jaxpod.run.distributed`); the mesh spans those of every process.
     Only process 0 writes files, holds the logdir's lock and prints. A SIGINT/SIGTERM during
     the steps saves the current step and raises `Interrupted`. `cleared`: `preflight(cfg)`
-    where the caller ran it (the CLI, before jax starts); otherwise the loop runs it first.
+    where the caller ran it (the CLI, before jax starts); otherwise the loop runs it first
+    (`foreign_ok`: the run directory may hold files that are not jaxpod's, never touched).
     """
     if cleared is None:
-        cleared = preflight(cfg, processes=jax.process_count(), main=is_main_process())
+        main = is_main_process()
+        cleared = preflight(cfg, processes=jax.process_count(), main=main, foreign_ok=foreign_ok)
     elif cleared.cfg is not cfg:
         raise ValueError("`cleared` is the preflight of another config")
     main = is_main_process()
@@ -139,10 +133,9 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
             _say_where(say, logdir)
             return RunResult(logdir, state, [], {}, mapping)
         _resume_record(logdir, start, changes, ckpt, say, main)
-    elif main:
-        _fresh_record(logdir, say)
+    shared = (start_fresh(logdir, say) if not start else is_shared(logdir)) if main else False
     if main:
-        _write_setup(logdir, cfg, mapping)
+        _write_setup(logdir, cfg, {**mapping, **({"shared_directory": True} if shared else {})})
 
     t0 = time.perf_counter()
     _compile(task.engine, state, task.batch(0))
@@ -207,14 +200,6 @@ def _resume_record(logdir: Path, start: int, changes: list, ckpt, say, main: boo
             keep_config(logdir, start)
         keep_records_upto(logdir, start)
         trim_events(logdir, start)  # the steps after `start` are redone: shown once
-
-
-def _fresh_record(logdir: Path, say) -> None:
-    """Start a fresh record, saying which earlier run's record it replaces, if any."""
-    earlier = earlier_record(logdir)
-    if earlier:
-        say(f"fresh start    replacing {earlier} in {logdir}")
-    _prepare_logdir(logdir)
 
 
 def _write_setup(logdir: Path, cfg: Config, mapping: dict) -> None:

@@ -34,6 +34,7 @@ from jaxpod.run.record import AppendFile, RecordWriteError, event_record, write_
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
+WRITER = "jaxpod"  # the writer its event files name in their first event
 HParamValue = bool | int | float | str
 
 
@@ -159,6 +160,7 @@ class MetricsWriter:
             self._jsonl = AppendFile(self.logdir / METRICS_FILE)
             self._events = AppendFile(self.logdir / _events_name())
             version = event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
+            version.source_metadata.writer = WRITER
             self._events.append(event_record(version.SerializeToString()))
             self._thread = threading.Thread(target=self._drain, daemon=True)
             self._thread.start()

@@ -12,17 +12,23 @@ The record is made consistent with the checkpoint resumed from: `metrics.jsonl` 
 records up to its step (the later ones are redone), the records of that step kept in the
 checkpoint are written again if the record lost them (a kill right after the commit), and
 TensorBoard event files drop the summaries of the steps that will be redone, so every step
-appears once. jax-free.
+appears once. A fresh start replaces an earlier jaxpod run's record, and only jaxpod's files: in
+a directory shared with other files (`--logdir-exists ok`, remembered in `mapping.json`) only
+the event files jaxpod wrote and neither profile traces nor anything else. jax-free.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import struct
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from jaxpod.errors import UserError
-from jaxpod.run.metrics import METRICS_FILE
+from jaxpod.run.logdir import LOCK_FILE, MAPPING, is_run
+from jaxpod.run.metrics import EVAL_FILE, METRICS_FILE, WRITER
+from jaxpod.run.profiling import PROFILE_DIR
 
 FREE = (
     "devices",
@@ -199,3 +205,45 @@ def check_saved_config(saved: object, where: str) -> dict:
             f"{where} keeps no config to compare the new one with; use a fresh train.logdir"
         )
     return saved
+
+
+def is_shared(logdir: Path) -> bool:
+    """True if the run in `logdir` shares it with files that are not jaxpod's (its
+    `mapping.json` says so)."""
+    try:
+        mapping = json.loads((logdir / MAPPING).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(mapping, dict) and mapping.get("shared_directory") is True
+
+
+def start_fresh(logdir: Path, say) -> bool:
+    """Start a fresh record in `logdir`, replacing an earlier jaxpod run's (saying so), and
+    only jaxpod's files; returns True if the directory holds files that are not jaxpod's."""
+    logdir.mkdir(parents=True, exist_ok=True)
+    if not is_run(logdir):
+        return any(p.name != LOCK_FILE for p in logdir.iterdir())
+    shared = is_shared(logdir)
+    earlier = earlier_record(logdir)
+    if earlier:
+        say(f"fresh start    replacing {earlier} in {logdir}")
+    events = [e for e in sorted(logdir.glob(EVENTS_GLOB)) if not shared or _ours(e)]
+    for old in [logdir / METRICS_FILE, logdir / EVAL_FILE, *events]:
+        old.unlink(missing_ok=True)
+    if not shared:
+        shutil.rmtree(logdir / PROFILE_DIR, ignore_errors=True)
+    return shared
+
+
+def _ours(events: Path) -> bool:
+    """True if the event file `events` was written by jaxpod (its first event says so)."""
+    from tensorboard.compat.proto import event_pb2
+
+    try:
+        with open(events, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            f.read(4)
+            first = event_pb2.Event.FromString(f.read(min(length, 4096)))
+    except Exception:  # noqa: BLE001 - unreadable (protobuf raises its own errors): not ours
+        return False
+    return first.source_metadata.writer == WRITER
