@@ -55,6 +55,7 @@ from jaxpod.run.resume import (
     keep_config,
     keep_records_upto,
     lost_records,
+    records_upto,
     start_fresh,
     trim_events,
 )
@@ -191,14 +192,18 @@ def _restore(
 
 def _resume_record(logdir: Path, start: int, changes: list, ckpt, say, main: bool) -> None:
     """Say where the run resumes and what changed; process 0 cuts the record back to `start`
-    and keeps the earlier config if it changed."""
+    and keeps the earlier config if it changed, once the record is read and checked (a damaged
+    line is refused before anything changes; a damaged last line is left out, saying so)."""
+    kept, note = records_upto(logdir, start) if main else (None, None)
     say(f"resumed        from step {start} ({ckpt.shown / str(start)})")
     if changes:
         say(f"changed        {', '.join(k for k, _, _ in changes)} since step {start}")
+    if note:
+        say(f"trimmed        {note}")
     if main:
         if changes:
             keep_config(logdir, start)
-        keep_records_upto(logdir, start)
+        keep_records_upto(logdir, start, kept)
         trim_events(logdir, start)  # the steps after `start` are redone: shown once
 
 
