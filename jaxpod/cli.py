@@ -203,30 +203,9 @@ def _runs(args: argparse.Namespace) -> None:
 
 
 def _tensorboard(args: argparse.Namespace) -> None:
-    from pathlib import Path
+    from jaxpod.inspect.tensorboard import serve
 
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(
-            f"jaxpod: warning: serving TensorBoard on {args.host}: it has no authentication, "
-            "anyone who can reach this port can read your runs",
-            file=sys.stderr,
-        )
-    if not Path(args.logdir).expanduser().is_dir():
-        raise UserError(
-            f"LOGDIR {args.logdir} is not a directory (no runs there yet?); pass the directory "
-            "your runs are in, e.g. jaxpod tensorboard runs"
-        )
-    cmd = [
-        sys.executable,
-        "-m",
-        "tensorboard.main",
-        "--logdir",
-        str(Path(args.logdir).expanduser()),
-    ]
-    cmd += ["--host", args.host, "--port", str(args.port)]
-    print(f"TensorBoard on http://{args.host}:{args.port}/ (Ctrl-C to stop)", flush=True)
-    sys.stderr.flush()
-    os.execv(sys.executable, cmd)  # TensorBoard replaces this process: signals reach it
+    serve(args.logdir, args.host, args.port)
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -377,6 +356,13 @@ def _run(args: argparse.Namespace) -> tuple[int, str | None]:
     except KeyboardInterrupt as stop:
         code = 128 + getattr(stop, "signum", signal.SIGINT)
         return code, f"jaxpod: {getattr(stop, 'message', 'interrupted')}"
+    except RuntimeError as exc:  # jax cannot start the platform JAX_PLATFORMS names
+        from jaxpod.platform import backend_error
+
+        err = backend_error(exc)
+        if err is None:
+            raise
+        return 2, f"jaxpod: error: {errors.one_line(err)}"
     except BrokenPipeError:  # `jaxpod runs | head -1`: the reader has what it wanted
         from jaxpod.run.console import to_devnull
 

@@ -52,6 +52,18 @@ def check_logdir(logdir: str | Path, foreign_ok: bool = False) -> None:
     """One-line `UserError` if `logdir` cannot be a run directory (before anything starts);
     `foreign_ok`: it may hold files that are not jaxpod's (none with a name the record uses)."""
     path = Path(logdir)
+    try:
+        _check_logdir(path, foreign_ok)
+    except (OSError, RuntimeError) as exc:  # Python 3.11 raises RuntimeError for a link loop
+        raise _unusable(path, exc) from None
+
+
+def _unusable(path: Path, exc: OSError | RuntimeError) -> UserError:
+    why = reason(exc) if isinstance(exc, OSError) else "a loop of symbolic links"
+    return UserError(f"{_where(path)} cannot be used ({why}); pick another train.logdir")
+
+
+def _check_logdir(path: Path, foreign_ok: bool) -> None:
     fix = "pick another train.logdir"
     if path.exists() and not path.is_dir():
         raise UserError(f"{_where(path)} is a file, not a directory; {fix}")
@@ -194,7 +206,10 @@ def hold(logdir: str | Path, foreign_ok: bool = False) -> LogdirLock:
     """Check, create and lock `logdir` for this process (again: the same lock); `foreign_ok`:
     see `check_logdir`."""
     path = Path(logdir)
-    key = str(path.resolve())
+    try:
+        key = str(path.resolve())
+    except (OSError, RuntimeError) as exc:
+        raise _unusable(path, exc) from None
     if key in _held:
         return _held[key]
     check_logdir(path, foreign_ok)
