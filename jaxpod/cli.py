@@ -73,7 +73,11 @@ def _train(args: argparse.Namespace) -> None:
 
     interrupt_at_once()
 
+    from jaxpod.config import check_allowed
+
     config, overrides = _split_config_and_overrides(args.items, "train")
+    allow = [k.strip() for k in (args.allow_changes or "").split(",") if k.strip()]
+    check_allowed(allow)
     spec = _spec(args)
     cfg = load_run_config(config, overrides, spec)  # joins the runtime, before jax
     foreign_ok = args.logdir_exists == "ok"
@@ -81,7 +85,6 @@ def _train(args: argparse.Namespace) -> None:
     _warn(cfg)
     from jaxpod.run.loop import run_training
 
-    allow = [k.strip() for k in (args.allow_changes or "").split(",") if k.strip()]
     run_training(cfg, allow_changes=allow, cleared=cleared, foreign_ok=foreign_ok)
 
 
@@ -191,15 +194,10 @@ def _load_for_target(config: str, overrides: list[str], text: str | None):
 
 
 def _runs(args: argparse.Namespace) -> None:
-    from jaxpod.inspect.runs import format_runs, list_runs
+    from jaxpod.inspect.runs import format_runs, list_runs, runs_json
 
     runs = list_runs(args.dir)
-    if args.json:
-        import json
-
-        print(json.dumps(runs, indent=2))
-    else:
-        print(format_runs(runs))
+    print(runs_json(runs) if args.json else format_runs(runs))
 
 
 def _tensorboard(args: argparse.Namespace) -> None:

@@ -317,6 +317,17 @@ def load_config(
     return _build(_read(path, overrides, allow_empty), processes)
 
 
+def check_allowed(keys: Sequence[str]) -> None:
+    """One-line `ConfigError` for a key of `--allow-changes` that is no config key, section or
+    `all` (it would allow nothing, silently)."""
+    for key in keys:
+        if key == "all" or key in SECTIONS or key in FIELD_TYPES:
+            continue
+        close = difflib.get_close_matches(key, [*SECTIONS, *FIELD_TYPES], n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "name keys (train.steps), sections"
+        fail(f"--allow-changes {_shown(key)[1:-1]} is no config key; {hint} (or all)")
+
+
 def peek(path: str | os.PathLike | None, overrides: Sequence[str], key: str) -> Any:
     """The value `load_config(path, overrides)` gives the dotted `key` (the last override,
     else the YAML's, else the default), before the rules that relate fields (or need the

@@ -273,7 +273,7 @@ class Checkpointer:
             if kind is None:
                 self.close()
             else:  # a second Ctrl-C wants out now: an uncommitted save is discarded atomically
-                self.abandon(2.0 if issubclass(kind, KeyboardInterrupt) else ABANDON_SECONDS)
+                self.abandon(0.5 if issubclass(kind, KeyboardInterrupt) else ABANDON_SECONDS)
         finally:
             sys.excepthook, sys.unraisablehook = self._hooks
             logging.getLogger("absl").removeFilter(_reraised)

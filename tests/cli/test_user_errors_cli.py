@@ -67,3 +67,10 @@ def test_a_file_that_is_no_config_is_never_printed(tmp_path, text):
     proc = jaxpod("plan", str(tmp_path / "shadow"), env=without_jax(tmp_path))
     assert_user_error(proc)
     assert "s3cr3t" not in proc.stderr, proc.stderr
+
+
+def test_an_allowed_change_of_no_key_is_one_line(tmp_path):
+    run = ["train", TINY, *SMALL, f"train.logdir={tmp_path}/run"]
+    proc = jaxpod(*run, "--allow-changes", "optim,train.stesp", env=without_jax(tmp_path))
+    assert_user_error(proc, "--allow-changes train.stesp is no config key; did you mean "
+                      "'train.steps'?")  # fmt: skip
