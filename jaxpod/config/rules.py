@@ -333,11 +333,22 @@ def warnings(cfg: Config) -> list[str]:
     """Legal but surprising run settings, one line each (the CLI prints them)."""
     out = []
     o, t = cfg.optim, cfg.train
-    if o.warmup_steps > t.steps:
+    if o.warmup_steps > t.steps:  # the warm-up is cut to the run: step k uses lr * (k-1) / T
         out.append(
-            f"optim.warmup_steps={o.warmup_steps} is more than train.steps={t.steps}: the "
-            f"learning rate never reaches optim.lr={o.lr:g} (it stops at "
-            f"{o.lr * t.steps / o.warmup_steps:.3g}); use optim.warmup_steps<={t.steps}"
+            f"optim.warmup_steps={o.warmup_steps} is more than train.steps={t.steps}, so the "
+            f"warm-up is cut to {t.steps} steps: the learning rate rises from 0 to "
+            f"{o.lr * (t.steps - 1) / t.steps:.3g} at the last step and never reaches "
+            f"optim.lr={o.lr:g}; use optim.warmup_steps<={t.steps}"
+        )
+    if t.skip_bubbles and cfg.mesh.pipeline == 1:
+        out.append(
+            "train.skip_bubbles=true does nothing with mesh.pipeline=1 (no pipeline, no bubble "
+            "ticks); leave it out"
+        )
+    elif t.skip_bubbles and t.pipeline_schedule == "1f1b":
+        out.append(
+            "train.skip_bubbles=true is not used by 1f1b training, only by its GPipe evaluation; "
+            "leave it out, or use train.pipeline_schedule=gpipe or circular"
         )
     return out
 

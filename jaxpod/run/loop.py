@@ -242,10 +242,14 @@ def _close_record(cfg: Config, task: Task, state, ckpt, profiler, stop, say, mai
     if profiler.trace is not None:
         say(f"profile        {profiler.trace} ({profiler.trace.stat().st_size:,} bytes)")
     if stop.requested is not None:
+        saved = f"saved {ckpt.shown / str(step)} and the record up to it"
+        if step >= cfg.train.steps:  # during the final save: nothing is left to resume
+            raise Interrupted(
+                stop.requested,
+                f"interrupted at the last step, {step}: {saved}; the run is complete",
+            )
         raise Interrupted(
-            stop.requested,
-            f"interrupted at step {step}: saved {ckpt.shown / str(step)} and the record up to "
-            "it; run the same command to resume",
+            stop.requested, f"interrupted at step {step}: {saved}; run the same command to resume"
         )
 
 

@@ -14,8 +14,15 @@ pytestmark = pytest.mark.cli
 
 
 def train(run, steps: int, *flags: str):
-    return jaxpod("train", TINY, *SMALL, f"train.steps={steps}", "train.checkpoint_every=2",
-                  f"train.logdir={run}", *flags)  # fmt: skip
+    return jaxpod(
+        "train",
+        TINY,
+        *SMALL,
+        f"train.steps={steps}",
+        "train.checkpoint_every=2",
+        f"train.logdir={run}",
+        *flags,
+    )
 
 
 def snapshot(run) -> dict[str, bytes]:

@@ -40,9 +40,14 @@ def train_with_file_limit(logdir: Path, limit: int, *overrides: str):
 
     cmd = cli_cmd("train", TINY, *SMALL, f"train.logdir={logdir}", *overrides)
     return subprocess.run(
-        cmd, cwd=ROOT, env=no_cache_env(), preexec_fn=limit_files, capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
+        cmd,
+        cwd=ROOT,
+        env=no_cache_env(),
+        preexec_fn=limit_files,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def train(logdir: Path, *overrides: str, env=None, prefix=()):

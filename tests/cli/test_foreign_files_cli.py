@@ -33,12 +33,13 @@ def test_a_directory_of_other_files_is_refused_then_shared_when_asked(tmp_path):
     put(folder, theirs)
     train = ["train", TINY, *SMALL, "train.steps=2", f"train.logdir={folder}"]
     proc = jaxpod(*train, env=without_jax(tmp_path))  # refused before jax starts
-    assert_user_error(proc, f"train.logdir={folder} holds files that are not a jaxpod run",
-                      "--logdir-exists ok")  # fmt: skip
+    assert_user_error(
+        proc, f"train.logdir={folder} holds files that are not a jaxpod run", "--logdir-exists ok"
+    )
     assert contents(folder, theirs) == theirs
-    assert sorted(p.name for p in folder.iterdir()) == sorted(["eval.json", "plugins",
-                                                               "events.out.tfevents.1.theirs",
-                                                               "notes.txt"])  # fmt: skip
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["eval.json", "plugins", "events.out.tfevents.1.theirs", "notes.txt"]
+    )
 
     proc = jaxpod(*train, "--logdir-exists", "ok", env=without_jax(tmp_path))
     assert_user_error(proc, "already holds eval.json, which jaxpod did not write")

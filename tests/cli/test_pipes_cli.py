@@ -24,9 +24,14 @@ def with_closed_pipes(*args: str, stderr_too: bool) -> subprocess.CompletedProce
     os.close(read)
     try:
         return subprocess.run(
-            cli_cmd(*args), cwd=ROOT, env=cli_env(), stdout=write,
-            stderr=write if stderr_too else subprocess.PIPE, text=True, timeout=600,
-        )  # fmt: skip
+            cli_cmd(*args),
+            cwd=ROOT,
+            env=cli_env(),
+            stdout=write,
+            stderr=write if stderr_too else subprocess.PIPE,
+            text=True,
+            timeout=600,
+        )
     finally:
         os.close(write)
 

@@ -16,8 +16,9 @@ pytestmark = pytest.mark.cli
 def test_a_platform_jax_cannot_start_is_one_line_and_leaves_no_lock(tmp_path):
     run = tmp_path / "run"
     proc = jaxpod("train", TINY, *SMALL, f"train.logdir={run}", env=cli_env(JAX_PLATFORMS="bogus"))
-    assert_user_error(proc, "JAX_PLATFORMS=bogus: Unable to initialize backend 'bogus'",
-                      "unset JAX_PLATFORMS")  # fmt: skip
+    assert_user_error(
+        proc, "JAX_PLATFORMS=bogus: Unable to initialize backend 'bogus'", "unset JAX_PLATFORMS"
+    )
     assert not run.exists()  # the directory it claimed, released and removed
 
 
@@ -38,8 +39,15 @@ def test_a_logdir_no_filesystem_takes_is_one_line(tmp_path, logdir, needle):
 
 
 def test_a_long_data_path_is_one_line(tmp_path):
-    proc = jaxpod("train", TINY, *SMALL, "data.name=text-files", f"data.path=/{'d' * 400}",
-                  f"train.logdir={tmp_path}/run", env=without_jax(tmp_path))  # fmt: skip
+    proc = jaxpod(
+        "train",
+        TINY,
+        *SMALL,
+        "data.name=text-files",
+        f"data.path=/{'d' * 400}",
+        f"train.logdir={tmp_path}/run",
+        env=without_jax(tmp_path),
+    )
     assert_user_error(proc, "data.path=", "is too long")
 
 
@@ -72,5 +80,6 @@ def test_a_file_that_is_no_config_is_never_printed(tmp_path, text):
 def test_an_allowed_change_of_no_key_is_one_line(tmp_path):
     run = ["train", TINY, *SMALL, f"train.logdir={tmp_path}/run"]
     proc = jaxpod(*run, "--allow-changes", "optim,train.stesp", env=without_jax(tmp_path))
-    assert_user_error(proc, "--allow-changes train.stesp is no config key; did you mean "
-                      "'train.steps'?")  # fmt: skip
+    assert_user_error(
+        proc, "--allow-changes train.stesp is no config key; did you mean 'train.steps'?"
+    )

@@ -187,8 +187,11 @@ def test_a_fresh_start_in_a_shared_directory_removes_only_jaxpods_files(tmp_path
 def test_a_directory_with_other_files_is_refused_unless_asked(tmp_path):
     (tmp_path / "eval.json").write_text("theirs")
     (tmp_path / "notes.txt").write_text("theirs")
-    with pytest.raises(UserError, match=r"holds files that are not a jaxpod run \(eval.json, "
-                       r"notes.txt\); .* --logdir-exists ok"):  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"holds files that are not a jaxpod run \(eval.json, "
+        r"notes.txt\); .* --logdir-exists ok",
+    ):
         check_logdir(tmp_path)
     with pytest.raises(UserError, match=r"already holds eval.json, which jaxpod did not write"):
         check_logdir(tmp_path, foreign_ok=True)
