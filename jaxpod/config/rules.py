@@ -136,6 +136,11 @@ def check_train(cfg: Config) -> None:
         fail(f"train.seed={cfg.train.seed} must be in [0, 2**32), e.g. train.seed=0")
     if not cfg.train.logdir.strip():
         fail("train.logdir='' must not be empty; e.g. train.logdir=runs/mine")
+    if cfg.train.steps > INT32_MAX:  # the step counter, the data's batch index: int32 in jit
+        fail(
+            f"train.steps={cfg.train.steps} is more than a step counter holds "
+            f"({INT32_MAX:,}, an int32 in the compiled step); use fewer steps"
+        )
     profile = cfg.train.profile_steps
     if profile is not None and (len(profile) != 2 or not 0 <= profile[0] < profile[1]):
         fail(
