@@ -4,7 +4,7 @@ line naming the file and the operating system's reason; the same command then re
 every step recorded once. A full disk is called so, never an out-of-memory error; a
 checkpoints directory that cannot be written is refused before anything starts.
 
-A file-size limit (`RLIMIT_FSIZE`, what `ulimit -f` sets) makes the record's writes fail in the
+A file-size limit (`ulimit -f`) makes the record's writes fail in the
 child alone; a real full disk is a small tmpfs in a user namespace (`unshare`), where the host
 allows one."""
 
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 
@@ -32,21 +30,13 @@ def no_cache_env(**extra: str) -> dict[str, str]:
 
 
 def train_with_file_limit(logdir: Path, limit: int, *overrides: str):
-    """`jaxpod train` in a child whose files may grow to `limit` bytes (then EFBIG)."""
-
-    def limit_files() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the failed write returns EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
+    """`jaxpod train` in a child whose files may grow to `limit` bytes, then fail with EFBIG
+    (bash's `ulimit -f`, in KiB, set before the exec: no Python code runs between fork and
+    exec in this multithreaded process; Python ignores SIGXFSZ, so the write just fails)."""
     cmd = cli_cmd("train", TINY, *SMALL, f"train.logdir={logdir}", *overrides)
+    limited = ["bash", "-c", f'ulimit -f {limit // 1024} && exec "$@"', "bash", *cmd]
     return subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env=no_cache_env(),
-        preexec_fn=limit_files,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        limited, cwd=ROOT, env=no_cache_env(), capture_output=True, text=True, timeout=600
     )
 
 
