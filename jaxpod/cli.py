@@ -3,8 +3,8 @@
 CONFIG is a YAML file or the name of a shipped preset (`tiny`, `demo`: jaxpod/configs/).
 
     jaxpod --version
-    jaxpod train CONFIG [KEY=VALUE ...] [--allow-changes KEY,...] [--coordinator HOST:PORT
-                                         --num-processes N --process-id I | --distributed auto]
+    jaxpod train CONFIG [KEY=VALUE ...] [--allow-changes KEY,...] [--logdir-exists ok]
+                 [--coordinator HOST:PORT --num-processes N --process-id I | --distributed auto]
     jaxpod profile CONFIG [KEY=VALUE ...] [--steps N] [--warmup W] [same multi-host flags]
     jaxpod plan CONFIG [KEY=VALUE ...] [--json] [--chart FILE.png]
     jaxpod compile CONFIG [KEY=VALUE ...] [--json] [--target TARGET]
@@ -14,8 +14,10 @@ CONFIG is a YAML file or the name of a shipped preset (`tiny`, `demo`: jaxpod/co
 User mistakes (config, data, mesh, flags) and failed runs print one line `jaxpod: error: ...`
 and exit 2, with no traceback; the config and the checks before training (`jaxpod.run.preflight`:
 budget, host RAM, the run directory checked and locked) run before jax even starts (one process;
-with several, the loop runs them once the processes have joined). Ctrl-C exits 130 (SIGTERM 143).
-Options and KEY=VALUE overrides may come in any order.
+with several, the loop runs them once the processes have joined). Ctrl-C exits 130 (SIGTERM 143,
+SIGHUP 129). A reader of stdout or stderr that goes away never stops a run (`jaxpod.run.console`);
+the other commands then end quietly, exit 0. Options and KEY=VALUE overrides may come in any
+order.
 """
 
 from __future__ import annotations
@@ -59,14 +61,14 @@ def _warn(cfg) -> None:
         print(f"jaxpod: warning: {warning}", file=sys.stderr)
 
 
-def _preflight(cfg, spec):
+def _preflight(cfg, spec, foreign_ok: bool = False):
     """One process: the checks before training, before jax starts (`Cleared`, for the loop).
     Several: None; the loop runs them once the processes have joined (each knows its role)."""
     if spec.enabled:
         return None
     from jaxpod.run.preflight import preflight
 
-    return preflight(cfg)
+    return preflight(cfg, foreign_ok=foreign_ok)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -75,15 +77,19 @@ def _train(args: argparse.Namespace) -> None:
 
     interrupt_at_once()
 
+    from jaxpod.config import check_allowed
+
     config, overrides = _split_config_and_overrides(args.items, "train")
+    allow = [k.strip() for k in (args.allow_changes or "").split(",") if k.strip()]
+    check_allowed(allow)
     spec = _spec(args)
     cfg = load_run_config(config, overrides, spec)  # joins the runtime, before jax
-    cleared = _preflight(cfg, spec)
+    foreign_ok = args.logdir_exists == "ok"
+    cleared = _preflight(cfg, spec, foreign_ok)
     _warn(cfg)
     from jaxpod.run.loop import run_training
 
-    allow = [k.strip() for k in (args.allow_changes or "").split(",") if k.strip()]
-    run_training(cfg, allow_changes=allow, cleared=cleared)
+    run_training(cfg, allow_changes=allow, cleared=cleared, foreign_ok=foreign_ok)
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -111,6 +117,7 @@ def _plan(args: argparse.Namespace) -> None:
     import json
 
     from jaxpod.config import MAX_PLANNED_DEVICES, load_config
+    from jaxpod.inspect.chart import check_chart_path, write_chart
     from jaxpod.planner.plan import format_plan, plan
 
     config, overrides = _split_config_and_overrides(args.items, "plan")
@@ -118,34 +125,14 @@ def _plan(args: argparse.Namespace) -> None:
     _warn(cfg)
     _warn_host_ram(cfg)
     if args.chart:
-        _check_chart_path(args.chart)
+        check_chart_path(args.chart)
     result = plan(cfg)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     if args.chart:
         from pathlib import Path
 
-        from jaxpod.figures.memory import plan_chart
-
-        path = plan_chart(result, args.chart, name=" ".join([Path(config).stem, *overrides]))
+        path = write_chart(result, args.chart, name=" ".join([Path(config).stem, *overrides]))
         print(f"jaxpod: chart written to {path}", file=sys.stderr)
-
-
-def _check_chart_path(chart: str) -> None:
-    """One-line `UserError` unless `chart` names an image file that can be written."""
-    from pathlib import Path
-
-    from jaxpod.run.logdir import nearest_existing
-
-    if not chart.lower().endswith((".png", ".svg", ".pdf")):
-        raise UserError(f"--chart {chart}: name a .png, .svg or .pdf file")
-    path = Path(chart)
-    if path.is_dir():
-        raise UserError(f"--chart {chart} is a directory; name a file in it")
-    existing = nearest_existing(path.parent)
-    if not existing.is_dir():
-        raise UserError(f"--chart {chart}: {existing} is a file, not a directory; name another")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--chart {chart} cannot be written in {existing}; name another path")
 
 
 def _warn_host_ram(cfg) -> None:
@@ -209,42 +196,16 @@ def _load_for_target(config: str, overrides: list[str], text: str | None):
 
 
 def _runs(args: argparse.Namespace) -> None:
-    from jaxpod.inspect.runs import format_runs, list_runs
+    from jaxpod.inspect.runs import format_runs, list_runs, runs_json
 
     runs = list_runs(args.dir)
-    if args.json:
-        import json
-
-        print(json.dumps(runs, indent=2))
-    else:
-        print(format_runs(runs))
+    print(runs_json(runs) if args.json else format_runs(runs))
 
 
 def _tensorboard(args: argparse.Namespace) -> None:
-    from pathlib import Path
+    from jaxpod.inspect.tensorboard import serve
 
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(
-            f"jaxpod: warning: serving TensorBoard on {args.host}: it has no authentication, "
-            "anyone who can reach this port can read your runs",
-            file=sys.stderr,
-        )
-    if not Path(args.logdir).expanduser().is_dir():
-        raise UserError(
-            f"LOGDIR {args.logdir} is not a directory (no runs there yet?); pass the directory "
-            "your runs are in, e.g. jaxpod tensorboard runs"
-        )
-    cmd = [
-        sys.executable,
-        "-m",
-        "tensorboard.main",
-        "--logdir",
-        str(Path(args.logdir).expanduser()),
-    ]
-    cmd += ["--host", args.host, "--port", str(args.port)]
-    print(f"TensorBoard on http://{args.host}:{args.port}/ (Ctrl-C to stop)", flush=True)
-    sys.stderr.flush()
-    os.execv(sys.executable, cmd)  # TensorBoard replaces this process: signals reach it
+    serve(args.logdir, args.host, args.port)
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -287,7 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxpod", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"jaxpod {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_commands(sub)
+    _add_inspect_commands(sub)
+    return parser
 
+
+def _add_run_commands(sub) -> None:
+    """`train` and `profile`: the commands that run steps."""
     train = sub.add_parser("train", help="train a config on the (replica, pipeline, tensor) mesh")
     _add_run_arguments(train)
     train.add_argument(
@@ -295,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY,...",
         help="resume although these config keys (or sections, or 'all') changed since the "
         "checkpoint; the old config is kept as config.until-<step>.yaml",
+    )
+    train.add_argument(
+        "--logdir-exists",
+        choices=["ok"],
+        help="ok: train.logdir may hold files that are not a jaxpod run (never touched; none "
+        "may have a name the record uses)",
     )
     train.set_defaults(run=_train)
 
@@ -306,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--warmup", type=int, default=3, help="untraced steps first (3)")
     profile.set_defaults(run=_profile)
 
+
+def _add_inspect_commands(sub) -> None:
+    """`plan`, `compile`, `estimate`, `search`, `runs`, `tensorboard`: nothing trains."""
     plan = sub.add_parser("plan", help="where every byte of a mapping lives (instant, analytic)")
     plan.add_argument("items", nargs="+", metavar="CONFIG [KEY=VALUE ...]")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
@@ -339,7 +315,6 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--host", default="127.0.0.1", help="interface (default: loopback only)")
     tb.add_argument("--port", type=int, default=6006)
     tb.set_defaults(run=_tensorboard)
-    return parser
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -355,23 +330,56 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+RUNS = ("train", "profile")  # commands whose console may go away while they run on
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     errors.exit_on_user_error()
+    if args.command in RUNS:
+        from jaxpod.run.console import keep_going
+
+        keep_going()  # the reader of stdout or stderr going away never stops training
+    try:
+        code, line = _run(args)
+    finally:  # a run directory claimed but not released, on every way out
+        if "jaxpod.run.logdir" in sys.modules:
+            sys.modules["jaxpod.run.logdir"].release_all()
+    if line is not None:
+        try:
+            print(line, file=errors.user_stderr(), flush=True)
+        except (OSError, ValueError):  # noqa: S110 - nobody reads stderr any more
+            pass
+    if code:
+        errors.exit_now(code, wait=1.0 if code > 128 else 5.0)
+
+
+def _run(args: argparse.Namespace) -> tuple[int, str | None]:
+    """`(exit code, the line to print)` of running the command: 0 and None when it ran."""
+    import signal
+
     try:
         args.run(args)
-        return
+        sys.stdout.flush()  # here, not at exit: a reader that went away is seen
+        return 0, None
     except UserError as err:
-        code, line = 2, f"jaxpod: error: {errors.one_line(err)}"
+        return 2, f"jaxpod: error: {errors.one_line(err)}"
     except KeyboardInterrupt as stop:
-        import signal
-
         code = 128 + getattr(stop, "signum", signal.SIGINT)
-        line = f"jaxpod: {getattr(stop, 'message', 'interrupted')}"
-    if "jaxpod.run.logdir" in sys.modules:  # a run directory claimed but not released
-        sys.modules["jaxpod.run.logdir"].release_all()
-    print(line, file=errors.user_stderr())
-    errors.exit_now(code)
+        return code, f"jaxpod: {getattr(stop, 'message', 'interrupted')}"
+    except RuntimeError as exc:  # jax cannot start the platform JAX_PLATFORMS names
+        from jaxpod.platform import backend_error
+
+        err = backend_error(exc)
+        if err is None:
+            raise
+        return 2, f"jaxpod: error: {errors.one_line(err)}"
+    except BrokenPipeError:  # `jaxpod runs | head -1`: the reader has what it wanted
+        from jaxpod.run.console import to_devnull
+
+        for fd in (1, 2):  # what is still buffered goes nowhere, quietly
+            to_devnull(fd)
+        return 0, None
 
 
 if __name__ == "__main__":

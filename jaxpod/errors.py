@@ -46,7 +46,8 @@ def exit_now(code: int, wait: float = 5.0) -> NoReturn:
     deadline = time.monotonic() + wait
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            # the base class's join: orbax's threads override it to raise on a timeout
+            threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
     alive = [
         t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon
     ]

@@ -80,3 +80,19 @@ def cpu_only(options: dict) -> dict:
     import jax  # here, not at the top: this module is imported before jax may start
 
     return dict(options) if jax.default_backend() == "cpu" else {}
+
+
+def backend_error(exc: BaseException):
+    """jax's failure to start the platform `JAX_PLATFORMS` names (or any) as a one-line
+    `UserError`, or None for any other error."""
+    from jaxpod.errors import UserError, one_line
+
+    text = str(exc)
+    if "Unable to initialize backend" not in text:
+        return None
+    named = os.environ.get("JAX_PLATFORMS", "")
+    where = f"JAX_PLATFORMS={named}" if named else "jax"
+    why = one_line(text.split(" (set JAX_PLATFORMS")[0], 240)
+    return UserError(
+        f"{where}: {why}; unset JAX_PLATFORMS or name a platform this machine has (cpu)"
+    )

@@ -5,6 +5,7 @@ Import from here; the submodules are an implementation detail (`load` -> `rules`
 """
 
 from jaxpod.config.load import (
+    check_allowed,
     config_from_dict,
     config_to_dict,
     dump_yaml,
@@ -55,6 +56,7 @@ __all__ = [
     "OptimConfig",
     "PrecisionConfig",
     "TrainConfig",
+    "check_allowed",
     "config_from_dict",
     "config_to_dict",
     "dump_yaml",

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -65,6 +66,9 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else text[:45] + "..." + text[-12:]
 
 
+KEY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,59}")
+
+
 def _unknown(key: str) -> typing.NoReturn:
     if key == "processes":
         fail(
@@ -81,7 +85,25 @@ def _unknown(key: str) -> typing.NoReturn:
         close = difflib.get_close_matches(key, candidates, n=1)
         valid = "valid top-level keys: " + ", ".join(TOP_LEVEL)
     hint = f"did you mean '{close[0]}'?" if close else valid
+    if not KEY_NAME.fullmatch(key):  # not a key name: a file that is no config, never shown
+        fail(f"a config key that is not a key name (not shown); {valid}: is this a jaxpod config?")
     fail(f"unknown config key '{key}'; {hint}")
+
+
+NAME_MAX, PATH_MAX = 255, 4095  # bytes of one name in a path, and of a whole path (Linux)
+
+
+def _check_path(key: str, path: str) -> None:
+    """One-line `ConfigError` for a path no filesystem takes: a NUL byte, a name over 255
+    bytes, a path over 4095."""
+    if "\0" in path:
+        fail(f"{key}={_shown(path)} holds a NUL byte, which no path can; remove it")
+    names = path.encode("utf-8", "surrogateescape").split(b"/")
+    if max(map(len, names)) > NAME_MAX or len(path.encode("utf-8", "surrogateescape")) > PATH_MAX:
+        fail(
+            f"{key}={_shown(path)} is too long (a name in a path holds at most {NAME_MAX} "
+            f"bytes, a path {PATH_MAX}); use a shorter name"
+        )
 
 
 def _is_text(tp: Any) -> bool:
@@ -207,8 +229,10 @@ def _typed(d: dict[str, Any], processes: int) -> Config:
     """Coerce a normalized dict into the dataclasses (types checked, rules not yet)."""
     for key in PATHS:
         section, sub = key.split(".")
-        if isinstance(d[section].get(sub), str) and d[section][sub].startswith("~"):
-            d[section][sub] = os.path.expanduser(d[section][sub])
+        if isinstance(d[section].get(sub), str):
+            _check_path(key, d[section][sub])
+            if d[section][sub].startswith("~"):
+                d[section][sub] = os.path.expanduser(d[section][sub])
     sections = {
         name: cls(
             **{k: _coerce(f"{name}.{k}", v, FIELD_TYPES[f"{name}.{k}"]) for k, v in d[name].items()}
@@ -245,7 +269,7 @@ def read_yaml_mapping(path: str | os.PathLike, *, allow_empty: bool = True) -> d
     except DuplicateKeyError as exc:
         fail(f"config file '{shown}': {_one_line(exc)}")
     except yaml.YAMLError as exc:
-        fail(f"config file '{shown}' does not parse: {_one_line(exc)}")
+        fail(f"config file '{shown}' does not parse: {_yaml_problem(exc)}")
     if raw is None and allow_empty:
         return {}
     if raw is None:
@@ -259,6 +283,16 @@ def read_yaml_mapping(path: str | os.PathLike, *, allow_empty: bool = True) -> d
             f"not a {type(raw).__name__}"
         )
     return raw
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What the YAML parser says is wrong, and where, without the snippet of the file it
+    quotes (a file that is no config, a secret's first line, is never printed)."""
+    if not isinstance(exc, yaml.MarkedYAMLError):  # our loader's own words: no snippet
+        return _one_line(exc)
+    mark, problem = exc.problem_mark, exc.problem or exc.context or "not YAML"
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{_one_line(problem)}{at}"
 
 
 def _read(
@@ -285,6 +319,17 @@ def load_config(
     `allow_empty=False` refuses an empty file; `max_devices`: `MAX_DEVICES` for what runs
     here, `MAX_PLANNED_DEVICES` for the commands that only plan."""
     return _build(_read(path, overrides, allow_empty), processes, max_devices)
+
+
+def check_allowed(keys: Sequence[str]) -> None:
+    """One-line `ConfigError` for a key of `--allow-changes` that is no config key, section or
+    `all` (it would allow nothing, silently)."""
+    for key in keys:
+        if key == "all" or key in SECTIONS or key in FIELD_TYPES:
+            continue
+        close = difflib.get_close_matches(key, [*SECTIONS, *FIELD_TYPES], n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "name keys (train.steps), sections"
+        fail(f"--allow-changes {_shown(key)[1:-1]} is no config key; {hint} (or all)")
 
 
 def peek(path: str | os.PathLike | None, overrides: Sequence[str], key: str) -> Any:

@@ -139,6 +139,11 @@ def check_train(cfg: Config) -> None:
         fail(f"train.seed={cfg.train.seed} must be in [0, 2**32), e.g. train.seed=0")
     if not cfg.train.logdir.strip():
         fail("train.logdir='' must not be empty; e.g. train.logdir=runs/mine")
+    if cfg.train.steps > INT32_MAX:  # the step counter, the data's batch index: int32 in jit
+        fail(
+            f"train.steps={cfg.train.steps} is more than a step counter holds "
+            f"({INT32_MAX:,}, an int32 in the compiled step); use fewer steps"
+        )
     profile = cfg.train.profile_steps
     if profile is not None and (len(profile) != 2 or not 0 <= profile[0] < profile[1]):
         fail(
@@ -344,11 +349,22 @@ def warnings(cfg: Config) -> list[str]:
     """Legal but surprising run settings, one line each (the CLI prints them)."""
     out = []
     o, t = cfg.optim, cfg.train
-    if o.warmup_steps > t.steps:
+    if o.warmup_steps > t.steps:  # the warm-up is cut to the run: step k uses lr * (k-1) / T
         out.append(
-            f"optim.warmup_steps={o.warmup_steps} is more than train.steps={t.steps}: the "
-            f"learning rate never reaches optim.lr={o.lr:g} (it stops at "
-            f"{o.lr * t.steps / o.warmup_steps:.3g}); use optim.warmup_steps<={t.steps}"
+            f"optim.warmup_steps={o.warmup_steps} is more than train.steps={t.steps}, so the "
+            f"warm-up is cut to {t.steps} steps: the learning rate rises from 0 to "
+            f"{o.lr * (t.steps - 1) / t.steps:.3g} at the last step and never reaches "
+            f"optim.lr={o.lr:g}; use optim.warmup_steps<={t.steps}"
+        )
+    if t.skip_bubbles and cfg.mesh.pipeline == 1:
+        out.append(
+            "train.skip_bubbles=true does nothing with mesh.pipeline=1 (no pipeline, no bubble "
+            "ticks); leave it out"
+        )
+    elif t.skip_bubbles and t.pipeline_schedule == "1f1b":
+        out.append(
+            "train.skip_bubbles=true is not used by 1f1b training, only by its GPipe evaluation; "
+            "leave it out, or use train.pipeline_schedule=gpipe or circular"
         )
     return out
 

@@ -5,12 +5,17 @@ the first step). Everything shown is read from the run record: `config.yaml` (mo
 steps), `metrics.jsonl` (the last training loss, the steps done, tokens/s) and `eval.json`
 (the final validation loss; `metrics.jsonl`'s `val_loss` records if the run has not finished).
 Nothing is unpickled; YAML is read without aliases (`jaxpod.config.safe_yaml`); bytes
-that are not UTF-8 are replaced, and what cannot be read at all shows as dashes.
+that are not UTF-8 are replaced, only regular files are opened (a FIFO would block), and what
+cannot be read at all shows as dashes. A long name is cut in the table; `--json` holds no
+NaN or Infinity (JSON has none): a non-finite number is its string ("nan", "inf").
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 from pathlib import Path
 
 import yaml
@@ -24,11 +29,26 @@ HEADERS = ("run", "config", "mesh RxPxT", "steps", "loss", "val loss", "speed")
 UNITS = {"tokens": "tok/s", "images": "img/s"}  # what a step's throughput counts
 
 
+CELL = 40  # the widest a text cell of the table gets
+
+
+def _text(path: Path) -> str:
+    """The text of the regular file `path` (OSError for anything else: a FIFO never blocks)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        with os.fdopen(fd, encoding="utf-8", errors="replace", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def _records(path: Path) -> list[dict]:
     """The parseable records of a `metrics.jsonl` (a line cut short by a kill is skipped)."""
     out = []
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = _text(path).splitlines()
     except OSError:
         return out
     for line in lines:
@@ -43,7 +63,7 @@ def _records(path: Path) -> list[dict]:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        raw = safe_yaml(path.read_text(encoding="utf-8", errors="replace"))
+        raw = safe_yaml(_text(path))
     except (OSError, yaml.YAMLError):
         return {}
     return raw if isinstance(raw, dict) else {}
@@ -51,7 +71,7 @@ def _read_yaml(path: Path) -> dict:
 
 def _read_json(path: Path) -> dict:
     try:
-        raw = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        raw = json.loads(_text(path))
     except (OSError, ValueError):
         return {}
     return raw if isinstance(raw, dict) else {}
@@ -62,7 +82,11 @@ def _section(cfg: dict, name: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _model_name(model: dict) -> str | None:
+def _model_name(cfg: dict) -> str | None:
+    """The model of a run's config; None where the config cannot be read (no guess)."""
+    if not cfg:
+        return None
+    model = _section(cfg, "model")
     name = model.get("name", "gpt")
     if name == "efficientnet":
         return f"efficientnet-{model.get('variant', 'b0')}"
@@ -73,6 +97,12 @@ def _model_name(model: dict) -> str | None:
 
 def _number(value) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def runs_json(rows: list[dict]) -> str:
+    """`rows` as JSON text, non-finite numbers as strings (JSON has no NaN)."""
+    safe = lambda v: str(v) if isinstance(v, float) and not math.isfinite(v) else v  # noqa: E731
+    return json.dumps([{k: safe(v) for k, v in row.items()} for row in rows], indent=2)
 
 
 def describe_run(run: Path, root: Path) -> dict:
@@ -96,7 +126,7 @@ def describe_run(run: Path, root: Path) -> dict:
     shape = [mesh.get(k) for k in ("replica", "pipeline", "tensor")]
     return {
         "name": str(run.relative_to(root)) if run != root else run.name,
-        "config": _model_name(model),
+        "config": _model_name(cfg),
         "mesh": "x".join(str(s) for s in shape) if None not in shape else None,
         "steps_done": max((r["step"] for r in records), default=None),
         "steps_total": train.get("steps"),
@@ -139,7 +169,8 @@ def _cell(row: dict, column: str) -> str:
         return "-"
     if column in ("loss", "val_loss"):
         return f"{value:.4f}"
-    return str(value)
+    text = str(value)
+    return text if len(text) <= CELL else f"{text[: CELL - 13]}...{text[-10:]}"
 
 
 def format_runs(rows: list[dict]) -> str:

@@ -273,7 +273,7 @@ class Checkpointer:
             if kind is None:
                 self.close()
             else:  # a second Ctrl-C wants out now: an uncommitted save is discarded atomically
-                self.abandon(2.0 if issubclass(kind, KeyboardInterrupt) else ABANDON_SECONDS)
+                self.abandon(0.5 if issubclass(kind, KeyboardInterrupt) else ABANDON_SECONDS)
         finally:
             sys.excepthook, sys.unraisablehook = self._hooks
             logging.getLogger("absl").removeFilter(_reraised)
@@ -343,11 +343,20 @@ def _os_reason(text: str) -> str | None:
     return min(found)[1] if found else None
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def _why(exc: BaseException) -> str:
     """One line of a storage error: its type, its start and, when the text is long, the
-    operating system's reason (orbax joins the errors of many writes into one message)."""
+    operating system's reason (orbax joins the errors of many writes into one message); a full
+    disk says so first (tensorstore calls it RESOURCE_EXHAUSTED, as XLA calls running out of
+    memory)."""
     text = " ".join(str(exc).split()).split(" See full")[0]
+    full = any(os.strerror(n) in text for n in FULL) or any(
+        int(code) in FULL for code in OS_ERROR_CODE.findall(text)
+    )
     if len(text) > 200:
         tail = _os_reason(text) or text[-95:]
         text = f"{text[:100]} ... {tail}"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    why = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return f"disk full: {why}" if full else why

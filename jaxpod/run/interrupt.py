@@ -1,6 +1,8 @@
-"""Ctrl-C and SIGTERM during training: finish the step, save it, then stop (exit 130 / 143).
+"""Ctrl-C, SIGTERM and SIGHUP during training: finish the step, save it, then stop (exit 130,
+143, 129). SIGHUP is what a closing terminal or ssh session sends: handled like SIGTERM (its
+console is gone too, which `jaxpod.run.console` makes harmless).
 
-Inside `with StopRequests() as stop:` the first SIGINT or SIGTERM only sets `stop.requested`
+Inside `with StopRequests() as stop:` the first SIGINT, SIGTERM or SIGHUP only sets `stop.requested`
 while `stop.armed` is true (the step loop and the final save): the loop then saves a
 checkpoint of the step it is on, waits for it to commit, writes every record, and raises
 `Interrupted`. Outside the armed part (start-up, compiling) and on a second signal, the signal
@@ -22,7 +24,7 @@ import signal
 import sys
 import threading
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -42,8 +44,8 @@ def _interrupt_now(signum: int, frame) -> None:
 
 
 def interrupt_at_once() -> None:
-    """SIGINT and SIGTERM raise `Interrupted` where the program is, recorded (module doc);
-    the main thread only. The CLI calls it before a run starts."""
+    """SIGINT, SIGTERM and SIGHUP raise `Interrupted` where the program is, recorded (module
+    doc); the main thread only. The CLI calls it before a run starts."""
     if threading.current_thread() is threading.main_thread():
         for signum in SIGNALS:
             signal.signal(signum, _interrupt_now)
@@ -55,13 +57,19 @@ def forget_interrupts() -> None:
 
 
 class StopRequests:
-    """Turns SIGINT/SIGTERM into a request to stop after the current step (see module doc)."""
+    """Turns SIGINT/SIGTERM/SIGHUP into a request to stop after the current step (module doc)."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.armed = False
         self.requested: int | None = None  # the signal received while armed
+        self.failure = None  # a failed write of the run record (`RecordWriteError`): stop too
         self._old: dict[int, object] = {}
+
+    @property
+    def ends_run(self) -> bool:
+        """A signal or a failed write of the record: save this step and stop."""
+        return self.requested is not None or self.failure is not None
 
     def _handle(self, signum: int, frame) -> None:
         if not self.armed or self.requested is not None:

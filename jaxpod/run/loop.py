@@ -7,7 +7,9 @@ Around the loop (`jaxpod.run.preflight`, `resume`, `interrupt`): the checks befo
 once (budget, host RAM, the lock), a resume is refused if the config changed where results would;
 a non-finite loss or parameter norm stops the run before a checkpoint of it is written; Ctrl-C
 saves the current step and stops. A step's records are read and written before its checkpoint
-is saved, and kept in it, so the record is never missing a checkpointed step.
+is saved, and kept in it, so the record is never missing a checkpointed step. A write of the
+record that fails (a full disk) stops the run the same way, its checkpoint keeping every record
+the files lack, and ends in one line naming the file and the reason.
 
 With several processes (`jaxpod.run.distributed`) every process runs this same loop on its own
 devices of one global mesh; only process 0 writes the run record, holds the lock and prints.
@@ -16,7 +18,6 @@ devices of one global mesh; only process 0 writes the run record, holds the lock
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from collections.abc import Collection
@@ -45,15 +46,18 @@ from jaxpod.run.metrics import (
     write_eval_record,
 )
 from jaxpod.run.preflight import Cleared, preflight
-from jaxpod.run.profiling import PROFILE_DIR, StepProfiler
+from jaxpod.run.profiling import StepProfiler
 from jaxpod.run.progress import Phase
+from jaxpod.run.record import RecordWriteError, write_atomic
 from jaxpod.run.resume import (
     check_changes,
     check_saved_config,
-    earlier_record,
+    is_shared,
     keep_config,
     keep_records_upto,
     lost_records,
+    records_upto,
+    start_fresh,
     trim_events,
 )
 from jaxpod.run.steplog import StepLog
@@ -72,21 +76,13 @@ class RunResult:
     trace: Path | None = None  # the profile written by train.profile_steps, if any
 
 
-def _prepare_logdir(logdir: Path) -> None:
-    """Start a fresh record in `logdir` (replacing an earlier run's metrics, events, evals
-    and profiler traces)."""
-    logdir.mkdir(parents=True, exist_ok=True)
-    for old in [logdir / METRICS_FILE, logdir / EVAL_FILE, *logdir.glob("events.out.tfevents.*")]:
-        old.unlink(missing_ok=True)
-    shutil.rmtree(logdir / PROFILE_DIR, ignore_errors=True)
-
-
 def run_training(
     cfg: Config,
     *,
     quiet: bool = False,
     allow_changes: Collection[str] = (),
     cleared: Cleared | None = None,
+    foreign_ok: bool = False,
 ) -> RunResult:
     """Train `cfg` and leave the run record in `cfg.train.logdir`.
 
@@ -97,10 +93,12 @@ def run_training(
     devices of each process (`jaxpod.run.distributed`); the mesh spans those of every process.
     Only process 0 writes files, holds the logdir's lock and prints. A SIGINT/SIGTERM during
     the steps saves the current step and raises `Interrupted`. `cleared`: `preflight(cfg)`
-    where the caller ran it (the CLI, before jax starts); otherwise the loop runs it first.
+    where the caller ran it (the CLI, before jax starts); otherwise the loop runs it first
+    (`foreign_ok`: the run directory may hold files that are not jaxpod's, never touched).
     """
     if cleared is None:
-        cleared = preflight(cfg, processes=jax.process_count(), main=is_main_process())
+        main = is_main_process()
+        cleared = preflight(cfg, processes=jax.process_count(), main=main, foreign_ok=foreign_ok)
     elif cleared.cfg is not cfg:
         raise ValueError("`cleared` is the preflight of another config")
     main = is_main_process()
@@ -108,7 +106,7 @@ def run_training(
         try:
             return _run(cfg, quiet or not main, main, allow_changes)
         except Exception as exc:
-            if is_oom(exc):
+            if is_oom(exc) and not isinstance(exc, UserError):  # a full disk is no OOM
                 raise oom_error(exc, cfg) from None
             raise
 
@@ -134,13 +132,14 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
         if start >= cfg.train.steps:  # nothing is written: the record stays as it is
             ckpt.close()
             say(f"complete       {ckpt.shown / str(start)} is at step {start}; nothing to do")
+            if main and (logdir / METRICS_FILE).is_file() and not (logdir / EVAL_FILE).exists():
+                write_eval_record(logdir, cfg, task.unit)  # its writing failed at the end
             _say_where(say, logdir)
             return RunResult(logdir, state, [], {}, mapping)
         _resume_record(logdir, start, changes, ckpt, say, main)
-    elif main:
-        _fresh_record(logdir, say)
+    shared = (start_fresh(logdir, say) if not start else is_shared(logdir)) if main else False
     if main:
-        _write_setup(logdir, cfg, mapping)
+        _write_setup(logdir, cfg, {**mapping, **({"shared_directory": True} if shared else {})})
 
     t0 = time.perf_counter()
     with Phase("compiling      the train step", shown):
@@ -151,7 +150,7 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
     profiler = StepProfiler(logdir, cfg.train.profile_steps, enabled=main)
     stop = StopRequests(enabled=jax.process_count() == 1)
     # The writer closes last: it waits for the last checkpoint to commit, then flushes.
-    with stop, MetricsWriter(logdir, enabled=main) as metrics_writer, ckpt:
+    with stop, MetricsWriter(logdir, enabled=main) as metrics_writer, _Unsaved(ckpt, stop):
         writer = _Recorder(metrics_writer)
         _write_header(writer, cfg, mapping, lost_records(logdir, kept_records) if main else [])
         if not start:
@@ -197,30 +196,26 @@ def _restore(
 
 def _resume_record(logdir: Path, start: int, changes: list, ckpt, say, main: bool) -> None:
     """Say where the run resumes and what changed; process 0 cuts the record back to `start`
-    and keeps the earlier config if it changed."""
+    and keeps the earlier config if it changed, once the record is read and checked (a damaged
+    line is refused before anything changes; a damaged last line is left out, saying so)."""
+    kept, note = records_upto(logdir, start) if main else (None, None)
     say(f"resumed        from step {start} ({ckpt.shown / str(start)})")
     if changes:
         say(f"changed        {', '.join(k for k, _, _ in changes)} since step {start}")
+    if note:
+        say(f"trimmed        {note}")
     if main:
         if changes:
             keep_config(logdir, start)
-        keep_records_upto(logdir, start)
+        keep_records_upto(logdir, start, kept)
         trim_events(logdir, start)  # the steps after `start` are redone: shown once
-
-
-def _fresh_record(logdir: Path, say) -> None:
-    """Start a fresh record, saying which earlier run's record it replaces, if any."""
-    earlier = earlier_record(logdir)
-    if earlier:
-        say(f"fresh start    replacing {earlier} in {logdir}")
-    _prepare_logdir(logdir)
 
 
 def _write_setup(logdir: Path, cfg: Config, mapping: dict) -> None:
     """`config.yaml` and `mapping.json` (with the process count): what was trained, where."""
-    (logdir / "config.yaml").write_text(dump_yaml(cfg))
+    write_atomic(logdir / "config.yaml", dump_yaml(cfg))
     mapping_record = {**mapping, "processes": jax.process_count()}
-    (logdir / "mapping.json").write_text(json.dumps(mapping_record, indent=2))
+    write_atomic(logdir / "mapping.json", json.dumps(mapping_record, indent=2))
 
 
 def _write_header(writer: _Recorder, cfg: Config, mapping: dict, lost: list) -> None:
@@ -237,17 +232,66 @@ def _close_record(cfg: Config, task: Task, state, ckpt, profiler, stop, say, mai
     """After the steps: the evaluation record, the trace's name, and `Interrupted` if a stop
     was requested (its step is saved by then)."""
     logdir = Path(cfg.train.logdir)
+    step = int(state.step)
+    if stop.failure is not None:
+        raise stop.failure.stopped(step, ckpt.shown / str(step))
     if main:
-        write_eval_record(logdir, cfg, task.unit)
+        try:
+            write_eval_record(logdir, cfg, task.unit)
+        except RecordWriteError as exc:
+            raise UserError(
+                f"{exc} at the end of the run; every step is saved (in {ckpt.shown / str(step)}): "
+                f"{exc.fix}, then run the same command to write it"
+            ) from None
     if profiler.trace is not None:
         say(f"profile        {profiler.trace} ({profiler.trace.stat().st_size:,} bytes)")
     if stop.requested is not None:
-        step = int(state.step)
+        saved = f"saved {ckpt.shown / str(step)} and the record up to it"
+        if step >= cfg.train.steps:  # during the final save: nothing is left to resume
+            raise Interrupted(
+                stop.requested,
+                f"interrupted at the last step, {step}: {saved}; the run is complete",
+            )
         raise Interrupted(
-            stop.requested,
-            f"interrupted at step {step}: saved {ckpt.shown / str(step)} and the record up to "
-            "it; run the same command to resume",
+            stop.requested, f"interrupted at step {step}: {saved}; run the same command to resume"
         )
+
+
+def _save(cfg, task: Task, state, step: int, writer, steplog, ckpt, config, stop) -> None:
+    """Save checkpoint `step` once its metrics are read, checked and written (or, after a
+    failed write of the record, kept in it: every record the files lack)."""
+    steplog.flush()
+    writer.sync()
+    stop.failure = writer.failure
+    records = writer.of(step) if stop.failure is None else writer.unwritten
+    if stop.failure is not None and jax.process_count() > 1:  # the others cannot save alone:
+        raise stop.failure.stopped(step, None)  # the runtime stops them when this one exits
+    order = task.engine.stages.layer_order  # how its stacked layers are stored
+    try:
+        ckpt.save(step, state, cfg.train.seed, config=config, records=records, layer_order=order)
+    except UserError:
+        if stop.failure is None:
+            raise
+        raise stop.failure.stopped(step, None) from None
+
+
+class _Unsaved:
+    """`with _Unsaved(ckpt, stop):` the checkpointer's block; after a failed write of the
+    record, a checkpoint that cannot be committed is reported as that failure's."""
+
+    def __init__(self, ckpt: Checkpointer, stop: StopRequests):
+        self.ckpt, self.stop = ckpt, stop
+
+    def __enter__(self) -> Checkpointer:
+        return self.ckpt.__enter__()
+
+    def __exit__(self, kind, value, tb) -> None:
+        try:
+            self.ckpt.__exit__(kind, value, tb)
+        except UserError:
+            if kind is not None or self.stop.failure is None:
+                raise
+            raise self.stop.failure.stopped(self.ckpt.saved_step, None) from None
 
 
 def _compile(engine, state, part) -> None:
@@ -329,14 +373,10 @@ def _train_steps(cfg, task: Task, state, writer, val_losses, say, quiet, ckpt, p
                 steplog.flush()
                 _evaluate(task, state, step, writer, val_losses, log)
                 steplog.restart_timing(step)  # evaluation is not charged to the next steps
-            if (every and step % every == 0) or step == steps or stop.requested is not None:
-                steplog.flush()  # reads, checks and writes the metrics up to `step` first
-                records = writer.of(step)
-                order = task.engine.stages.layer_order  # how its stacked layers are stored
-                ckpt.save(
-                    step, state, cfg.train.seed, config=config, records=records, layer_order=order
-                )
-            if stop.requested is not None:
+            stop.failure = writer.failure
+            if (every and step % every == 0) or step == steps or stop.ends_run:
+                _save(cfg, task, state, step, writer, steplog, ckpt, config, stop)
+            if stop.ends_run:
                 break  # async save: committed when the checkpointer closes
     steplog.flush()
     bar.close()

@@ -1,7 +1,9 @@
 """The run record: `metrics.jsonl` (one JSON object per logged step) and TensorBoard events.
 
-Writes happen on a background thread so the training loop never waits for the disk. The
-TensorBoard events are written with TensorBoard's own event writer and protos (no
+Writes happen on a background thread so the training loop never waits for the disk. Every
+write is checked (`jaxpod.run.record`): the first that fails is kept as `MetricsWriter.failure`
+and the records from then on as `unwritten`, so the loop can stop and save them in a checkpoint.
+The TensorBoard events are written with TensorBoard's protos and record framing (no
 TensorFlow needed): scalars under `train/...` and `val/...`, the resolved config as a
 text summary, and the run's hyperparameters (the flattened config) as an HParams
 `session_start_info` summary, which TensorBoard's HParams tab reads to put runs side by side
@@ -13,9 +15,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import queue
+import socket
 import threading
 import time
+from itertools import count
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +28,13 @@ from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.plugins.text import metadata as text_metadata
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from jaxpod.config import Config
+from jaxpod.run.record import AppendFile, RecordWriteError, event_record, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
+WRITER = "jaxpod"  # the writer its event files name in their first event
 HParamValue = bool | int | float | str
 
 
@@ -103,11 +109,9 @@ def hparams_event(hparams: dict[str, HParamValue], group: str = "") -> event_pb2
 
 
 def write_json_atomic(path: str | Path, data: object) -> None:
-    """Write `data` as JSON to `path` through a temporary file renamed into place."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean_tree(data), indent=2) + "\n")
-    tmp.replace(path)
+    """Write `data` as JSON to `path` through a temporary file renamed into place
+    (`RecordWriteError` if it fails, no temporary file left)."""
+    write_atomic(path, json.dumps(_clean_tree(data), indent=2) + "\n")
 
 
 def _clean_tree(data):
@@ -125,38 +129,76 @@ def _clean(value):
     return value
 
 
+_EVENT_FILES = count()
+
+
+def _events_name() -> str:
+    """A new event file's name, as TensorBoard's own writer names it."""
+    stamp, host = f"{int(time.time()):010d}", socket.gethostname()
+    return f"events.out.tfevents.{stamp}.{host}.{os.getpid()}.{next(_EVENT_FILES)}"
+
+
 class MetricsWriter:
-    """Append-only writer of `<logdir>/metrics.jsonl` and TensorBoard event files.
+    """Append-only writer of `<logdir>/metrics.jsonl` and a TensorBoard event file.
 
     `write(record, prefix)`: `record` must hold `step`; numeric values become scalars
-    `<prefix>/<key>` in TensorBoard. Call `close()` (or use as a context manager) to flush.
+    `<prefix>/<key>` in TensorBoard. A record is in both files or in neither. After the
+    first failed write (`failure`, a `RecordWriteError`) nothing more is written and the
+    records are kept in `unwritten` (`(prefix, record)` pairs); `sync()` waits until every
+    record handed over so far is written or kept. Call `close()` (or use as a context manager).
     """
 
     def __init__(self, logdir: str | Path, enabled: bool = True):
         self.logdir = Path(logdir)
         self.enabled = enabled
+        self.failure: RecordWriteError | None = None
+        self.unwritten: list[tuple[str, dict]] = []
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         if enabled:
             self.logdir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self.logdir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
-            self._events = EventFileWriter(str(self.logdir))
+            self._jsonl = AppendFile(self.logdir / METRICS_FILE)
+            self._events = AppendFile(self.logdir / _events_name())
+            version = event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
+            version.source_metadata.writer = WRITER
+            self._events.append(event_record(version.SerializeToString()))
             self._thread = threading.Thread(target=self._drain, daemon=True)
             self._thread.start()
 
     def _drain(self) -> None:
         while (item := self._queue.get()) is not None:
-            kind, payload = item
-            if kind == "record":
-                record, prefix = payload
-                self._jsonl.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-                self._jsonl.flush()
-                self._events.add_event(_scalar_event(int(record["step"]), record, prefix))
-            elif kind == "hparams":
-                self._events.add_event(hparams_event(*payload))
-            else:
-                self._events.add_event(_text_event(*payload))
-            self._events.flush()
+            try:
+                self._handle(*item)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _handle(self, kind: str, payload) -> None:
+        if self.failure is None:
+            try:
+                self._write(kind, payload)
+                return
+            except RecordWriteError as exc:
+                self.failure = exc
+        if kind == "record":  # after the failure: kept, for the checkpoint
+            record, prefix = payload
+            self.unwritten.append((prefix, record))
+
+    def _write(self, kind: str, payload) -> None:
+        if kind == "record":
+            record, prefix = payload
+            line = json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
+            size = self._jsonl.size()
+            self._jsonl.append(line.encode())
+            event = _scalar_event(int(record["step"]), record, prefix)
+        else:
+            size, event = None, (hparams_event if kind == "hparams" else _text_event)(*payload)
+        try:
+            self._events.append(event_record(event.SerializeToString()))
+        except RecordWriteError:
+            if size is not None:
+                self._jsonl.cut(size)  # in neither file
+            raise
 
     def write(self, record: dict, prefix: str = "train") -> None:
         if self.enabled:
@@ -170,6 +212,11 @@ class MetricsWriter:
         """Record the run's hyperparameters for TensorBoard's HParams tab (once per run)."""
         if self.enabled:
             self._queue.put(("hparams", (hparams, group)))
+
+    def sync(self) -> None:
+        """Wait until every record handed over so far is written (or kept in `unwritten`)."""
+        if self._thread is not None:
+            self._queue.join()
 
     def close(self) -> None:
         if self._thread is not None:

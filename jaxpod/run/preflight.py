@@ -35,16 +35,19 @@ class Cleared:
             self.lock.release()
 
 
-def preflight(cfg: Config, *, processes: int = 1, main: bool = True) -> Cleared:
+def preflight(
+    cfg: Config, *, processes: int = 1, main: bool = True, foreign_ok: bool = False
+) -> Cleared:
     """Check `cfg` before training and claim its run directory (one-line `UserError`s).
 
     `processes`: the run's processes (with one, its virtual devices share this host's RAM);
-    `main`: this is process 0, the one that holds the lock."""
+    `main`: this is process 0, the one that holds the lock; `foreign_ok`: the run directory
+    may hold files that are not jaxpod's (`jaxpod.run.logdir.check_logdir`)."""
     check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
     check_budget(cfg)
     if processes == 1:
         check_host_ram(cfg)
-    return Cleared(cfg, hold(cfg.train.logdir) if main else None)
+    return Cleared(cfg, hold(cfg.train.logdir, foreign_ok) if main else None)
 
 
 def check_budget(cfg: Config) -> None:

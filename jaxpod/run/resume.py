@@ -12,17 +12,24 @@ The record is made consistent with the checkpoint resumed from: `metrics.jsonl` 
 records up to its step (the later ones are redone), the records of that step kept in the
 checkpoint are written again if the record lost them (a kill right after the commit), and
 TensorBoard event files drop the summaries of the steps that will be redone, so every step
-appears once. jax-free.
+appears once. A fresh start replaces an earlier jaxpod run's record, and only jaxpod's files: in
+a directory shared with other files (`--logdir-exists ok`, remembered in `mapping.json`) only
+the event files jaxpod wrote and neither profile traces nor anything else. jax-free.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import struct
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from jaxpod.errors import UserError
-from jaxpod.run.metrics import METRICS_FILE
+from jaxpod.run.logdir import LOCK_FILE, MAPPING, is_run
+from jaxpod.run.metrics import EVAL_FILE, METRICS_FILE, WRITER
+from jaxpod.run.profiling import PROFILE_DIR
+from jaxpod.run.record import event_record, write_atomic
 
 FREE = (
     "devices",
@@ -111,22 +118,49 @@ def keep_config(logdir: Path, step: int) -> Path | None:
     return kept
 
 
-def _step_of(line: str) -> float:
+def _step_of(line: str) -> int | None:
+    """The step of a record line; None if the line is no record with a step (damaged)."""
     try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):  # e.g. a line cut short by a killed run
-        return float("inf")
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError, IndexError):  # e.g. cut short by a killed run
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def keep_records_upto(logdir: Path, step: int) -> None:
-    """Drop the `metrics.jsonl` records after `step` (a resumed run redoes those steps)."""
+def records_upto(logdir: Path, step: int) -> tuple[str | None, str | None]:
+    """`(text, note)`: the `metrics.jsonl` records up to `step` (None: no such file), and a
+    note if its last line is damaged (cut short, or no record with a step) and left out. A
+    damaged line before the last is a one-line `UserError`: nothing is changed by reading."""
     path = logdir / METRICS_FILE
-    if path.exists():
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-        kept = [ln if ln.endswith("\n") else ln + "\n" for ln in lines if _step_of(ln) <= step]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        tmp.replace(path)
+    if not path.exists():
+        return None, None
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    kept, note = [], None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        at = _step_of(line)
+        if at is None and number == len(lines):
+            note = f"the last line of {path} is damaged ({_short(line)}): left out"
+        elif at is None:
+            raise UserError(
+                f"{path} line {number} is damaged ({_short(line)}: no record with a step); "
+                "repair or delete that line, then run the same command to resume"
+            )
+        elif at <= step:
+            kept.append(line + "\n")
+    return "".join(kept), note
+
+
+def keep_records_upto(logdir: Path, step: int, text: str | None = None) -> None:
+    """Drop the `metrics.jsonl` records after `step` (a resumed run redoes those steps):
+    keep `text` (`records_upto`'s, computed here if not given)."""
+    if text is None:
+        text, _ = records_upto(logdir, step)
+    if text is not None:
+        write_atomic(logdir / METRICS_FILE, text)
 
 
 def _kind(record: dict) -> str:
@@ -152,7 +186,6 @@ def trim_events(logdir: Path, step: int) -> int:
     in place, atomically); returns how many were dropped."""
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
     from tensorboard.compat.proto import event_pb2
-    from tensorboard.summary.writer.record_writer import RecordWriter
 
     dropped = 0
     for path in sorted(logdir.glob(EVENTS_GLOB)):
@@ -169,13 +202,7 @@ def trim_events(logdir: Path, step: int) -> int:
         if len(keep) == len(raw):
             continue
         dropped += len(raw) - len(keep)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            writer = RecordWriter(f)
-            for data in keep:
-                writer.write(data)
-            writer.flush()
-        tmp.replace(path)
+        write_atomic(path, b"".join(event_record(data) for data in keep))
     return dropped
 
 
@@ -184,9 +211,7 @@ def earlier_record(logdir: Path) -> str | None:
     path = logdir / METRICS_FILE
     if not path.is_file():
         return None
-    steps = [
-        s for s in map(_step_of, path.read_text(errors="replace").splitlines()) if s != float("inf")
-    ]
+    steps = [s for s in map(_step_of, path.read_text(errors="replace").splitlines()) if s]
     if not steps:
         return None
     return f"the record of an earlier run (to step {max(steps)}, no checkpoint to resume from)"
@@ -199,3 +224,45 @@ def check_saved_config(saved: object, where: str) -> dict:
             f"{where} keeps no config to compare the new one with; use a fresh train.logdir"
         )
     return saved
+
+
+def is_shared(logdir: Path) -> bool:
+    """True if the run in `logdir` shares it with files that are not jaxpod's (its
+    `mapping.json` says so)."""
+    try:
+        mapping = json.loads((logdir / MAPPING).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(mapping, dict) and mapping.get("shared_directory") is True
+
+
+def start_fresh(logdir: Path, say) -> bool:
+    """Start a fresh record in `logdir`, replacing an earlier jaxpod run's (saying so), and
+    only jaxpod's files; returns True if the directory holds files that are not jaxpod's."""
+    logdir.mkdir(parents=True, exist_ok=True)
+    if not is_run(logdir):
+        return any(p.name != LOCK_FILE for p in logdir.iterdir())
+    shared = is_shared(logdir)
+    earlier = earlier_record(logdir)
+    if earlier:
+        say(f"fresh start    replacing {earlier} in {logdir}")
+    events = [e for e in sorted(logdir.glob(EVENTS_GLOB)) if not shared or _ours(e)]
+    for old in [logdir / METRICS_FILE, logdir / EVAL_FILE, *events]:
+        old.unlink(missing_ok=True)
+    if not shared:
+        shutil.rmtree(logdir / PROFILE_DIR, ignore_errors=True)
+    return shared
+
+
+def _ours(events: Path) -> bool:
+    """True if the event file `events` was written by jaxpod (its first event says so)."""
+    from tensorboard.compat.proto import event_pb2
+
+    try:
+        with open(events, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            f.read(4)
+            first = event_pb2.Event.FromString(f.read(min(length, 4096)))
+    except Exception:  # noqa: BLE001 - unreadable (protobuf raises its own errors): not ours
+        return False
+    return first.source_metadata.writer == WRITER

@@ -68,7 +68,7 @@ class StepLog:
                     f"lr {host['lr']:.2e}  {speed:,.0f} {self.task.unit}/s  {times}"
                 )
             if bad:
-                saved = self.ckpt.saved_step
+                saved = self.ckpt.saved_step or self.ckpt.latest_step()  # or a resumed one
                 newest = f"the newest checkpoint, step {saved}, is intact" if saved else "none"
                 raise UserError(
                     f"training diverged at step {step}: {bad}, so the run stopped before "

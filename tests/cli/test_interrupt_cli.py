@@ -1,6 +1,7 @@
 """Signals and second processes: a second run on a locked logdir is refused naming the first;
 Ctrl-C saves the step it is on (also with the default `checkpoint_every=0`), writes every record
-up to it and exits 130, also while checkpoints are being saved; the run then resumes; and the
+up to it and exits 130, also while checkpoints are being saved; the run then resumes; a closing
+terminal (SIGHUP) saves like SIGTERM and exits 129, its lock released; and the
 documented profile command, options before overrides, runs as printed."""
 
 from __future__ import annotations
@@ -108,6 +109,21 @@ def test_ctrl_c_while_checkpoints_are_saved_exits_130_with_every_record(tmp_path
     assert train_steps(run) == list(range(1, step + 1))
     meta = json.loads((run / "checkpoints" / str(step) / "meta" / "metadata").read_text())
     assert [r for _, r in meta["records"]] == [read_metrics(run)[-1]]
+
+
+def test_a_closing_terminal_saves_the_step_like_sigterm(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run)  # train.checkpoint_every=0: nothing saved until it stops
+    wait_for_steps(proc, run, 3)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 129, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    step = checkpoints(run)[-1]
+    assert checkpoints(run) == [step] and step >= 3
+    assert err.strip().splitlines()[-1].startswith(f"jaxpod: interrupted at step {step}: saved")
+    assert train_steps(run) == list(range(1, step + 1))
+    assert not (run / ".jaxpod.lock").exists()
 
 
 # docs/runs.md's tiny command profiles the tiny 4-step program of the other CLI modules (the

@@ -149,3 +149,28 @@ def test_tensorboard_serves_loopback_only_by_default(tmp_path):
         proc.communicate(timeout=30)
     assert line.startswith("jaxpod: warning: serving TensorBoard on 0.0.0.0")
     assert "no authentication" in line
+
+
+def test_runs_never_blocks_guesses_pads_or_writes_nan(tmp_path):
+    """A FIFO metrics.jsonl is not opened (it would block); an unreadable config shows as
+    `-`, not a guessed model; a 5,000-character name is cut; `--json` holds no NaN."""
+    fifo, broken, long, diverged = (tmp_path / n for n in ("fifo", "broken", "long", "nan"))
+    fake_run(fifo, mtime=1)
+    os.mkfifo(fifo / "metrics.jsonl")
+    fake_run(broken, mtime=2)
+    (broken / "config.yaml").write_text("model: [unclosed\n")
+    long.mkdir()
+    (long / "config.yaml").write_text(f"model: {{name: {'m' * 5000}}}\n")
+    fake_run(diverged, losses=[2.0, float("nan")], mtime=3)
+
+    table = jaxpod("runs", str(tmp_path))
+    assert table.returncode == 0, table.stderr[-3000:]
+    rows = {line.split()[0]: line for line in table.stdout.splitlines()[1:]}
+    assert rows["broken"].split()[1] == "-"
+    assert max(len(line) for line in table.stdout.splitlines()) < 200
+
+    listed = jaxpod("runs", str(tmp_path), "--json")
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    runs = json.loads(listed.stdout, parse_constant=lambda c: pytest.fail(f"{c} in --json"))
+    assert {r["name"]: r["loss"] for r in runs}["nan"] == "nan"
+    assert {r["name"]: r["config"] for r in runs}["broken"] is None

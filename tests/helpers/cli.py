@@ -106,3 +106,37 @@ def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
     assert lines[0].startswith("jaxpod: error: "), lines[0]
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+# The smallest run of the edge tests (disks, pipes, signals, foreign files): one device, one
+# 16-wide layer, one 16-token sequence a step; a few milliseconds a step, so hundreds of steps
+# are cheap where a file must grow.
+SMALL = [
+    "devices=1",
+    "mesh.replica=1",
+    "mesh.pipeline=1",
+    "mesh.tensor=1",
+    "model.layers=1",
+    "model.d_model=16",
+    "model.heads=1",
+    "model.d_ff=32",
+    "model.seq_len=16",
+    "train.micro_batch=1",
+    "train.grad_accum=1",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "optim.warmup_steps=0",
+]
+
+
+def event_steps(run: Path, tag: str = "train/loss") -> list[int]:
+    """The steps of every `tag` scalar in the run's TensorBoard event files, sorted."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = []
+    for path in sorted(run.glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(path))
+        acc.Reload()
+        steps += [e.step for e in acc.Scalars(tag)]
+    return sorted(steps)

@@ -45,3 +45,25 @@ def test_unarmed_a_signal_interrupts_at_once():
     with pytest.raises(Interrupted) as raised, StopRequests(enabled=False) as stop:
         stop._handle(signal.SIGINT, None)
     assert raised.value.signum == signal.SIGINT and stop.requested is None
+
+
+@pytest.mark.parametrize("step, resume", [(3, True), (4, False)], ids=["mid-run", "last-step"])
+def test_the_interrupted_line_says_whether_anything_is_left_to_resume(tmp_path, step, resume):
+    """A signal during the final save saves the last step: the run is complete, not resumable."""
+    from types import SimpleNamespace as Fake
+
+    from helpers import make_tiny_cfg
+
+    from jaxpod.run.loop import _close_record
+
+    cfg = make_tiny_cfg("train.steps=4", f"train.logdir={tmp_path}")
+    stop = Fake(requested=signal.SIGINT, failure=None)
+    ckpt, profiler = Fake(shown=tmp_path / "checkpoints"), Fake(trace=None)
+    with pytest.raises(Interrupted) as caught:
+        _close_record(cfg, None, Fake(step=step), ckpt, profiler, stop, print, main=False)
+    assert caught.value.message.startswith(
+        f"interrupted at step {step}:" if resume else f"interrupted at the last step, {step}:"
+    )
+    assert caught.value.message.endswith(
+        "run the same command to resume" if resume else "the run is complete"
+    )

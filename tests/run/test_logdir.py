@@ -146,16 +146,71 @@ def test_xla_out_of_memory_becomes_one_line():
     )
 
 
+MAPPING = '{"mesh": {"replica": 1}, "per_step": 16}'
+
+
 def test_a_fresh_start_replaces_the_earlier_record(tmp_path):
     """A fresh run in a logdir that holds an earlier run's record (no checkpoint) removes its
     metrics, evals, events and profiler traces; nothing else."""
-    from jaxpod.run.loop import _prepare_logdir
+    from jaxpod.run.resume import start_fresh
 
+    (tmp_path / "mapping.json").write_text(MAPPING)
     old = ["metrics.jsonl", "eval.json", "events.out.tfevents.1.host"]
     old.append("plugins/profile/2026_11_27_13_00_00/host.xplane.pb")
-    kept = ["config.until-20.yaml", "notes.txt"]
-    for name in old + kept:
+    kept = ["config.until-20.yaml", "notes.txt", "mapping.json"]
+    for name in old[:-1] + kept[:-1]:
+        (tmp_path / name).write_text("x")
+    (tmp_path / old[-1]).parent.mkdir(parents=True)
+    (tmp_path / old[-1]).write_text("x")
+    assert start_fresh(tmp_path, print) is False
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(kept)
+
+
+def test_a_fresh_start_in_a_shared_directory_removes_only_jaxpods_files(tmp_path):
+    """With files that are not jaxpod's (`--logdir-exists ok`): its own event files only."""
+    from jaxpod.run.metrics import MetricsWriter
+    from jaxpod.run.resume import start_fresh
+
+    theirs = ["events.out.tfevents.1.theirs", "plugins/profile/x/trace.pb", "notes.txt"]
+    for name in theirs:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
-    _prepare_logdir(tmp_path)
-    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == sorted(kept)
+    assert start_fresh(tmp_path, print) is True  # not a run yet: nothing removed
+    with MetricsWriter(tmp_path) as writer:
+        writer.write({"step": 1, "loss": 2.0})
+    (tmp_path / "mapping.json").write_text(MAPPING[:-1] + ', "shared_directory": true}')
+    assert start_fresh(tmp_path, print) is True
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == sorted([*theirs, "mapping.json"])
+
+
+def test_a_directory_with_other_files_is_refused_unless_asked(tmp_path):
+    (tmp_path / "eval.json").write_text("theirs")
+    (tmp_path / "notes.txt").write_text("theirs")
+    with pytest.raises(
+        UserError,
+        match=r"holds files that are not a jaxpod run \(eval.json, "
+        r"notes.txt\); .* --logdir-exists ok",
+    ):
+        check_logdir(tmp_path)
+    with pytest.raises(UserError, match=r"already holds eval.json, which jaxpod did not write"):
+        check_logdir(tmp_path, foreign_ok=True)
+    (tmp_path / "eval.json").unlink()
+    check_logdir(tmp_path, foreign_ok=True)
+    (tmp_path / "mapping.json").write_text(MAPPING)  # an earlier jaxpod run's
+    check_logdir(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "theirs"
+
+
+@pytest.mark.parametrize("name", [LOCK_FILE, "config.yaml", "mapping.json", "metrics.jsonl"])
+def test_a_link_where_the_record_keeps_a_file_is_refused(tmp_path, name):
+    victim = tmp_path / "victim.json"
+    victim.write_text(MAPPING)
+    run = tmp_path / "run"
+    run.mkdir()
+    if name != "mapping.json":
+        (run / "mapping.json").write_text(MAPPING)  # an earlier run's directory
+    (run / name).symlink_to(victim)
+    with pytest.raises(UserError, match=f"{name} is a symbolic link, where jaxpod keeps"):
+        hold(run)
+    assert victim.read_text() == MAPPING

@@ -18,6 +18,7 @@ from jaxpod.run.resume import (
     keep_config,
     keep_records_upto,
     lost_records,
+    records_upto,
     trim_events,
 )
 
@@ -113,4 +114,27 @@ def test_a_fresh_start_names_the_record_it_replaces(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 7, "loss": 1.0}) + "\n")
     assert earlier_record(tmp_path) == (
         "the record of an earlier run (to step 7, no checkpoint to resume from)"
+    )
+
+
+@pytest.mark.parametrize("last", ['{"step": "x"}', '{"loss": 1.0}', "[]", '{"step": 6, "lo'])
+def test_a_damaged_last_line_is_left_out_saying_so(tmp_path, last):
+    _record(tmp_path, [1, 2, 3])
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(last + "\n")
+    text, note = records_upto(tmp_path, 2)
+    assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 2]
+    assert note.startswith(f"the last line of {tmp_path}/metrics.jsonl is damaged (")
+
+
+def test_a_damaged_line_before_the_last_is_refused_changing_nothing(tmp_path):
+    _record(tmp_path, [1])
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": "x"}\n{"step": 2, "loss": 2.0}\n')
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(UserError, match=r"metrics.jsonl line 2 is damaged \({\"step\": \"x\"}"):
+        keep_records_upto(tmp_path, 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert earlier_record(tmp_path) == (
+        "the record of an earlier run (to step 2, no checkpoint to resume from)"
     )

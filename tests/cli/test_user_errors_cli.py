@@ -1,0 +1,85 @@
+"""Mistakes a new user makes, each one line naming the field and the fix, exit 2, no traceback,
+no file's contents printed, nothing left behind: platforms jax cannot start, paths no filesystem
+takes (too long, a NUL byte, a loop of links), a port that is no port or is taken, a chart that
+cannot be written, a file that is no config."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from helpers.cli import SMALL, TINY, assert_user_error, cli_env, jaxpod, without_jax
+
+pytestmark = pytest.mark.cli
+
+
+def test_a_platform_jax_cannot_start_is_one_line_and_leaves_no_lock(tmp_path):
+    run = tmp_path / "run"
+    proc = jaxpod("train", TINY, *SMALL, f"train.logdir={run}", env=cli_env(JAX_PLATFORMS="bogus"))
+    assert_user_error(
+        proc, "JAX_PLATFORMS=bogus: Unable to initialize backend 'bogus'", "unset JAX_PLATFORMS"
+    )
+    assert not run.exists()  # the directory it claimed, released and removed
+
+
+@pytest.mark.parametrize(
+    "logdir, needle",
+    [
+        ("a" * 300, "is too long (a name in a path holds at most 255 bytes"),
+        ("a\\0b", "holds a NUL byte, which no path can"),
+        ("loop/x", "cannot be used (a loop of symbolic links)"),
+    ],
+    ids=["long-name", "nul-byte", "link-loop"],
+)
+def test_a_logdir_no_filesystem_takes_is_one_line(tmp_path, logdir, needle):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    value = f'"{tmp_path}/{logdir}"' if "\\0" in logdir else f"{tmp_path}/{logdir}"
+    proc = jaxpod("train", TINY, *SMALL, f"train.logdir={value}", env=without_jax(tmp_path))
+    assert_user_error(proc, "train.logdir=", needle)
+
+
+def test_a_long_data_path_is_one_line(tmp_path):
+    proc = jaxpod(
+        "train",
+        TINY,
+        *SMALL,
+        "data.name=text-files",
+        f"data.path=/{'d' * 400}",
+        f"train.logdir={tmp_path}/run",
+        env=without_jax(tmp_path),
+    )
+    assert_user_error(proc, "data.path=", "is too long")
+
+
+def test_a_port_that_is_none_or_taken_is_one_line(tmp_path):
+    proc = jaxpod("tensorboard", str(tmp_path), "--port", "-5")
+    assert_user_error(proc, "--port -5 is no TCP port; pick one in 1..65535")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = jaxpod("tensorboard", str(tmp_path), "--port", str(port))
+    assert_user_error(proc, f"--port {port} on 127.0.0.1 cannot be used (Address already in use")
+
+
+def test_a_chart_that_cannot_be_written_is_one_line(tmp_path):
+    proc = jaxpod("plan", TINY, "--chart", "/proc/x.png")
+    assert_user_error(proc, "--chart /proc/x.png")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["s3cr3t:*:20228:0:99999:7:::\nbin:*:20228:0:99999:7:::\n", "model: [unclosed, s3cr3t\n"],
+    ids=["not-a-config", "not-yaml"],
+)
+def test_a_file_that_is_no_config_is_never_printed(tmp_path, text):
+    (tmp_path / "shadow").write_text(text)
+    proc = jaxpod("plan", str(tmp_path / "shadow"), env=without_jax(tmp_path))
+    assert_user_error(proc)
+    assert "s3cr3t" not in proc.stderr, proc.stderr
+
+
+def test_an_allowed_change_of_no_key_is_one_line(tmp_path):
+    run = ["train", TINY, *SMALL, f"train.logdir={tmp_path}/run"]
+    proc = jaxpod(*run, "--allow-changes", "optim,train.stesp", env=without_jax(tmp_path))
+    assert_user_error(
+        proc, "--allow-changes train.stesp is no config key; did you mean 'train.steps'?"
+    )
