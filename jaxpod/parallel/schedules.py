@@ -4,9 +4,9 @@ A schedule is a small table, a pure function of (kind, S stages, M micro-batches
 stages per device), that the executors in `jaxpod.parallel.pipeline` run as one `lax.scan`
 over its ticks, and that the planner and the notebook's charts read. On tick t, stage s runs:
 
-    op[t, s]         IDLE, FORWARD or BACKWARD
+    op[t, s]         IDLE, FORWARD, BACKWARD, or the split backward's B and W
     micro[t, s]      the micro-batch it runs (-1 when idle)
-    virtual_stage[t, s]  which of its V virtual stages r (global stage r·S + s) it runs
+    virtual_stage[t, s]  which of its V virtual stages r (`global_stage`) it runs
 
 Kinds (bubble = idle fraction of the stage-ticks, `Schedule.bubble`):
 
@@ -19,9 +19,7 @@ Kinds (bubble = idle fraction of the stage-ticks, `Schedule.bubble`):
 - `1f1b`: forwards and backwards in one table, each tick one op per stage: stage s runs
   min(S - s, M) warm-up forwards, then alternates one backward and one forward, then drains;
   2(M + S - 1) ticks. A stage holds at most S - s micro-batches' inputs, whatever M.
-- `zb-h1`, `interleaved-1f1b`, `zb-v`: `jaxpod.parallel.schedules_split` (the chunked
-  ones run by `jaxpod.parallel.pipeline_chunks`).
-
+- `zb-h1`, `interleaved-1f1b`, `zb-v`: `jaxpod.parallel.schedules_split`.
 Jax-free (numpy only), so the planner can use it.
 """
 
