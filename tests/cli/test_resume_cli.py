@@ -139,7 +139,7 @@ def test_a_diverging_run_stops_before_saving_and_keeps_the_good_checkpoints(tmp_
 
 def test_a_run_diverging_after_a_resume_names_the_checkpoint_it_resumed_from(tmp_path):
     run = tmp_path / "run"
-    sgd = ["optim.name=sgd", "optim.lr=1000", "optim.grad_clip=0", "optim.schedule=constant"]
+    sgd = ["optim.name=sgd", "optim.lr=1000", "optim.grad_clip=0", "optim.lr_schedule=constant"]
     assert train(run, *sgd, "train.steps=3").returncode == 0  # diverges at step 4 (above)
     proc = train(run, *sgd, "train.steps=8", "--allow-changes", "train.steps")
     line = user_error(proc, "training diverged at step 4: loss nan, so the run stopped")
