@@ -44,6 +44,13 @@ SCHEDULES = {
     "zb-v": ("train.pipeline_schedule=zb-v", "train.virtual_stages=2"),
 }
 STEPWISE = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+# the new schedules with the options that reshape a stage: sequence parallelism, RTS, slices
+SCHEDULES |= {
+    "zb-h1+sp": (*SCHEDULES["zb-h1"], "model.sequence_parallel=true"),
+    "zb-v+rts": (*SCHEDULES["zb-v"], "memory.rts=2", "memory.rts_optimizer=2"),
+    "interleaved-1f1b+slices": (*SCHEDULES["interleaved-1f1b"], "memory.vocab_slices=2"),
+    "zb-v+sp": (*SCHEDULES["zb-v"], "model.sequence_parallel=true"),
+}
 # a bubble tick computes nothing (`lax.cond`); the carry's NaN bubble fill must not leak
 SKIPPING = {f"{k}-skip": (*SCHEDULES[k], "train.skip_bubbles=true") for k in ("gpipe", "circular")}
 ROWS = 8  # every case's global batch: replica x M micro-batches of 1 sequence
@@ -129,13 +136,17 @@ def assert_matches_reference(engine, model, loss, grads, what: str) -> None:
 #   gpt 1x2x4, M = 4S:   GPT, tensor width 4
 #   gpt 2x2x2, M = 2S:   replica > 1, tensor 2: test_a_train_step_updates_like_gpipe
 #                        (circular skipping its bubbles there)
-# and gpipe skipping its bubbles and zb-h1 on 4 stages (gpt 1x4x1, M = 2S). These cases run the
-# engine's loss and gradients at the plain model's own initial params, put in the engine's
-# shardings and stored layer order (no init program per case); the engine's init is the
-# train step's here (both layer orders) and test_mesh_equivalence.py's / test_init.py's.
+# and gpipe skipping its bubbles and the new ones on 4 stages (gpt 1x4x1, M = 2S); the new
+# ones with sequence parallelism (gpt, bert 1x2x2), RTS (gpt 2x2x1) and vocabulary slices.
+# These cases run the engine's loss and gradients at the plain model's own initial params,
+# put in the engine's shardings and stored layer order (no init program per case); the
+# engine's init is the train step's here (both layer orders) and test_mesh_equivalence.py's
+# / test_init.py's.
 CASES = [("bert", (2, 4, 1), 4, k) for k in ("circular", *STEPWISE)]
 CASES += [("gpt", (1, 2, 4), 8, k) for k in ("circular", *STEPWISE)]
 CASES += [("gpt", (1, 4, 1), 8, k) for k in ("gpipe-skip", "zb-h1", "interleaved-1f1b", "zb-v")]
+CASES += [("gpt", (1, 2, 2), 8, k) for k in ("zb-h1+sp", "interleaved-1f1b+slices")]
+CASES += [("gpt", (2, 2, 1), 4, "zb-v+rts"), ("bert", (1, 2, 2), 8, "zb-v+sp")]
 
 
 @pytest.mark.parametrize(
