@@ -98,7 +98,7 @@ def search(
         except ConfigError:
             continue
         valid += 1
-        planned = plan(c)
+        planned = plan(c, advice=False)
         if not planned["fits"]:
             continue
         est = estimate_config(c, profile)

@@ -8,7 +8,9 @@ whole backward two (the backward computes both gradients). Jax-free.
   soon as their inputs exist (transfers free): the critical path.
 - `work`: one stage's busy units (the same on every stage); `bubble` = 1 - work / time.
 Forward-only tables (GPipe, circular) add their transposed backward: the same ticks again,
-two units each.
+two units each. `recompute=True` (remat `full`): every backward op first recomputes its
+stage's forward, one unit more each — a whole backward 3, and B and W 2 each, since jaxpod's
+B and W each recompute (the split then computes 5 units a micro-batch against 1F1B's 4).
 """
 
 from __future__ import annotations
@@ -27,17 +29,25 @@ from jaxpod.parallel.schedules import (
 COST = {IDLE: 0, FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1}
 
 
-def work(schedule: Schedule) -> int:
+def costs(recompute: bool = False) -> dict:
+    """Each op's units; with `recompute`, a backward op's recomputed forward added."""
+    extra = 1 if recompute else 0
+    return {o: c + (extra if o not in (IDLE, FORWARD) else 0) for o, c in COST.items()}
+
+
+def work(schedule: Schedule, recompute: bool = False) -> int:
     """Units one stage computes in a step (forwards, backwards; the transposed backward of a
     forward-only table included)."""
-    units = sum(COST[int(o)] for o in schedule.op[:, 0])
-    return units if schedule.explicit_backward else 3 * units
+    cost = costs(recompute)
+    units = sum(cost[int(o)] for o in schedule.op[:, 0])
+    return units if schedule.explicit_backward else units * (1 + cost[BACKWARD])
 
 
-def lockstep_time(schedule: Schedule) -> int:
+def lockstep_time(schedule: Schedule, recompute: bool = False) -> int:
     """Units the lockstep SPMD program takes: each tick its slowest op."""
-    ticks = sum(max(COST[int(o)] for o in row) for row in schedule.op)
-    return ticks if schedule.explicit_backward else 3 * ticks
+    cost = costs(recompute)
+    ticks = sum(max(cost[int(o)] for o in row) for row in schedule.op)
+    return ticks if schedule.explicit_backward else ticks * (1 + cost[BACKWARD])
 
 
 def mpmd_time(schedule: Schedule) -> int:
@@ -62,6 +72,6 @@ def mpmd_time(schedule: Schedule) -> int:
     return max(free)
 
 
-def bubble(schedule: Schedule, time: int) -> float:
+def bubble(schedule: Schedule, time: int, recompute: bool = False) -> float:
     """The idle fraction of a step that takes `time` units."""
-    return 1.0 - work(schedule) / time
+    return 1.0 - work(schedule, recompute) / time

@@ -31,6 +31,7 @@ from jaxpod.config import Config, parse_bytes
 from jaxpod.config.rules import resolve_batch
 from jaxpod.errors import ConfigError, UserError
 from jaxpod.parallel.schedules import STEPWISE
+from jaxpod.planner import schedule_choice
 from jaxpod.planner.activations import DTYPE_BYTES, activation_bytes
 from jaxpod.planner.bytes import device_bytes
 from jaxpod.planner.counts import (
@@ -318,11 +319,12 @@ def _weights(cfg: Config, layout: dict) -> dict:
     }
 
 
-def plan(cfg: Config, params_override: int | None = None) -> dict:
+def plan(cfg: Config, params_override: int | None = None, *, advice: bool = True) -> dict:
     """Where every byte of `cfg`'s mapping lives, per device. Analytic: no jax, no weights.
 
     `params_override` replaces the formula's parameter count (e.g. EfficientNet's exact
-    `count_params`); per-device counts then scale with it. Returns a JSON-able dict (see the
+    `count_params`); per-device counts then scale with it. `advice`: also which pipeline
+    schedule to run (`jaxpod.planner.schedule_choice`). Returns a JSON-able dict (see the
     module docstring for the byte model)."""
     profile = get_profile(cfg.memory.device)
     layout = _layout(cfg, params_override)
@@ -345,6 +347,9 @@ def plan(cfg: Config, params_override: int | None = None) -> dict:
     }
     if not fits:
         result["suggestion"] = _suggest(cfg, limit, params_override)
+    if advice:
+        total = lambda c: _device_total(c, params_override)  # noqa: E731
+        result["schedule_advice"] = schedule_choice.advise(cfg, limit, total)
     return result
 
 

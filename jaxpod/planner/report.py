@@ -16,14 +16,22 @@ def _schedule_row(p: dict) -> list[tuple[str, str]]:
     if not p.get("pipeline_schedule"):
         return []
     kind = p["pipeline_schedule"]
-    virtual = f", {p['virtual_stages']} virtual stages" if kind == "circular" else ""
-    return [
+    virtual = f", {p['virtual_stages']} virtual stages" if p["virtual_stages"] > 1 else ""
+    rows = [
         (
             "schedule",
             f"{kind}{virtual}: {p['pipeline']} stages x {p['pipeline_group']} micro-batches a "
             f"pass; bubble {p['bubble']:.1%} of the stage-ticks",
         )
     ]
+    advice = p.get("schedule_advice")
+    if advice:
+        chunks = f" (train.virtual_stages={advice['virtual_stages']})"
+        chunks = chunks if advice["virtual_stages"] > 1 else ""
+        rows.append(
+            ("advice", f"train.pipeline_schedule={advice['kind']}{chunks}: {advice['reason']}")
+        )
+    return rows
 
 
 def _batch_text(p: dict) -> str:
