@@ -21,7 +21,7 @@ import numpy as np
 from jaxpod.parallel.chunk_routes import routes
 from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.pipeline import mine
-from jaxpod.parallel.pipeline_train import _typed_zeros
+from jaxpod.parallel.pipeline_train import typed_zeros
 from jaxpod.parallel.schedules import Schedule
 
 
@@ -58,8 +58,8 @@ def train_chunk_ticks(
     act = ticks.act
     fill = lambda shape: vary_like(jnp.full(shape, bubble_fill, act.dtype), act)  # noqa: E731
     buffer = fill((ticks.slots, *act.shape))
-    zeros = jax.tree.map(_typed_zeros, (params, ticks.out0[0], ticks.out0[1]))
-    carry = _Carry(buffer, buffer, _typed_zeros(act), *zeros)
+    zeros = jax.tree.map(typed_zeros, (params, ticks.out0[0], ticks.out0[1]))
+    carry = _Carry(buffer, buffer, typed_zeros(act), *zeros)
     rows = tuple(jnp.asarray(a) for a in ticks.rows)
     sent = (fill(act.shape), fill(act.shape))
     (carry, _), _ = jax.lax.scan(ticks.tick, (carry, sent), rows, unroll=unroll)
@@ -107,12 +107,12 @@ class _Chunks:
         self.stages, self.micro = schedule.stages, schedule.micro
         self.last = schedule.stages * schedule.virtual - 1
         self.rows, self.slots = _rows(schedule)
-        act = _typed_zeros(jax.eval_shape(lambda: embed(params, inputs[0])))
+        act = typed_zeros(jax.eval_shape(lambda: embed(params, inputs[0])))
         for _ in range(3):
             act = vary_like(act, jax.eval_shape(lambda a=act: stage(params, a, 0)))
         self.act = act
         w0 = None if weights is None else weights[0]
-        self.out0 = jax.eval_shape(lambda: head(params, _typed_zeros(act), targets[0], w0))
+        self.out0 = jax.eval_shape(lambda: head(params, typed_zeros(act), targets[0], w0))
 
     def at(self, a, m):
         return a[jnp.clip(m, 0, self.micro - 1)]
@@ -135,8 +135,8 @@ class _Chunks:
         return loss, aux, dp, self.as_act(dy)
 
     def no_head(self, y, row: _Row):
-        zeros = jax.tree.map(_typed_zeros, (self.out0[0], self.out0[1], self.params))
-        return zeros[0], zeros[1], zeros[2], _typed_zeros(self.act)
+        zeros = jax.tree.map(typed_zeros, (self.out0[0], self.out0[1], self.params))
+        return zeros[0], zeros[1], zeros[2], typed_zeros(self.act)
 
     def forward(self, c: _Carry, row: _Row) -> _Carry:
         """The chunk's input kept (embedded at the first global stage), its output sent or
@@ -166,13 +166,13 @@ class _Chunks:
         kept, dy = c.acts[row.act], c.grads[row.grad]
         _, vjp = jax.vjp(lambda p, x: self.stage_of(p, x, row), self.params, kept)
         dp, dx = vjp(dy)
-        dx = self.as_act(dx) if inputs else _typed_zeros(self.act)
+        dx = self.as_act(dx) if inputs else typed_zeros(self.act)
         grads = jnp.where((row.local >= 0) & inputs, c.grads.at[row.local].set(dx), c.grads)
         total = jax.tree.map(jnp.add, c.grads_sum, dp) if weights else c.grads_sum
         return c._replace(grads=grads, out=dx, grads_sum=total)
 
     def idle(self, c: _Carry, row: _Row) -> _Carry:
-        return c._replace(out=_typed_zeros(self.act))
+        return c._replace(out=typed_zeros(self.act))
 
     def tick(self, state, table_row):
         """Store what arrived, run this device's op, send its output down or up."""
@@ -193,7 +193,7 @@ class _Chunks:
         branch_of = np.zeros(len(ops), np.int32)
         branch_of[used] = np.arange(len(used))
         c = jax.lax.switch(jnp.asarray(branch_of)[row.op], [ops[o] for o in used], c, row)
-        zero = _typed_zeros(self.act)
+        zero = typed_zeros(self.act)
         n = self.stages
         down = jax.lax.ppermute(
             jnp.where(row.send_down > 0, c.out, zero),

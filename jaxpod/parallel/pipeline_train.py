@@ -52,7 +52,7 @@ def receive_slots(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
     return acts, grads
 
 
-def _typed_zeros(like):
+def typed_zeros(like):
     """Zeros shaped like `like` (an array or `ShapeDtypeStruct`), varying like it."""
     return vary_like(jnp.zeros(like.shape, like.dtype), like)
 
@@ -86,11 +86,11 @@ def train_ticks(
     carry = _Carry(
         buffer,
         buffer,
-        _typed_zeros(act),
-        _typed_zeros(act),
-        jax.tree.map(_typed_zeros, params),
-        _typed_zeros(ticks.out0[0]),
-        jax.tree.map(_typed_zeros, ticks.out0[1]),
+        typed_zeros(act),
+        typed_zeros(act),
+        jax.tree.map(typed_zeros, params),
+        typed_zeros(ticks.out0[0]),
+        jax.tree.map(typed_zeros, ticks.out0[1]),
     )
     acts_in, grads_in = receive_slots(schedule)
     rows = tuple(jnp.asarray(a) for a in (schedule.op, schedule.micro_index, acts_in, grads_in))
@@ -135,12 +135,12 @@ class _Ticks:
         self.branch_of[self.used] = np.arange(len(self.used))
         index = jax.lax.axis_index(axis)
         self.is_first, self.is_last = index == 0, index == self.stages - 1
-        act = _typed_zeros(jax.eval_shape(lambda: embed(params, inputs[0])))  # a typed template
+        act = typed_zeros(jax.eval_shape(lambda: embed(params, inputs[0])))  # a typed template
         for _ in range(3):
             act = vary_like(act, jax.eval_shape(lambda a=act: stage(params, a)))
         self.act = act
         self.out0 = jax.eval_shape(
-            lambda: head(params, _typed_zeros(act), targets[0], self.weights_of(0))
+            lambda: head(params, typed_zeros(act), targets[0], self.weights_of(0))
         )
 
     def at(self, a: jax.Array, m) -> jax.Array:
@@ -172,9 +172,9 @@ class _Ticks:
 
     def no_head(self, y, m):
         """`head_and_grads`' zeros, off the last stage."""
-        dp = jax.tree.map(_typed_zeros, self.params)
-        aux = jax.tree.map(_typed_zeros, self.out0[1])
-        return _typed_zeros(self.out0[0]), aux, dp, _typed_zeros(self.act)
+        dp = jax.tree.map(typed_zeros, self.params)
+        aux = jax.tree.map(typed_zeros, self.out0[1])
+        return typed_zeros(self.out0[0]), aux, dp, typed_zeros(self.act)
 
     def forward(self, carry: _Carry, m) -> _Carry:
         """FORWARD m: the input kept (slot m % k), the stage run and its output sent down;
@@ -189,7 +189,7 @@ class _Ticks:
         grads_in = jnp.where(self.is_last, grads_in.at[m % k].set(dy), grads_in)
         acc = jax.tree.map(jnp.add, acc, dp)
         aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
-        return _Carry(acts, grads_in, y, _typed_zeros(self.act), acc, loss_sum + loss, aux_sum)
+        return _Carry(acts, grads_in, y, typed_zeros(self.act), acc, loss_sum + loss, aux_sum)
 
     def backward(self, carry: _Carry, m) -> _Carry:
         """BACKWARD m: the stage recomputed from its kept input, its vjp applied to the
@@ -204,7 +204,7 @@ class _Ticks:
         dp, dx = vjp(grads_in[m % k])
         acc = jax.tree.map(jnp.add, acc, dp)
         return _Carry(
-            acts, grads_in, _typed_zeros(self.act), self.as_act(dx), acc, loss_sum, aux_sum
+            acts, grads_in, typed_zeros(self.act), self.as_act(dx), acc, loss_sum, aux_sum
         )
 
     def backward_input(self, carry: _Carry, m) -> _Carry:
@@ -213,7 +213,7 @@ class _Ticks:
         kept = carry.acts[m % self.k]
         _, vjp = jax.vjp(lambda x: self.stage_from_kept(self.params, x, m), kept)
         (dx,) = vjp(carry.grads_in[m % self.k])
-        return carry._replace(y=_typed_zeros(self.act), dx=self.as_act(dx))
+        return carry._replace(y=typed_zeros(self.act), dx=self.as_act(dx))
 
     def backward_weight(self, carry: _Carry, m) -> _Carry:
         """W m: the vjp with respect to the parameters, from the same kept input and
@@ -222,7 +222,7 @@ class _Ticks:
         _, vjp = jax.vjp(lambda p: self.stage_from_kept(p, kept, m), self.params)
         (dp,) = vjp(carry.grads_in[m % self.k])
         grads = jax.tree.map(jnp.add, carry.grads, dp)
-        zero = _typed_zeros(self.act)
+        zero = typed_zeros(self.act)
         return carry._replace(y=zero, dx=zero, grads=grads)
 
     def stage_from_kept(self, p, kept, m):
@@ -231,7 +231,7 @@ class _Ticks:
 
     def idle(self, carry: _Carry, m) -> _Carry:
         """A bubble: nothing computed, zeros sent."""
-        return carry._replace(y=_typed_zeros(self.act), dx=_typed_zeros(self.act))
+        return carry._replace(y=typed_zeros(self.act), dx=typed_zeros(self.act))
 
     def tick(self, state, row):
         """One row of the table: what arrived stored in its slot, the stage's op
