@@ -8,9 +8,11 @@ whole backward two (the backward computes both gradients). Jax-free.
   soon as their inputs exist (transfers free): the critical path.
 - `work`: one stage's busy units (the same on every stage); `bubble` = 1 - work / time.
 Forward-only tables (GPipe, circular) add their transposed backward: the same ticks again,
-two units each. `recompute=True` (remat `full`): every backward op first recomputes its
-stage's forward, one unit more each — a whole backward 3, and B and W 2 each, since jaxpod's
-B and W each recompute (the split then computes 5 units a micro-batch against 1F1B's 4).
+two units each. `recompute=True` (jaxpod's executors under remat `full`): every backward op
+first recomputes its stage's forward, one unit more — a whole backward 3, B 2 — and W also
+runs the input-gradient chain again to reach each layer's output cotangent: W 3 (the split
+then computes 6 units a micro-batch against 1F1B's 4; XLA's cost analysis of W: 2.5 for a
+two-layer stage, 3 on the benchmark's GPT).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ COST = {IDLE: 0, FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1}
 
 
 def costs(recompute: bool = False) -> dict:
-    """Each op's units; with `recompute`, a backward op's recomputed forward added."""
-    extra = 1 if recompute else 0
-    return {o: c + (extra if o not in (IDLE, FORWARD) else 0) for o, c in COST.items()}
+    """Each op's units; with `recompute`, a backward op's recomputed forward added, and W's
+    input-gradient chain."""
+    if not recompute:
+        return dict(COST)
+    return {**COST, BACKWARD: 3, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 3}
 
 
 def work(schedule: Schedule, recompute: bool = False) -> int:
