@@ -220,8 +220,9 @@ def _mesh_changes(cfg: Config) -> list:
 
 
 def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
-    """Single changes that lower the device bytes, each with the total it would give: those
-    that fit `limit` first, then those that only come closer."""
+    """Single changes that lower the device bytes, each with the total its own re-plan gives:
+    those that fit `limit` first, then those that only come closer (a change that does not
+    lower the total is left out)."""
     changes = [
         *_memory_changes(cfg, limit, params_override),
         *_model_changes(cfg),
@@ -229,9 +230,11 @@ def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
         *_mesh_changes(cfg),
     ]
     fit, closer = [], []
+    now = _device_total(cfg, params_override)
     for label, trial in changes:
         total = _device_total(trial, params_override)
-        (fit if total <= limit else closer).append(f"{label} ({format_bytes(total)})")
+        if total <= limit or total < now:
+            (fit if total <= limit else closer).append(f"{label} ({format_bytes(total)})")
     if fit:
         return (
             f"to fit {format_bytes(limit)}, try: "
