@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpod.config import Config, parse_bytes
-from jaxpod.config.rules import resolve_batch
+from jaxpod.config.rules import check_schedule, resolve_batch
 from jaxpod.errors import ConfigError, UserError
 from jaxpod.parallel.schedules import STEPWISE
 from jaxpod.planner import schedule_choice
@@ -118,6 +118,15 @@ def _finer_vocab(cfg: Config, limit: int, params_override: int | None) -> dict:
     counts = [k for k in _divisors(rows) if cfg.memory.vocab_slices < k <= 64]
     changes = lambda k: {"vocab_slices": k}
     return _fewest(cfg, limit, params_override, counts, changes, fit_only=True)
+
+
+def _schedule_ok(trial: Config) -> bool:
+    """Whether `trial`'s pipeline schedule passes the config's own rules (`check_schedule`)."""
+    try:
+        check_schedule(trial, trial.pipeline_group)
+    except ConfigError:
+        return False
+    return True
 
 
 def _batch_ok(trial: Config) -> bool:
@@ -232,6 +241,8 @@ def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
     fit, closer = [], []
     now = _device_total(cfg, params_override)
     for label, trial in changes:
+        if not _schedule_ok(trial):  # e.g. a deeper pipeline its schedule cannot run
+            continue
         total = _device_total(trial, params_override)
         if total <= limit or total < now:
             (fit if total <= limit else closer).append(f"{label} ({format_bytes(total)})")

@@ -167,19 +167,26 @@ def bubble_factor(w: Workload) -> float:
     """Step time over busy time of the mapping's pipeline schedule, from its table."""
     if w.p == 1:
         return 1.0
-    return _bubble(w.schedule, w.p, w.micro_batches, w.virtual, w.lockstep)
+    full = w.recompute == "full"
+    return _bubble(w.schedule, w.p, w.micro_batches, w.virtual, w.lockstep, full)
 
 
 @functools.lru_cache(maxsize=4096)
-def _bubble(kind: str, p: int, m: int, virtual: int, lockstep: bool) -> float:
-    """`bubble_factor` of one schedule table (cached: a search prices many mappings)."""
+def _bubble(kind: str, p: int, m: int, virtual: int, lockstep: bool, full: bool) -> float:
+    """`bubble_factor` of one schedule table (cached: a search prices many mappings). In
+    lockstep (jaxpod's program) the time is the table's with each op as the executor runs it
+    — a stage-by-stage schedule's backward ops recompute their stage from its kept input,
+    whatever the remat policy, and W its input-gradient chain too — over the work the matmul
+    time counts: 3 forwards' worth a micro-batch, 4 with full recompute."""
     if virtual > 1 and kind == "1f1b":
         kind = "interleaved-1f1b"
     if kind in ("interleaved-1f1b", "circular") and m % p:
         m = math.ceil(m / p) * p
     table = make_schedule(kind, p, m, virtual)
-    time = lockstep_time(table) if lockstep else mpmd_time(table)
-    return time / work(table)
+    if not lockstep:
+        return mpmd_time(table) / work(table)
+    time = lockstep_time(table, table.explicit_backward or full)
+    return time / (table.micro * virtual * (4 if full else 3))
 
 
 def estimate(w: Workload, speed: Speed) -> dict:

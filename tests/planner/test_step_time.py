@@ -74,13 +74,17 @@ def test_compute_follows_the_tokens_and_full_recompute_adds_a_forward():
 
 
 def test_the_bubble_is_the_schedules_own_table():
-    """GPipe-style lockstep (jaxpod's SPMD program) and the MPMD ideal, from the table."""
+    """The MPMD ideal (published runs), and lockstep (jaxpod's SPMD program) with each op as
+    the executor runs it: 1F1B's backward recomputes its stage (3 units), over the 3 units a
+    micro-batch the matmul time counts."""
     w = dataclasses.replace(GPT, p=4, global_batch=16, micro_batch=2)  # 8 micro-batches
     table = make_schedule("1f1b", 4, 8)
     assert bubble_factor(w) == pytest.approx(mpmd_time(table) / work(table))
     spmd = dataclasses.replace(w, lockstep=True)
-    assert bubble_factor(spmd) == pytest.approx(lockstep_time(table) / work(table))
+    assert bubble_factor(spmd) == pytest.approx(lockstep_time(table, True) / (8 * 3))
     assert bubble_factor(spmd) > bubble_factor(w) > 1.0
+    gpipe = dataclasses.replace(spmd, schedule="gpipe")  # no recompute: its ticks, 3 units
+    assert bubble_factor(gpipe) == pytest.approx((8 + 3) / 8)
 
 
 def test_the_estimate_adds_its_parts():
