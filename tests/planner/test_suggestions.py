@@ -48,3 +48,15 @@ def test_a_change_that_raises_the_total_is_not_offered():
         "configs/gpt3_175b_pod256.yaml", ["memory.offload=[optimizer]", "memory.phases=1"]
     )
     assert "mesh.pipeline=16" not in plan(cfg)["suggestion"]
+
+
+def test_a_deeper_pipeline_its_schedule_cannot_run_is_not_offered():
+    """Interleaved 1F1B on 2 stages with 2 micro-batches a pass: doubling the pipeline would
+    need a multiple of 4 micro-batches, so the deeper pipeline is not suggested (planning it
+    raised before)."""
+    over = ["devices=16", "mesh.replica=8", "mesh.pipeline=2", "mesh.tensor=1"]
+    over += ["train.micro_batch=4", "train.grad_accum=2", "train.global_batch=null"]
+    over += ["train.pipeline_schedule=interleaved-1f1b", "train.virtual_stages=2"]
+    over += ["model.remat=none", "memory.rts=1", "memory.rts_optimizer=1"]
+    p = plan(load_config("configs/bert_large_pod16.yaml", over))
+    assert not p["fits"] and "mesh.pipeline=4" not in p["suggestion"]
