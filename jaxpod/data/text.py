@@ -253,7 +253,7 @@ def load_dataset(
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be in (0, 1); e.g. 0.05")
     if max_bytes < 1:
-        raise DataError(f"data.max_bytes={max_bytes} must be positive; e.g. {16 * 2**20}")
+        raise ValueError(f"max_bytes={max_bytes} must be positive")  # no config key sets it
     needed = _bytes_needed(window, val_fraction)
     if name == "stdlib-code":
         root = sysconfig.get_paths()["stdlib"]
@@ -261,9 +261,9 @@ def load_dataset(
         source = f"{_mib(corpus.shape[0])} of Python from {root} ({n_files} files)"
         if not _enough(corpus.shape[0], window, val_fraction):
             raise DataError(
-                f"stdlib-code has {corpus.shape[0]:,} bytes (data.max_bytes={max_bytes}), too few "
-                f"for model.seq_len={seq_len}: need >= {needed:,}; raise data.max_bytes or "
-                "lower model.seq_len"
+                f"stdlib-code has {corpus.shape[0]:,} bytes (read up to {_mib(max_bytes)}), too "
+                f"few for model.seq_len={seq_len}: need >= {needed:,}; lower model.seq_len, or "
+                "use data.name=text-files with a larger corpus"
             )
     else:
         if path is None:
@@ -272,7 +272,7 @@ def load_dataset(
                 "directory of text files"
             )
         corpus, kept, skipped, truncated = _text_corpus(path, max_bytes)
-        cut = f", capped at data.max_bytes={max_bytes}" if truncated else ""
+        cut = f", the first {_mib(max_bytes)} read" if truncated else ""
         source = (
             f"{_mib(corpus.shape[0])} of text from {path} ({kept} files, "
             f"{skipped} skipped as binary{cut})"

@@ -82,6 +82,7 @@ def test_too_small_stdlib_names_fix():
     with pytest.raises(DataError, match="model.seq_len") as e:
         load_dataset("stdlib-code", seq_len=4096, seed=0, max_bytes=10_000)
     assert "\n" not in str(e.value)
+    assert "data.max_bytes" not in str(e.value)  # no such key: the fix names real ones
 
 
 # ---------------------------------------------------------------- text-files: order

@@ -1,6 +1,6 @@
-"""`data.max_bytes` caps what is read, not only what is kept: a text file far larger than the
-cap is read no further than the cap (plus one byte, to know it was cut), and a character cut in
-two at the cap does not make the file "binary"."""
+"""The text loaders' byte cap (`max_bytes`) limits what is read, not only what is kept: a
+text file far larger than the cap is read no further than the cap (plus one byte, to know it
+was cut), and a character cut in two at the cap does not make the file "binary"."""
 
 from __future__ import annotations
 
