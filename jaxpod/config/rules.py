@@ -361,10 +361,18 @@ def warnings(cfg: Config) -> list[str]:
             "train.skip_bubbles=true does nothing with mesh.pipeline=1 (no pipeline, no bubble "
             "ticks); leave it out"
         )
-    elif t.skip_bubbles and t.pipeline_schedule == "1f1b":
+    elif t.skip_bubbles and t.pipeline_schedule not in ("gpipe", "circular"):
         out.append(
-            "train.skip_bubbles=true is not used by 1f1b training, only by its GPipe evaluation; "
-            "leave it out, or use train.pipeline_schedule=gpipe or circular"
+            f"train.skip_bubbles=true is not used by {t.pipeline_schedule} training (its ticks "
+            "run only their own op); leave it out, or use train.pipeline_schedule=gpipe or "
+            "circular"
+        )
+    mem = cfg.memory
+    if mem.phases > 1 and "params" not in mem.offload:
+        out.append(
+            f"memory.phases={mem.phases} keeps the layer stack in host memory between steps and "
+            "fetches it a phase at a time, as memory.offload=[params] does for every weight; "
+            "with memory.phases=1 it stays on the device"
         )
     return out
 

@@ -13,9 +13,18 @@ from jaxpod.config.rules import warnings
 def test_skip_bubbles_where_there_are_none_to_skip_is_named():
     (none,) = warnings(make_tiny_cfg("train.skip_bubbles=true", mesh=(4, 1, 2)))
     assert none.startswith("train.skip_bubbles=true does nothing with mesh.pipeline=1")
-    (unused,) = warnings(make_tiny_cfg("train.skip_bubbles=true", "train.pipeline_schedule=1f1b"))
-    assert unused.startswith("train.skip_bubbles=true is not used by 1f1b training")
+    for kind in ("1f1b", "zb-h1"):
+        cfg = make_tiny_cfg("train.skip_bubbles=true", f"train.pipeline_schedule={kind}")
+        (unused,) = warnings(cfg)
+        assert unused.startswith(f"train.skip_bubbles=true is not used by {kind} training")
     assert warnings(make_tiny_cfg("train.skip_bubbles=true")) == []  # gpipe on 2 stages
+
+
+def test_phases_without_offloaded_params_say_where_the_stack_lives():
+    (phases,) = warnings(make_tiny_cfg("memory.phases=2", mesh=(2, 1, 2)))
+    assert phases.startswith("memory.phases=2 keeps the layer stack in host memory")
+    offloaded = make_tiny_cfg("memory.phases=2", "memory.offload=[params]", mesh=(2, 1, 2))
+    assert warnings(offloaded) == []
 
 
 def test_more_steps_than_a_step_counter_holds_is_one_line():
