@@ -27,53 +27,18 @@ _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _SPLIT_IDS = {"train": 0, "val": 1}
 
 
-@dataclass(frozen=True)
-class TokenDataset:
-    """A byte corpus cut into non-overlapping train/val windows (or synthetic random bytes)."""
+class Windows:
+    """What every token dataset shares: examples are windows of `seq_len + 1` ids, a batch is
+    `(tokens int32[G, seq_len + 1],)` read by `train_rows` / `val_rows`, and validation rows
+    wrap around (no fixed number of batches)."""
 
-    name: str
     seq_len: int
-    seed: int
-    _train: np.ndarray | None = field(default=None, repr=False, compare=False)  # uint8[n, W]
-    _val: np.ndarray | None = field(default=None, repr=False, compare=False)  # uint8[m, W]
-    _source: str = field(default="", repr=False)
+    unit = "tokens"  # what a step's throughput counts
 
     @property
     def window(self) -> int:
-        """Bytes per example: seq_len + 1."""
+        """Ids per example: seq_len + 1."""
         return self.seq_len + 1
-
-    @property
-    def num_train_windows(self) -> int | None:
-        """Number of train windows per epoch (None for synthetic: unlimited)."""
-        return None if self._train is None else int(self._train.shape[0])
-
-    @property
-    def num_val_windows(self) -> int | None:
-        """Number of validation windows (None for synthetic: unlimited)."""
-        return None if self._val is None else int(self._val.shape[0])
-
-    def train_rows(self, step: int, start: int, stop: int, global_batch: int) -> np.ndarray:
-        """Rows [start, stop) of training step `step` (0-based): int32[stop-start, seq_len+1]."""
-        g = global_indices(step, start, stop, global_batch)
-        if self._train is None:
-            return self._synthetic(g, "train")
-        n = self._train.shape[0]
-        epochs = g // n
-        idx = np.empty_like(g)
-        for epoch in np.unique(epochs):
-            sel = epochs == epoch
-            idx[sel] = epoch_permutation(self.seed, int(epoch), n)[g[sel] % n]
-        return self._train[idx].astype(np.int32)
-
-    def val_rows(self, batch: int, start: int, stop: int, global_batch: int) -> np.ndarray:
-        """Rows [start, stop) of validation batch `batch` (unshuffled): int32[stop-start, W]."""
-        g = global_indices(batch, start, stop, global_batch)
-        if self._val is None:
-            return self._synthetic(g, "val")
-        return self._val[g % self._val.shape[0]].astype(np.int32)
-
-    unit = "tokens"  # what a step's throughput counts
 
     def per_example(self) -> int:
         """Units (tokens) one example trains on: seq_len."""
@@ -91,6 +56,54 @@ class TokenDataset:
     def val_batches(self, global_batch: int) -> int | None:
         """Validation batches before repeating: None (any number; rows wrap around)."""
         return None
+
+
+def epoch_rows(windows: np.ndarray, seed: int, g: np.ndarray) -> np.ndarray:
+    """Train windows of global example indices `g` as int32: each epoch visits `windows` in a
+    permutation seeded by (seed, epoch)."""
+    n = windows.shape[0]
+    epochs = g // n
+    idx = np.empty_like(g)
+    for epoch in np.unique(epochs):
+        sel = epochs == epoch
+        idx[sel] = epoch_permutation(seed, int(epoch), n)[g[sel] % n]
+    return windows[idx].astype(np.int32)
+
+
+@dataclass(frozen=True)
+class TokenDataset(Windows):
+    """A byte corpus cut into non-overlapping train/val windows (or synthetic random bytes)."""
+
+    name: str
+    seq_len: int
+    seed: int
+    _train: np.ndarray | None = field(default=None, repr=False, compare=False)  # uint8[n, W]
+    _val: np.ndarray | None = field(default=None, repr=False, compare=False)  # uint8[m, W]
+    _source: str = field(default="", repr=False)
+
+    @property
+    def num_train_windows(self) -> int | None:
+        """Number of train windows per epoch (None for synthetic: unlimited)."""
+        return None if self._train is None else int(self._train.shape[0])
+
+    @property
+    def num_val_windows(self) -> int | None:
+        """Number of validation windows (None for synthetic: unlimited)."""
+        return None if self._val is None else int(self._val.shape[0])
+
+    def train_rows(self, step: int, start: int, stop: int, global_batch: int) -> np.ndarray:
+        """Rows [start, stop) of training step `step` (0-based): int32[stop-start, seq_len+1]."""
+        g = global_indices(step, start, stop, global_batch)
+        if self._train is None:
+            return self._synthetic(g, "train")
+        return epoch_rows(self._train, self.seed, g)
+
+    def val_rows(self, batch: int, start: int, stop: int, global_batch: int) -> np.ndarray:
+        """Rows [start, stop) of validation batch `batch` (unshuffled): int32[stop-start, W]."""
+        g = global_indices(batch, start, stop, global_batch)
+        if self._val is None:
+            return self._synthetic(g, "val")
+        return self._val[g % self._val.shape[0]].astype(np.int32)
 
     def describe(self) -> str:
         """One line: source, size and window counts."""

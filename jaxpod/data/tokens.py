@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpod.data.text import epoch_permutation, global_indices
+from jaxpod.data.text import Windows, epoch_rows, global_indices
 from jaxpod.errors import DataError
 
 END_OF_TEXT = "<|endoftext|>"  # id 0: closes every document
@@ -129,7 +129,7 @@ def write_token_files(
 
 
 @dataclass(frozen=True)
-class TokenFileDataset:
+class TokenFileDataset(Windows):
     """Windows of `seq_len + 1` token ids from the token files in `directory` (memory-mapped);
     the same interface as `jaxpod.data.text.TokenDataset`."""
 
@@ -138,12 +138,6 @@ class TokenFileDataset:
     seed: int
     directory: Path
     _source: str = field(default="", repr=False)
-
-    unit = "tokens"
-
-    @property
-    def window(self) -> int:
-        return self.seq_len + 1
 
     @property
     def meta(self) -> dict:
@@ -169,34 +163,14 @@ class TokenFileDataset:
     def train_rows(self, step: int, start: int, stop: int, global_batch: int) -> np.ndarray:
         """Rows [start, stop) of training step `step`: int32[stop-start, seq_len+1]; each
         epoch visits the train windows in a permutation seeded by (seed, epoch)."""
-        windows = self._map("train")
         g = global_indices(step, start, stop, global_batch)
-        n = windows.shape[0]
-        epochs = g // n
-        idx = np.empty_like(g)
-        for epoch in np.unique(epochs):
-            sel = epochs == epoch
-            idx[sel] = epoch_permutation(self.seed, int(epoch), n)[g[sel] % n]
-        return windows[idx].astype(np.int32)
+        return epoch_rows(self._map("train"), self.seed, g)
 
     def val_rows(self, batch: int, start: int, stop: int, global_batch: int) -> np.ndarray:
         """Rows [start, stop) of validation batch `batch`, in order (wrapping around)."""
         windows = self._map("val")
         g = global_indices(batch, start, stop, global_batch)
         return windows[g % windows.shape[0]].astype(np.int32)
-
-    def per_example(self) -> int:
-        return self.seq_len
-
-    def shapes(self, global_batch: int) -> tuple[tuple[int, ...], ...]:
-        return ((global_batch, self.window),)
-
-    def read(self, split: str, step: int, start: int, stop: int, global_batch: int) -> tuple:
-        rows = self.train_rows if split == "train" else self.val_rows
-        return (rows(step, start, stop, global_batch),)
-
-    def val_batches(self, global_batch: int) -> int | None:
-        return None
 
     def describe(self) -> str:
         m = self.meta
