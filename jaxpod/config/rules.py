@@ -19,11 +19,9 @@ from jaxpod.config.fields import _check_fields, fail, get
 from jaxpod.config.rules_memory import check_memory, parse_bytes  # noqa: F401  (re-exported)
 from jaxpod.config.rules_model import check_blocks
 from jaxpod.config.rules_parallel import check_parallel
-from jaxpod.config.schema import IMAGE_DATA, TEXT_DATA, Config
+from jaxpod.config.schema import CHUNKED, IMAGE_DATA, STEPWISE, TEXT_DATA, Config
 
 PATH_DATA = ("text-files", "image-folder")  # the data.name values that read data.path
-# the pipeline schedules that cut each stage's layers into virtual stages (chunks)
-CHUNKED = ("circular", "interleaved-1f1b", "zb-v")
 MAX_DEVICES = 256  # what `train` runs on one host's virtual CPU devices
 MAX_PLANNED_DEVICES = 65536  # what the commands that only plan accept (a pod's count)
 BYTE_VOCAB = 256  # every dataset is byte-level: token ids are byte values 0..255
@@ -251,8 +249,8 @@ def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
     check_schedule(cfg, group)
     tokens = t.micro_batch * group * cfg.model.seq_len
     # the head runs on 1/S of a pass's tokens per stage, but under the tables with backward
-    # ops (`jaxpod.parallel.schedules.STEPWISE`), one micro-batch at a time on the last
-    spread = t.pipeline_schedule not in ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+    # ops (`STEPWISE`), one micro-batch at a time on the last
+    spread = t.pipeline_schedule not in STEPWISE
     if cfg.kind.stages == "stacked" and spread and tokens % cfg.mesh.pipeline:
         name = _group_name(t)
         fail(
@@ -361,7 +359,7 @@ def warnings(cfg: Config) -> list[str]:
             "train.skip_bubbles=true does nothing with mesh.pipeline=1 (no pipeline, no bubble "
             "ticks); leave it out"
         )
-    elif t.skip_bubbles and t.pipeline_schedule not in ("gpipe", "circular"):
+    elif t.skip_bubbles and t.pipeline_schedule in STEPWISE:
         out.append(
             f"train.skip_bubbles=true is not used by {t.pipeline_schedule} training (its ticks "
             "run only their own op); leave it out, or use train.pipeline_schedule=gpipe or "

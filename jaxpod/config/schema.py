@@ -45,6 +45,10 @@ Stream = Literal["layer", "matrix"]
 Offload = Literal["optimizer", "params", "activations"]
 # = jaxpod.parallel.schedules.KINDS
 PipelineSchedule = Literal["gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
+# the schedules whose tables hold the backward ops, run stage by stage
+STEPWISE: tuple[str, ...] = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+# the schedules that cut each stage's layers into virtual stages (chunks)
+CHUNKED: tuple[str, ...] = ("circular", "interleaved-1f1b", "zb-v")
 GradAllreduce = Literal["psum", "ring"]  # = the keys of jaxpod.parallel.replica.ALLREDUCE
 
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)

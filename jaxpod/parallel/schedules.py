@@ -25,23 +25,23 @@ Jax-free (numpy only), so the planner can use it.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
 
 import numpy as np
+
+# CHUNKED and STEPWISE are the config's lists, named here for the executors and the planner
+from jaxpod.config.schema import CHUNKED, STEPWISE, PipelineSchedule  # noqa: F401
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 # the backward split (zero-bubble kinds): B, the input gradient; W, the weight gradient
 BACKWARD_INPUT, BACKWARD_WEIGHT = 3, 4
-Kind = Literal["gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
-# the kinds the executors run
-KINDS: tuple[str, ...] = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
-# the kinds whose tables hold the backward ops, run stage by stage (`train_ticks`, or over
-# chunks `train_chunk_ticks`)
-STEPWISE: tuple[str, ...] = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
-# every table `make_schedule` builds (`jaxpod.parallel.schedules_split`: the kinds past 1F1B)
-TABLES: tuple[str, ...] = (*KINDS, "interleaved-1f1b", "zb-h1", "zb-v")
+# the kinds `train.pipeline_schedule` names, each a table `make_schedule` builds and an
+# executor runs; STEPWISE (stage by stage: `train_ticks`, or over chunks
+# `train_chunk_ticks`) and CHUNKED are the config's own lists
+KINDS: tuple[str, ...] = typing.get_args(PipelineSchedule)
+TABLES = KINDS
 # the kinds whose V virtual stages per device sit in a V: device s holds s and 2S - 1 - s
 V_SHAPED = ("zb-v",)
 

@@ -14,12 +14,11 @@ from collections.abc import Callable
 
 from jaxpod.config import Config
 from jaxpod.config.rules import check_schedule
+from jaxpod.config.schema import CHUNKED
 from jaxpod.errors import ConfigError
 from jaxpod.parallel.schedule_time import bubble, lockstep_time
 from jaxpod.parallel.schedules import KINDS, make_schedule
 from jaxpod.planner.report import format_bytes
-
-CHUNKED = ("circular", "interleaved-1f1b", "zb-v")
 
 
 def candidates(cfg: Config) -> list[tuple[str, int]]:
