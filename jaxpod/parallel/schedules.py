@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -198,8 +198,18 @@ def one_f_one_b(stages: int, micro: int) -> Schedule:
     return Schedule("1f1b", stages, micro, 1, op, mb, virtual_stage)
 
 
+@lru_cache(maxsize=512)
 def make_schedule(kind: str, stages: int, micro: int, virtual: int = 1) -> Schedule:
-    """The table of `kind` (one of `TABLES`) for `stages` stages and `micro` micro-batches."""
+    """The table of `kind` (one of `TABLES`) for `stages` stages and `micro` micro-batches.
+    Built once per arguments (the planner and `search` ask for the same tables many times);
+    its arrays are read-only."""
+    table = _build(kind, stages, micro, virtual)
+    for array in (table.op, table.micro_index, table.virtual_stage):
+        array.flags.writeable = False
+    return table
+
+
+def _build(kind: str, stages: int, micro: int, virtual: int) -> Schedule:
     from jaxpod.parallel import schedules_split as split
 
     if kind == "interleaved-1f1b":

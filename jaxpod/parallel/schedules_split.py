@@ -91,22 +91,28 @@ def interleaved_1f1b(stages: int, micro: int, virtual: int) -> Schedule:
 def greedy(kind: str, stages: int, micro: int, virtual: int, cap: int) -> Schedule:
     """Tick by tick, each device runs its first ready op of: a B (lowest micro-batch, then
     the later global stage); a forward while fewer than `cap` chunks are in flight (forward
-    done, W not: W needs the chunk's input and its output's cotangent); a W (oldest)."""
+    done, W not: W needs the chunk's input and its output's cotangent); a W (oldest).
+
+    A device runs each (op, virtual stage) in micro-batch order (what an op needs is ready
+    for a lower micro-batch first), so only the lowest not yet run of each is a candidate:
+    a tick looks at 3·V ops per device, not at all 3·V·M."""
     kinds = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-    every = [(o, m, r) for o in kinds for m in range(micro) for r in range(virtual)]
-    todo = [set(every) for _ in range(stages)]
+    lanes = [(o, r) for o in kinds for r in range(virtual)]
+    nxt = [dict.fromkeys(lanes, 0) for _ in range(stages)]  # the next micro-batch of a lane
     done: dict[tuple[int, int, int], int] = {}
-    held, rows, t = [0] * stages, [], 0
-    while any(todo):
+    held, rows, t, left = [0] * stages, [], 0, stages * len(lanes) * micro
+    while left:
         row = []
         for s in range(stages):
-            wanted = [(op, needs(kind, *op, s, stages, virtual)) for op in todo[s]]
+            heads = [(o, m, r) for (o, r), m in nxt[s].items() if m < micro]
+            wanted = [(op, needs(kind, *op, s, stages, virtual)) for op in heads]
             ready = [op for op, need in wanted if need is None or done.get(need, t) < t]
             pick = _pick(kind, s, stages, ready, held[s] < cap)
             row.append(pick or (IDLE, -1, 0))
             if pick:
-                todo[s].discard(pick)
+                nxt[s][pick[0], pick[2]] += 1
                 held[s] += {FORWARD: 1, BACKWARD_WEIGHT: -1}.get(pick[0], 0)
+                left -= 1
         for s, (o, m, r) in enumerate(row):
             if o != IDLE:
                 done[(o, m, global_stage(kind, s, r, stages))] = t

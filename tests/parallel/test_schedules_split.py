@@ -19,6 +19,7 @@ from jaxpod.parallel.schedules import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
+    IDLE,
     TABLES,
     global_stage,
     make_schedule,
@@ -116,3 +117,43 @@ def test_every_table_kind_is_built():
     assert set(TABLES) == {"gpipe", "circular", "1f1b", *SPLIT}
     with pytest.raises(ValueError, match="not a multiple"):
         make_schedule("interleaved-1f1b", 4, 6, 2)
+
+
+def plain_greedy(kind: str, stages: int, micro: int, virtual: int, cap: int) -> list[list]:
+    """`greedy` the plain way: every op not yet run is a candidate on every tick."""
+    from jaxpod.parallel.schedules_split import _pick
+
+    kinds = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+    every = [(o, m, r) for o in kinds for m in range(micro) for r in range(virtual)]
+    todo, done, held, rows = [set(every) for _ in range(stages)], {}, [0] * stages, []
+    while any(todo):
+        t, row = len(rows), []
+        for s in range(stages):
+            ready = [
+                op
+                for op in todo[s]
+                if (need := needs(kind, *op, s, stages, virtual)) is None or done.get(need, t) < t
+            ]
+            pick = _pick(kind, s, stages, ready, held[s] < cap)
+            row.append(pick or (IDLE, -1, 0))
+            if pick:
+                todo[s].discard(pick)
+                held[s] += {FORWARD: 1, BACKWARD_WEIGHT: -1}.get(pick[0], 0)
+        for s, (o, m, r) in enumerate(row):
+            if m >= 0:
+                done[(o, m, global_stage(kind, s, r, stages))] = t
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(1, 3), (2, 5), (3, 7), (4, 12), (5, 9)])
+def test_greedy_looks_only_at_each_lanes_next_op(stages, micro):
+    """ZB-V's greedy, which looks at the next micro-batch of each (op, virtual stage) only,
+    builds the table the plain greedy over every op not yet run builds."""
+    sched = make_schedule("zb-v", stages, micro, 2)
+    rows = plain_greedy("zb-v", stages, micro, 2, 2 * stages)
+    assert sched.op.shape == (len(rows), stages)
+    for t, row in enumerate(rows):
+        for s, (o, m, r) in enumerate(row):
+            got = (sched.op[t, s], sched.micro_index[t, s], sched.virtual_stage[t, s])
+            assert got == (o, m, r), (t, s)
