@@ -14,7 +14,6 @@ downloaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,11 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpod.data.documents import is_validation
 from jaxpod.data.text import Windows, epoch_rows, global_indices
 from jaxpod.errors import DataError
 
 END_OF_TEXT = "<|endoftext|>"  # id 0: closes every document
 META = "meta.json"
+TOKENIZER = "tokenizer.json"  # the tokenizer the files were encoded with, kept beside them
 CHUNK = 256  # documents encoded (and held) at a time
 
 
@@ -75,12 +76,6 @@ def load_tokenizer(path: str | os.PathLike):
         ) from None
 
 
-def is_validation(text: str, val_fraction: float) -> bool:
-    """Whether a document is held out: a hash of its text, below `val_fraction` of the range."""
-    digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < val_fraction
-
-
 def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
     chunk: list[str] = []
     for text in texts:
@@ -95,8 +90,9 @@ def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
 def write_token_files(
     texts: Iterable[str], tokenizer, directory: str | os.PathLike, val_fraction: float
 ) -> Path:
-    """Encode `texts` (documents) into `directory`'s `train.tokens` and `val.tokens` once;
-    an existing complete directory is kept as it is. Returns the directory."""
+    """Encode `texts` (documents) into `directory`'s `train.tokens` and `val.tokens` once,
+    with the tokenizer saved beside them (`TOKENIZER`); an existing complete directory is kept
+    as it is. Returns the directory."""
     directory = Path(directory)
     if (directory / META).is_file():
         return directory
@@ -115,6 +111,7 @@ def write_token_files(
                     (val if split == "val" else train).write(ids.tobytes())
                     counts[split][0] += 1
                     counts[split][1] += ids.size
+        tokenizer.save(str(work / TOKENIZER))
         meta = {"vocab": vocab, "dtype": np.dtype(dtype).name, "val_fraction": val_fraction}
         meta |= {f"{s}_{k}": counts[s][i] for s in counts for i, k in enumerate(("docs", "ids"))}
         (work / META).write_text(json.dumps(meta, indent=2))
@@ -175,7 +172,7 @@ class TokenFileDataset(Windows):
     def describe(self) -> str:
         m = self.meta
         return (
-            f"{self.name}: {self._source}, BPE of {m['vocab']:,} ids; {m['train_docs']:,} train "
+            f"{self.name}: {self._source}, {m['vocab']:,} token ids; {m['train_docs']:,} train "
             f"/ {m['val_docs']:,} held-out documents, {self.num_train_windows:,} / "
             f"{self.num_val_windows:,} windows of {self.window} tokens"
         )
