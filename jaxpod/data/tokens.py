@@ -187,7 +187,8 @@ def open_token_files(
     if ds.num_train_windows < 2 or ds.num_val_windows < 1:
         raise DataError(
             f"{name}: {m['train_ids']:,} train / {m['val_ids']:,} held-out tokens, too few "
-            f"for model.seq_len={seq_len} (2 train and 1 held-out window of {seq_len + 1}); "
-            "add text or lower model.seq_len"
+            f"for model.seq_len={seq_len} (2 train and 1 held-out window of {seq_len + 1}; "
+            f"whole documents are held out, by a hash of their text, at data.val_fraction="
+            f"{m['val_fraction']}); add text or lower model.seq_len"
         )
     return ds

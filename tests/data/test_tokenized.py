@@ -94,6 +94,14 @@ def test_a_tokenizer_too_large_for_model_vocab_is_one_line(tmp_path, cache, call
     assert not cache.exists()  # nothing encoded
 
 
+def test_one_file_is_one_document_and_is_not_split(tmp_path, cache):
+    corpus = write_corpus(tmp_path / "corpus", n=1)
+    with pytest.raises(DataError) as exc:
+        bpe_tokens(corpus)
+    msg = str(exc.value)
+    assert "\n" not in msg and "whole documents are held out" in msg and "0 " in msg
+
+
 def test_a_missing_tokenizer_json_is_one_line(tmp_path, cache):
     corpus = write_corpus(tmp_path / "corpus", n=10)
     with pytest.raises(DataError, match="is no file; name a tokenizer.json") as exc:
