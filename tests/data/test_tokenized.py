@@ -28,10 +28,9 @@ def cache(tmp_path, monkeypatch):
 
 
 def bpe_tokens(corpus, tokenizer="bpe", vocab=320, seed=0):
-    return load_tokens(
-        "text-files", tokenizer=tokenizer, vocab=vocab, seq_len=16, seed=seed,
-        path=str(corpus), val_fraction=VF,
-    )  # fmt: skip
+    """`load_tokens` of the corpus at `corpus`: windows of 17 ids, a fifth held out."""
+    kw = dict(tokenizer=tokenizer, vocab=vocab, seq_len=16, seed=seed, val_fraction=VF)
+    return load_tokens("text-files", path=str(corpus), **kw)
 
 
 def encoded(tokenizer, held: bool) -> list[int]:
