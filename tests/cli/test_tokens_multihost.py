@@ -1,5 +1,5 @@
-"""BPE tokens (`data.tokenizer=bpe`) on several processes: 2 processes x 4 virtual CPU devices
-train the 2x2x2 mesh as 1 process x 8 devices does, on the same token windows; the two
+"""BPE tokens (`data.tokenizer=bpe`) on several processes: 2 processes x 2 virtual CPU devices
+train the 2x1x2 mesh as 1 process x 4 devices does, on the same token windows; the two
 processes, finding no token files, both write them (at once, or the later one finding the
 other's) and leave one complete directory.
 """
@@ -23,10 +23,11 @@ def test_two_processes_train_on_the_tokens_of_one(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # passed on to the runs
     corpus = write_corpus(tmp_path / "corpus")
     data = ("data.name=text-files", f"data.path={corpus}", "data.tokenizer=bpe")
-    run = ("train", TINY, *TINY4, *data, "model.vocab=320")
-    finish([start(*run, "devices=8", f"train.logdir={tmp_path / 'one'}")], timeout=300)
+    mesh = ("mesh.replica=2", "mesh.pipeline=1", "mesh.tensor=2")  # each process one replica
+    run = ("train", TINY, *TINY4, *data, "model.vocab=320", *mesh)
+    finish([start(*run, "devices=4", f"train.logdir={tmp_path / 'one'}")], timeout=300)
     shutil.rmtree(tmp_path / "xdg")  # both processes build the token files
-    procs = start_two_processes(*run, "devices=4", f"train.logdir={tmp_path / 'two'}")
+    procs = start_two_processes(*run, "devices=2", f"train.logdir={tmp_path / 'two'}")
     finish(procs, timeout=300)
     (written,) = (tmp_path / "xdg" / "jaxpod" / "tokens").iterdir()  # no temporary left
     files = sorted(p.name for p in written.iterdir())
