@@ -30,6 +30,7 @@ from jaxpod.data.tokens import (
     TokenFileDataset,
     load_tokenizer,
     open_token_files,
+    require_tokenizers,
     train_bpe,
     write_token_files,
 )
@@ -87,9 +88,12 @@ def _check_vocab(ids: int, vocab: int, tokenizer: str) -> None:
 
 
 def check_tokenizer(tokenizer: str, vocab: int) -> None:
-    """A `data.tokenizer` path names a tokenizer.json whose ids fit in `model.vocab` (one-line
-    `DataError` otherwise); `bytes` and `bpe` need no file."""
-    if tokenizer not in (BYTES, BPE):
+    """`data.tokenizer` can be used: `tokenizers` is installed (`bpe` or a path), and a path
+    names a tokenizer.json whose ids fit in `model.vocab` (one-line `DataError` otherwise)."""
+    if tokenizer == BYTES:
+        return
+    require_tokenizers()
+    if tokenizer != BPE:
         user = load_tokenizer(os.path.expanduser(tokenizer))
         _check_vocab(user.get_vocab_size(), vocab, tokenizer)
 

@@ -34,7 +34,8 @@ TOKENIZER = "tokenizer.json"  # the tokenizer the files were encoded with, kept 
 CHUNK = 256  # documents encoded (and held) at a time
 
 
-def _tokenizers():
+def require_tokenizers():
+    """The `tokenizers` module; a one-line `DataError` naming the extra if it is missing."""
     try:
         import tokenizers
     except ImportError:
@@ -47,7 +48,7 @@ def _tokenizers():
 def train_bpe(texts: Iterable[str], vocab: int):
     """A byte-level BPE of `vocab` ids trained on `texts` (id 0: `END_OF_TEXT`); the same
     texts in the same order give the same tokenizer."""
-    tk = _tokenizers()
+    tk = require_tokenizers()
     tokenizer = tk.Tokenizer(tk.models.BPE())
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()
@@ -63,7 +64,7 @@ def train_bpe(texts: Iterable[str], vocab: int):
 
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer saved at `path` (a `tokenizer.json`); one-line `DataError` otherwise."""
-    tk = _tokenizers()
+    tk = require_tokenizers()
     if not Path(path).is_file():
         raise DataError(f"data.tokenizer={os.fspath(path)!r} is no file; name a tokenizer.json")
     try:
