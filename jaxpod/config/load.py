@@ -52,7 +52,7 @@ TOP_LEVEL: tuple[str, ...] = tuple(
 )  # devices and the section names
 
 _NUMBER_AS_TEXT = ("memory.device_budget",)  # text fields that may be given as a plain number
-PATHS = ("train.logdir", "data.path")  # keys whose leading ~ is expanded
+PATHS = ("train.logdir", "data.path", "data.tokenizer")  # keys whose leading ~ is expanded
 
 
 def _one_line(text: object) -> str:

@@ -16,15 +16,14 @@ dataclasses and calls `validate_and_resolve`.
 import dataclasses
 
 from jaxpod.config.fields import _check_fields, fail, get
+from jaxpod.config.rules_data import BYTE_VOCAB, PATH_DATA, check_data  # noqa: F401
 from jaxpod.config.rules_memory import check_memory, parse_bytes  # noqa: F401  (re-exported)
 from jaxpod.config.rules_model import check_blocks
 from jaxpod.config.rules_parallel import check_parallel
-from jaxpod.config.schema import CHUNKED, IMAGE_DATA, STEPWISE, TEXT_DATA, Config
+from jaxpod.config.schema import CHUNKED, STEPWISE, Config
 
-PATH_DATA = ("text-files", "image-folder")  # the data.name values that read data.path
 MAX_DEVICES = 256  # what `train` runs on one host's virtual CPU devices
 MAX_PLANNED_DEVICES = 65536  # what the commands that only plan accept (a pod's count)
-BYTE_VOCAB = 256  # every dataset is byte-level: token ids are byte values 0..255
 SEED_LIMIT = 2**32  # train.seed seeds numpy's generators: an unsigned 32-bit integer
 INT32_MAX = 2**31 - 1  # a count the compiled step takes as an argument is an int32
 
@@ -155,46 +154,6 @@ def check_optim(cfg: Config) -> None:
     _check_fields(cfg, "optim")
     if cfg.optim.lr <= 0:
         fail(f"optim.lr={cfg.optim.lr} must be > 0")
-
-
-def check_data(cfg: Config) -> None:
-    """The dataset: its path, and that it feeds what the model reads (images or tokens)."""
-    _check_fields(cfg, "data")
-    d, md = cfg.data, cfg.model
-    if not 0 < d.val_fraction < 1:
-        fail(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (exclusive)")
-    if d.name in PATH_DATA and not d.path:
-        kind = "text files" if d.name == "text-files" else "one subdirectory of images per class"
-        fail(f"data.name={d.name} needs data.path=DIR (a directory of {kind})")
-    if d.name not in PATH_DATA and d.path is not None:
-        fail(
-            f"data.path={d.path!r} is only used by data.name=text-files or image-folder; "
-            "set data.path=null"
-        )
-    if cfg.kind.data == "images":
-        if d.name not in IMAGE_DATA:
-            fail(
-                f"data.name={d.name} is text but model.name={md.name} classifies images; "
-                f"use data.name one of {', '.join(IMAGE_DATA)}"
-            )
-        return
-    if d.name not in TEXT_DATA:
-        fail(
-            f"data.name={d.name} is images but model.name={md.name} reads tokens; "
-            f"use data.name one of {', '.join(TEXT_DATA)}"
-        )
-    if md.name == "bert" and md.vocab <= BYTE_VOCAB:
-        t = cfg.mesh.tensor
-        fail(
-            f"model.vocab={md.vocab}: BERT needs the {BYTE_VOCAB} byte values plus a "
-            f"[MASK] id ({BYTE_VOCAB}); use model.vocab>={BYTE_VOCAB + 1} divisible by "
-            f"mesh.tensor={t}, e.g. {-(-(BYTE_VOCAB + 1) // t) * t}"
-        )
-    if md.vocab < BYTE_VOCAB:
-        fail(
-            f"model.vocab={md.vocab} is smaller than {BYTE_VOCAB} byte values of "
-            f"data.name={d.name}; use model.vocab>={BYTE_VOCAB}"
-        )
 
 
 def check_precision(cfg: Config) -> None:

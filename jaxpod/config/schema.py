@@ -158,6 +158,10 @@ class DataConfig:
 
     name: DataName = "stdlib-code"
     path: str | None = None
+    # text: `bytes` (ids are the 256 byte values), `bpe` (a byte-level BPE of model.vocab ids
+    # trained on the corpus) or the path of a tokenizer.json (its ids fit in model.vocab);
+    # BPE token files are written once under $XDG_CACHE_HOME/jaxpod/tokens (jaxpod.data.tokenized)
+    tokenizer: str = "bytes"
     val_fraction: float = 0.05
     prefetch: int = 3  # batches (parts) read ahead into host memory by a thread (0: synchronous)
 

@@ -1,7 +1,10 @@
 """Byte-level language-modelling datasets, deterministic and independent of the mesh.
 
-Vocabulary is bytes (0..255). An example is a window of ``seq_len + 1`` consecutive bytes; the
-engine shifts it into inputs/targets. Row ``i`` of training step ``k`` is global example
+Vocabulary is bytes (0..255; `data.tokenizer=bytes`). Documents (files: `jaxpod.data.documents`)
+are read in sorted order up to a cap held in memory (16 MiB), whole documents held out for
+validation by a hash of their text; each split is its documents joined by a blank line and cut
+into windows of ``seq_len + 1`` consecutive bytes, which the engine shifts into
+inputs/targets. Row ``i`` of training step ``k`` is global example
 ``g = k * global_batch + i``; train windows are visited in a seeded permutation per epoch, so
 the rows of a step depend only on (dataset, seq_len, seed, global_batch), never on the mesh or
 the number of processes. Host-side only: numpy + standard library, no jax, nothing downloaded.
@@ -9,21 +12,24 @@ the number of processes. Host-side only: numpy + standard library, no jax, nothi
 
 from __future__ import annotations
 
-import codecs
 import functools
-import math
-import os
-import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from jaxpod.data.documents import (
+    is_validation,
+    read_stdlib,
+    read_text,
+    stdlib_files,
+    stdlib_root,
+    text_files,
+)
 from jaxpod.errors import DataError
 
 NAMES = ("stdlib-code", "synthetic", "text-files")
 SEPARATOR = b"\n\n"
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _SPLIT_IDS = {"train": 0, "val": 1}
 
 
@@ -147,102 +153,86 @@ def decode(tokens: np.ndarray) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def _join(texts: list[bytes], max_bytes: int) -> tuple[np.ndarray, bool]:
-    """Join file contents with SEPARATOR, capped at max_bytes: (read-only uint8[n], truncated)."""
-    data = SEPARATOR.join(texts)
-    truncated = len(data) > max_bytes
-    arr = np.frombuffer(data[:max_bytes], dtype=np.uint8)
-    return arr, truncated
+def _join(texts: list[bytes]) -> np.ndarray:
+    """File contents joined with SEPARATOR: read-only uint8[n]."""
+    return np.frombuffer(SEPARATOR.join(texts), dtype=np.uint8)
+
+
+def _capped(files: list[Path], max_bytes: int, read) -> tuple[list[bytes], int, bool]:
+    """The documents of `files` in order until `max_bytes` (separators counted), each read
+    no further than the cap leaves room for: (texts, files skipped by `read`, cut)."""
+    texts: list[bytes] = []
+    skipped, total, cut = 0, 0, False
+    for f in files:
+        if total >= max_bytes:
+            return texts, skipped, True
+        got = read(f, max_bytes - total)
+        if got is None:
+            skipped += 1
+            continue
+        data, cut = got
+        texts.append(data)
+        total += len(data) + len(SEPARATOR)
+    return texts, skipped, cut
+
+
+def _split(texts: list[bytes], window: int, val_fraction: float) -> tuple[np.ndarray, ...]:
+    """Held-out documents (`is_validation`) apart, each split joined and cut into
+    uint8[k, window]: (train, val)."""
+    held = [is_validation(t.decode("utf-8", "replace"), val_fraction) for t in texts]
+    out = []
+    for split in (False, True):
+        data = _join([t for t, h in zip(texts, held, strict=True) if h == split])
+        n = data.shape[0] // window
+        out.append(data[: n * window].reshape(n, window))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4)
-def _stdlib_corpus(root: str, max_bytes: int) -> tuple[np.ndarray, int]:
-    """The stdlib's .py files in sorted relative-path order, capped: (uint8[n], files used)."""
-    paths: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-        paths += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
-    paths.sort(key=lambda p: os.path.relpath(p, root).split(os.sep))
-    texts: list[bytes] = []
-    total = 0
-    for p in paths:
-        if total >= max_bytes:
-            break
-        try:
-            with open(p, "rb") as f:
-                data = f.read(max_bytes - total)  # never more than the cap leaves room for
-        except OSError:
-            continue
-        texts.append(data)
-        total += len(data) + len(SEPARATOR)
-    return _join(texts, max_bytes)[0], len(texts)
+def _stdlib_corpus(root: str, max_bytes: int) -> tuple[list[bytes], int, bool]:
+    """The stdlib's .py files in sorted relative-path order, capped: (texts, skipped, cut)."""
+    return _capped(stdlib_files(root), max_bytes, read_stdlib)
 
 
-def _text_corpus(path: str, max_bytes: int) -> tuple[np.ndarray, int, int, bool]:
-    """UTF-8 files under `path` (sorted, hidden entries skipped): (uint8[n], kept, skipped, cut)."""
-    root = Path(path).expanduser()
-    if not root.exists():
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _too_few(where: str, train: np.ndarray, val: np.ndarray, seq_len: int, vf: float) -> str:
+    """The one-line message of a corpus with < 2 train or < 1 held-out window."""
+    return (
+        f"{where} {train.size:,} train / {val.size:,} held-out bytes in whole windows, too few "
+        f"for model.seq_len={seq_len}: need 2 train and 1 held-out window of {seq_len + 1} "
+        f"bytes (whole documents are held out, by a hash of their text, at "
+        f"data.val_fraction={vf})"
+    )
+
+
+def _corpus(name: str, path: str | None, max_bytes: int) -> tuple[list[bytes], str, str]:
+    """(documents, source description, where-clause of the too-few message)."""
+    if name == "stdlib-code":
+        root = stdlib_root()
+        texts, _, cut = _stdlib_corpus(root, max_bytes)
+        size = sum(map(len, texts))
+        first = f", the first {_mib(max_bytes)} read" if cut else ""
+        source = f"{_mib(size)} of Python from {root} ({len(texts)} files{first})"
+        return texts, source, "stdlib-code has"
+    if path is None:
         raise DataError(
-            f"data.path={path!r} does not exist; point data.path at a directory of text files"
+            "data.path is not set; data.name='text-files' needs data.path pointing at a "
+            "directory of text files"
         )
-    if root.is_file():
-        files = [root]
-    else:
-        files = []
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            files += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
-        files = sorted((f for f in files if f.is_file()), key=lambda f: f.relative_to(root).parts)
-    texts: list[bytes] = []
-    skipped = 0
-    total = 0
-    for f in files:
-        if total >= max_bytes:
-            break
-        try:
-            with open(f, "rb") as stream:  # never more than the cap leaves room for
-                data = stream.read(max_bytes - total + 1)
-            if b"\0" in data[:8192]:
-                raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")
-            cut = len(data) > max_bytes - total  # a character cut at the cap is no error
-            codecs.getincrementaldecoder("utf-8")().decode(data, final=not cut)
-        except (OSError, UnicodeDecodeError):
-            skipped += 1
-            continue
-        texts.append(data)
-        total += len(data) + len(SEPARATOR)
+    texts, skipped, truncated = _capped(text_files(path), max_bytes, read_text)
     if not texts:
         raise DataError(
             f"data.path={path!r} holds no UTF-8 text files ({skipped} binary or unreadable "
             "skipped); point data.path at a directory of text files"
         )
-    corpus, truncated = _join(texts, max_bytes)
-    return corpus, len(texts), skipped, truncated
-
-
-def _bytes_needed(window: int, val_fraction: float) -> int:
-    """Smallest corpus size giving >= 2 train windows and >= 1 val window."""
-    n = max(3 * window, math.ceil(window / val_fraction))
-    while not _enough(n, window, val_fraction):
-        n += 1
-    return n
-
-
-def _enough(n: int, window: int, val_fraction: float) -> bool:
-    n_val = int(n * val_fraction)
-    return n_val >= window and n - n_val >= 2 * window
-
-
-def _split(corpus: np.ndarray, window: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Last val_fraction of the bytes is validation; each split cut into uint8[k, window]."""
-    n_val = int(corpus.shape[0] * val_fraction)
-    train, val = corpus[: corpus.shape[0] - n_val], corpus[corpus.shape[0] - n_val :]
-    nt, nv = train.shape[0] // window, val.shape[0] // window
-    return train[: nt * window].reshape(nt, window), val[: nv * window].reshape(nv, window)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    cut = f", the first {_mib(max_bytes)} read" if truncated else ""
+    size = sum(map(len, texts))
+    files = f"{len(texts)} files, {skipped} skipped as binary{cut}"
+    source = f"{_mib(size)} of text from {path} ({files})"
+    return texts, source, f"data.path={path!r} holds"
 
 
 def load_dataset(
@@ -267,35 +257,9 @@ def load_dataset(
         raise DataError(f"data.val_fraction={val_fraction} must be in (0, 1); e.g. 0.05")
     if max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes} must be positive")  # no config key sets it
-    needed = _bytes_needed(window, val_fraction)
-    if name == "stdlib-code":
-        root = sysconfig.get_paths()["stdlib"]
-        corpus, n_files = _stdlib_corpus(root, max_bytes)
-        source = f"{_mib(corpus.shape[0])} of Python from {root} ({n_files} files)"
-        if not _enough(corpus.shape[0], window, val_fraction):
-            raise DataError(
-                f"stdlib-code has {corpus.shape[0]:,} bytes (read up to {_mib(max_bytes)}), too "
-                f"few for model.seq_len={seq_len}: need >= {needed:,}; lower model.seq_len, or "
-                "use data.name=text-files with a larger corpus"
-            )
-    else:
-        if path is None:
-            raise DataError(
-                "data.path is not set; data.name='text-files' needs data.path pointing at a "
-                "directory of text files"
-            )
-        corpus, kept, skipped, truncated = _text_corpus(path, max_bytes)
-        cut = f", the first {_mib(max_bytes)} read" if truncated else ""
-        source = (
-            f"{_mib(corpus.shape[0])} of text from {path} ({kept} files, "
-            f"{skipped} skipped as binary{cut})"
-        )
-        if not _enough(corpus.shape[0], window, val_fraction):
-            raise DataError(
-                f"data.path={path!r} holds {corpus.shape[0]:,} bytes of text, too few for "
-                f"model.seq_len={seq_len}: need >= {needed:,} (2 train + 1 val windows of "
-                f"{window} bytes at data.val_fraction={val_fraction}); add text to data.path or "
-                "lower model.seq_len"
-            )
-    train, val = _split(corpus, window, val_fraction)
+    texts, source, where = _corpus(name, path, max_bytes)
+    train, val = _split(texts, window, val_fraction)
+    if train.shape[0] < 2 or val.shape[0] < 1:
+        fix = "lower model.seq_len" if name == "stdlib-code" else "add text files to data.path"
+        raise DataError(f"{_too_few(where, train, val, seq_len, val_fraction)}; {fix}")
     return TokenDataset(name, seq_len, seed, _train=train, _val=val, _source=source)

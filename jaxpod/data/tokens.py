@@ -14,7 +14,6 @@ downloaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,15 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpod.data.documents import is_validation
 from jaxpod.data.text import Windows, epoch_rows, global_indices
 from jaxpod.errors import DataError
 
 END_OF_TEXT = "<|endoftext|>"  # id 0: closes every document
 META = "meta.json"
+TOKENIZER = "tokenizer.json"  # the tokenizer the files were encoded with, kept beside them
 CHUNK = 256  # documents encoded (and held) at a time
 
 
-def _tokenizers():
+def require_tokenizers():
+    """The `tokenizers` module; a one-line `DataError` naming the extra if it is missing."""
     try:
         import tokenizers
     except ImportError:
@@ -46,7 +48,7 @@ def _tokenizers():
 def train_bpe(texts: Iterable[str], vocab: int):
     """A byte-level BPE of `vocab` ids trained on `texts` (id 0: `END_OF_TEXT`); the same
     texts in the same order give the same tokenizer."""
-    tk = _tokenizers()
+    tk = require_tokenizers()
     tokenizer = tk.Tokenizer(tk.models.BPE())
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()
@@ -62,7 +64,7 @@ def train_bpe(texts: Iterable[str], vocab: int):
 
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer saved at `path` (a `tokenizer.json`); one-line `DataError` otherwise."""
-    tk = _tokenizers()
+    tk = require_tokenizers()
     if not Path(path).is_file():
         raise DataError(f"data.tokenizer={os.fspath(path)!r} is no file; name a tokenizer.json")
     try:
@@ -73,12 +75,6 @@ def load_tokenizer(path: str | os.PathLike):
             f"data.tokenizer={os.fspath(path)!r} is no tokenizer.json ({first}); name one "
             "saved by Hugging Face tokenizers"
         ) from None
-
-
-def is_validation(text: str, val_fraction: float) -> bool:
-    """Whether a document is held out: a hash of its text, below `val_fraction` of the range."""
-    digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < val_fraction
 
 
 def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
@@ -95,8 +91,9 @@ def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
 def write_token_files(
     texts: Iterable[str], tokenizer, directory: str | os.PathLike, val_fraction: float
 ) -> Path:
-    """Encode `texts` (documents) into `directory`'s `train.tokens` and `val.tokens` once;
-    an existing complete directory is kept as it is. Returns the directory."""
+    """Encode `texts` (documents) into `directory`'s `train.tokens` and `val.tokens` once,
+    with the tokenizer saved beside them (`TOKENIZER`); an existing complete directory is kept
+    as it is. Returns the directory."""
     directory = Path(directory)
     if (directory / META).is_file():
         return directory
@@ -115,6 +112,7 @@ def write_token_files(
                     (val if split == "val" else train).write(ids.tobytes())
                     counts[split][0] += 1
                     counts[split][1] += ids.size
+        tokenizer.save(str(work / TOKENIZER))
         meta = {"vocab": vocab, "dtype": np.dtype(dtype).name, "val_fraction": val_fraction}
         meta |= {f"{s}_{k}": counts[s][i] for s in counts for i, k in enumerate(("docs", "ids"))}
         (work / META).write_text(json.dumps(meta, indent=2))
@@ -175,7 +173,7 @@ class TokenFileDataset(Windows):
     def describe(self) -> str:
         m = self.meta
         return (
-            f"{self.name}: {self._source}, BPE of {m['vocab']:,} ids; {m['train_docs']:,} train "
+            f"{self.name}: {self._source}, {m['vocab']:,} token ids; {m['train_docs']:,} train "
             f"/ {m['val_docs']:,} held-out documents, {self.num_train_windows:,} / "
             f"{self.num_val_windows:,} windows of {self.window} tokens"
         )
@@ -190,7 +188,8 @@ def open_token_files(
     if ds.num_train_windows < 2 or ds.num_val_windows < 1:
         raise DataError(
             f"{name}: {m['train_ids']:,} train / {m['val_ids']:,} held-out tokens, too few "
-            f"for model.seq_len={seq_len} (2 train and 1 held-out window of {seq_len + 1}); "
-            "add text or lower model.seq_len"
+            f"for model.seq_len={seq_len} (2 train and 1 held-out window of {seq_len + 1}; "
+            f"whole documents are held out, by a hash of their text, at data.val_fraction="
+            f"{m['val_fraction']}); add text or lower model.seq_len"
         )
     return ds

@@ -1,10 +1,11 @@
 """Masked-language-model examples from byte windows, on the device, deterministic.
 
 BERT trains on the same byte corpora as GPT (`jaxpod.data.text`: stdlib-code, synthetic,
-text-files); each window of `seq_len + 1` bytes gives one example of its first `seq_len`
-bytes. In every row exactly `round(0.15 * seq_len)` positions (at least 1) are chosen; of
-those, 80 % are replaced by the `[MASK]` id, 10 % by a random byte, 10 % kept (each chosen
-position draws its fate independently). The loss is taken on the chosen positions only.
+text-files; `data.tokenizer=bytes` only, the config refuses a BPE); each window of
+`seq_len + 1` bytes gives one example of its first `seq_len` bytes. In every row exactly
+`round(0.15 * seq_len)` positions (at least 1) are chosen; of those, 80 % are replaced by the
+`[MASK]` id, 10 % by a random byte, 10 % kept (each chosen position draws its fate
+independently). The loss is taken on the chosen positions only.
 
 Randomness: row `r` (its index in the *global* batch) of optimizer step `k` is masked with
 `jaxpod.models.family.row_keys(seed, k, r)`: the masks depend on (seed, step, row), never on

@@ -1,12 +1,14 @@
 """The checks before training, run once: a mistake is refused in one line, nothing touched.
 
 `preflight(cfg)` refuses, in this order: `train.profile_steps` reaching beyond the run; a
-mapping whose planned bytes per device exceed `memory.device_budget` (the planner's
-`check_budget`); more host RAM than this host has for its virtual CPU devices
-(`jaxpod.run.hostmem`, one process); a run directory that cannot be claimed
-(`jaxpod.run.logdir`). Then it holds the directory's lock (process 0's). The CLI runs it before
-jax starts (one process); the loop runs it for any other caller. jax-free; the planner is
-imported only when these checks ask it (the budget, the host's RAM), never by the loop.
+`data.tokenizer` without Hugging Face `tokenizers` installed, or a tokenizer file that is
+missing or whose ids do not fit in `model.vocab`; a mapping whose planned bytes per device
+exceed `memory.device_budget` (the planner's `check_budget`); more host RAM than this host has
+for its virtual CPU devices (`jaxpod.run.hostmem`, one process); a run directory that cannot
+be claimed (`jaxpod.run.logdir`). Then it holds the directory's lock (process 0's). The CLI
+runs it before jax starts (one process); the loop runs it for any other caller. jax-free; the
+planner is imported only when these checks ask it (the budget, the host's RAM), never by the
+loop.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ def preflight(
     `main`: this is process 0, the one that holds the lock; `foreign_ok`: the run directory
     may hold files that are not jaxpod's (`jaxpod.run.logdir.check_logdir`)."""
     check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
+    if cfg.data.tokenizer != "bytes":
+        from jaxpod.data.tokenized import check_tokenizer
+
+        check_tokenizer(cfg.data.tokenizer, cfg.model.vocab)
     check_budget(cfg)
     if processes == 1:
         check_host_ram(cfg)

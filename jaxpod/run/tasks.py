@@ -23,8 +23,9 @@ from jaxpod.engine import Engine, TrainState, abstract_engine, build_engine
 
 @dataclass
 class Task:
-    """A dataset (`TokenDataset` or `ImageDataset`) bound to an engine: a task in the learning
-    sense (the data and the model and loss that learn from it), not a cluster's (a process)."""
+    """A dataset (`TokenDataset`, `TokenFileDataset` or `ImageDataset`) bound to an engine:
+    a task in the learning sense (the data and the model and loss that learn from it), not a
+    cluster's (a process)."""
 
     cfg: Config
     dataset: Any
@@ -89,7 +90,8 @@ class Task:
 
 
 def load_data(cfg: Config):
-    """The dataset of `cfg.data`, cut for the model: byte windows or labelled images."""
+    """The dataset of `cfg.data`, cut for the model: byte or token windows, or labelled
+    images."""
     if cfg.kind.data == "images":
         from jaxpod.data.images import load_images
 
@@ -100,6 +102,18 @@ def load_data(cfg: Config):
             path=cfg.data.path,
             val_fraction=cfg.data.val_fraction,
             num_classes=cfg.model.num_classes,
+        )
+    if cfg.data.tokenizer != "bytes":
+        from jaxpod.data.tokenized import load_tokens
+
+        return load_tokens(
+            cfg.data.name,
+            tokenizer=cfg.data.tokenizer,
+            vocab=cfg.model.vocab,
+            seq_len=cfg.model.seq_len,
+            seed=cfg.train.seed,
+            path=cfg.data.path,
+            val_fraction=cfg.data.val_fraction,
         )
     from jaxpod.data.text import load_dataset
 

@@ -1,4 +1,5 @@
-"""Tests for jaxpod.data.text: byte-level datasets, determinism, slicing invariance, errors."""
+"""Tests for jaxpod.data.text: byte-level datasets, determinism, slicing invariance, the
+held-out split by document, errors."""
 
 import subprocess
 import sys
@@ -7,21 +8,35 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from jaxpod.data.text import SEPARATOR, TokenDataset, decode, load_dataset
+from jaxpod.data import text
+from jaxpod.data.documents import is_validation
+from jaxpod.data.text import TokenDataset, decode, load_dataset
 from jaxpod.errors import DataError
 
 SMALL = 2 * 2**20  # a 2 MiB stdlib corpus keeps most tests fast
 
 
 def _records(tmp_path, n=100, val_fraction=0.1):
-    """A one-file corpus of n 9-byte records "%08d\\n": window i (seq_len=8) is record i."""
-    f = tmp_path / "records.txt"
-    f.write_bytes(b"".join(b"%08d\n" % i for i in range(n)))
-    return load_dataset("text-files", seq_len=8, seed=0, path=str(f), val_fraction=val_fraction)
+    """A corpus of n one-record files "%07d" (record i in file i): joined by the 2-byte
+    separator, window j (seq_len=8) of a split is its j-th document."""
+    for i in range(n):
+        (tmp_path / f"r{i:03d}.txt").write_bytes(b"%07d" % i)
+    return load_dataset(
+        "text-files", seq_len=8, seed=0, path=str(tmp_path), val_fraction=val_fraction
+    )
+
+
+def _held(n=100, val_fraction=0.1) -> tuple[list[int], list[int]]:
+    """The records of `_records` in whole windows: (train, held out), each in file order (the
+    last document of a split lacks the separator that would complete its window)."""
+    held = [is_validation(f"{i:07d}", val_fraction) for i in range(n)]
+    train = [i for i in range(n) if not held[i]]
+    val = [i for i in range(n) if held[i]]
+    return train[:-1], val[:-1]
 
 
 def _ids(rows: np.ndarray) -> list[int]:
-    return [int(decode(r)[:8]) for r in rows]
+    return [int(decode(r)[:7]) for r in rows]
 
 
 def _partitions(g):
@@ -59,7 +74,7 @@ def test_stdlib_code_capped_and_cached():
     b = load_dataset("stdlib-code", seq_len=64, seed=0, max_bytes=SMALL)
     assert (a.num_train_windows + a.num_val_windows) * 65 <= SMALL
     assert a.num_train_windows * 65 > 2**20 * 1.5
-    assert a._train.base is b._train.base  # same cached corpus
+    assert text._stdlib_corpus.cache_info().hits >= 1  # the files are read once
     np.testing.assert_array_equal(a.train_rows(3, 0, 8, 8), b.train_rows(3, 0, 8, 8))
 
 
@@ -88,46 +103,49 @@ def test_too_small_stdlib_names_fix():
 # ---------------------------------------------------------------- text-files: order
 
 
-def test_train_val_split_by_position(tmp_path):
+def test_train_val_split_by_document(tmp_path):
     ds = _records(tmp_path, n=100, val_fraction=0.1)
-    assert ds.num_train_windows == 90 and ds.num_val_windows == 10
-    train_ids = _ids(ds.train_rows(0, 0, 90, 90))
-    val_ids = _ids(ds.val_rows(0, 0, 10, 10))
-    assert sorted(train_ids) == list(range(90))
-    assert val_ids == list(range(90, 100))  # after the train split, in order
-    assert "records.txt" in ds.describe()
+    train, val = _held()
+    assert 0 < len(val) < 20 and len(train) > 70  # about a tenth of the files held out
+    assert (ds.num_train_windows, ds.num_val_windows) == (len(train), len(val))
+    assert sorted(_ids(ds.train_rows(0, 0, len(train), len(train)))) == train
+    assert _ids(ds.val_rows(0, 0, len(val), len(val))) == val  # in file order
+    assert not set(train) & set(val)  # no document on both sides
+    assert "100 files" in ds.describe()
 
 
 def test_val_rows_unshuffled_and_wrap(tmp_path):
     ds = _records(tmp_path)
-    assert _ids(ds.val_rows(1, 0, 4, 4)) == [94, 95, 96, 97]
-    assert _ids(ds.val_rows(2, 0, 4, 4)) == [98, 99, 90, 91]  # (j*G+i) % n_val
+    _, val = _held()
+    want = [val[(4 + i) % len(val)] for i in range(4)]  # (j*G+i) % n_val
+    assert _ids(ds.val_rows(1, 0, 4, 4)) == want
     _check_slicing(lambda s, e: ds.val_rows(3, s, e, 7), 7)
 
 
 def test_epochs_visit_every_window_once(tmp_path):
     ds = _records(tmp_path)
-    g, n = 7, 90
+    train, _ = _held()
+    g, n = 7, len(train)
     steps = (3 * n) // g + 1
     ids = np.concatenate([_ids(ds.train_rows(k, 0, g, g)) for k in range(steps)])
     epochs = [ids[e * n : (e + 1) * n] for e in range(3)]
     for ep in epochs:
-        assert sorted(ep.tolist()) == list(range(n))
+        assert sorted(ep.tolist()) == train
     assert not np.array_equal(epochs[0], epochs[1])
-    assert not np.array_equal(epochs[0], np.arange(n))  # shuffled
+    assert not np.array_equal(epochs[0], train)  # shuffled
     # a step straddling an epoch boundary slices consistently
-    k = n // g  # step 12 holds global indices 84..90: crosses into epoch 1
+    k = n // g
     _check_slicing(lambda s, e: ds.train_rows(k, s, e, g), g)
 
 
 def test_order_matches_spec_formula(tmp_path):
     ds = _records(tmp_path)
+    train, _ = _held()
     g, n = 5, ds.num_train_windows
     for k in (0, 17, 40):
         idx = k * g + np.arange(g)
-        want = [
-            int(np.random.default_rng([0, gi // n]).permutation(n)[gi % n]) for gi in idx.tolist()
-        ]
+        perm = [np.random.default_rng([0, gi // n]).permutation(n) for gi in idx.tolist()]
+        want = [train[int(p[gi % n])] for p, gi in zip(perm, idx.tolist(), strict=True)]
         assert _ids(ds.train_rows(k, 0, g, g)) == want
 
 
@@ -137,9 +155,9 @@ def test_text_files_directory_sorted_and_skips_binary(tmp_path):
     (tmp_path / "a.txt").write_text("aaa" * 400)
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02" * 400)
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 " * 400)
-    ds = load_dataset("text-files", seq_len=15, seed=0, path=str(tmp_path), val_fraction=0.1)
+    ds = load_dataset("text-files", seq_len=15, seed=0, path=str(tmp_path), val_fraction=0.5)
     corpus = np.concatenate([ds._train.ravel(), ds._val.ravel()]).tobytes()
-    assert corpus.startswith(b"aaa" * 400 + SEPARATOR + b"zzz")
+    assert b"aaa" * 5 in corpus and b"zzz" * 5 in corpus
     assert b"\x00" not in corpus and b"\xe9" not in corpus
     assert "2 files" in ds.describe() and "2 skipped" in ds.describe()
 
@@ -184,20 +202,16 @@ def test_too_small_corpus(tmp_path):
     (tmp_path / "tiny.txt").write_text("hello world\n" * 20)
     with pytest.raises(DataError) as e:
         load_dataset("text-files", seq_len=128, seed=0, path=str(tmp_path))
-    _assert_one_line(e, "data.path", "model.seq_len=128", "need >=")
+    _assert_one_line(e, "data.path", "model.seq_len=128", "too few", "add text files")
 
 
-def test_needed_bytes_is_exact(tmp_path):
-    (tmp_path / "tiny.txt").write_text("x" * 10)
+def test_one_document_is_not_split(tmp_path):
+    """A file is a document, held out whole or not at all: one file alone leaves a split
+    empty, and the message says why (no window of it is cut off as validation)."""
+    (tmp_path / "one.txt").write_text("x" * 10_000)
     with pytest.raises(DataError) as e:
         load_dataset("text-files", seq_len=8, seed=0, path=str(tmp_path), val_fraction=0.2)
-    needed = int(str(e.value).split("need >= ")[1].split(" ")[0].replace(",", ""))
-    (tmp_path / "tiny.txt").write_text("x" * needed)
-    ds = load_dataset("text-files", seq_len=8, seed=0, path=str(tmp_path), val_fraction=0.2)
-    assert ds.num_train_windows >= 2 and ds.num_val_windows >= 1
-    (tmp_path / "tiny.txt").write_text("x" * (needed - 1))
-    with pytest.raises(DataError):
-        load_dataset("text-files", seq_len=8, seed=0, path=str(tmp_path), val_fraction=0.2)
+    _assert_one_line(e, "whole documents are held out", "data.val_fraction=0.2", "0 ")
 
 
 # ---------------------------------------------------------------- synthetic

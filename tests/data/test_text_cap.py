@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import builtins
 
-from jaxpod.data import text
+from jaxpod.data import documents, text
 
 
 def test_a_large_file_is_read_only_up_to_the_cap(tmp_path, monkeypatch):
@@ -19,16 +19,20 @@ def test_a_large_file_is_read_only_up_to_the_cap(tmp_path, monkeypatch):
         stream_read = lambda n=-1: reads.append(n) or read(n)  # noqa: E731
         return _Wrapped(stream, stream_read)
 
-    monkeypatch.setattr(text, "open", recording_open, raising=False)
-    corpus, kept, skipped, cut = text._text_corpus(str(tmp_path), max_bytes=1000)
-    assert (corpus.shape[0], kept, skipped, cut) == (1000, 1, 0, True)
+    monkeypatch.setattr(documents, "open", recording_open, raising=False)
+    texts, skipped, cut = text._capped(
+        documents.text_files(str(tmp_path)), 1000, documents.read_text
+    )
+    assert ([len(t) for t in texts], skipped, cut) == ([1000], 0, True)
     assert reads == [1001]
 
 
 def test_a_character_cut_at_the_cap_is_still_text(tmp_path):
     (tmp_path / "accents.txt").write_text("é" * 1000)  # 2 bytes each
-    corpus, kept, skipped, cut = text._text_corpus(str(tmp_path), max_bytes=1001)
-    assert (corpus.shape[0], kept, skipped, cut) == (1001, 1, 0, True)
+    texts, skipped, cut = text._capped(
+        documents.text_files(str(tmp_path)), 1001, documents.read_text
+    )
+    assert ([len(t) for t in texts], skipped, cut) == ([1001], 0, True)
 
 
 class _Wrapped:

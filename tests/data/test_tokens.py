@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers.texts import documents
 
 from jaxpod.data.tokens import (
     END_OF_TEXT,
@@ -19,17 +20,6 @@ from jaxpod.data.tokens import (
 from jaxpod.errors import DataError
 
 pytest.importorskip("tokenizers")
-
-
-def documents(n: int = 120, seed: int = 0) -> list[str]:
-    """`n` small made-up Python documents, each different (seeded)."""
-    rng = np.random.default_rng(seed)
-    names = ["alpha", "beta", "gamma", "delta", "value", "count", "total", "index"]
-    out = []
-    for i in range(n):
-        a, b = (str(x) for x in rng.choice(names, 2, replace=False))
-        out.append(f"def {a}_{i}({b}):\n    return {b} * {i} + len({a!r})\n" * 3)
-    return out
 
 
 @pytest.fixture(scope="module")
