@@ -1,0 +1,66 @@
+"""GPT's Llama options train like the plain single-device model: grouped-query attention
+(`model.kv_heads`), the SwiGLU MLP (`model.mlp`) and rotary positions (`model.positions`),
+each alone and together, on tensor (1x1x2), pipeline with tensor (1x2x2) and replicas with
+tensor (2x1x2) meshes: one AdamW step's loss, gradients (its first moment, 0.1 g) and
+updated parameters against the plain model's, to the equivalence lab's tolerances
+(tests/helpers/lab.py), each option's config its own lab.
+
+The tiny GPT has 4 heads; with 2 KV heads on 2 tensor shards each shard holds one KV head
+and its two query heads. The reference reads every query head's KV head on one device, so a
+sharded layout that paired a query head with another shard's KV head would not match it (a
+layout that cut one KV head across shards does not even run: `mesh.tensor` must divide
+`model.kv_heads`, tests/config/test_transformer_rules.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers.lab import (
+    GRAD_TOL,
+    LAB_PROCESS,
+    Lab,
+    adam_state,
+    assert_loss_close,
+    assert_params_close,
+    assert_trees_close,
+    mesh_id,
+    update_bound,
+)
+
+pytestmark = LAB_PROCESS
+
+GQA = ("model.kv_heads=2",)
+SWIGLU = ("model.mlp=swiglu",)
+ROPE = ("model.positions=rope",)
+LLAMA = (*GQA, *SWIGLU, *ROPE, "model.rope_base=500000")
+OPTIONS = {"gqa": GQA, "swiglu": SWIGLU, "rope": ROPE, "llama": LLAMA}
+MESHES = [(1, 1, 2), (1, 2, 2), (2, 1, 2)]
+# each option alone on the tensor mesh, all of them together on every mesh
+CASES = [(name, (1, 1, 2)) for name in ("gqa", "swiglu", "rope")]
+CASES += [("llama", shape) for shape in MESHES]
+_LABS: dict = {}
+
+
+def option_lab(tiny_cfg, mesh_for, name: str) -> Lab:
+    """The equivalence lab of the tiny GPT with option `name`'s overrides (one per process)."""
+    if name not in _LABS:
+        overrides = OPTIONS[name]
+        _LABS[name] = Lab(lambda *o, mesh: tiny_cfg(*overrides, *o, mesh=mesh), mesh_for)
+    return _LABS[name]
+
+
+@pytest.mark.parametrize(("name", "shape"), CASES, ids=[f"{n}-{mesh_id(s)}" for n, s in CASES])
+def test_option_step_matches_reference(tiny_cfg, mesh_for, name, shape):
+    """One AdamW `train_step` on the mesh == one plain step: loss, AdamW's moments (0.1 g
+    and 0.05 g^2) and every updated parameter."""
+    lab = option_lab(tiny_cfg, mesh_for, name)
+    new_state, metrics = lab.steps(shape, "adamw", 1)[0]
+    ref = lab.ref_steps("adamw", 1)[0]
+    lr = float(lab.ref_optimizer("adamw")[1](0))
+    what = f"{name} {mesh_id(shape)}"
+    assert_loss_close(metrics["loss"], ref["loss"], what)
+    adam, ref_adam = adam_state(new_state.opt_state), adam_state(ref["opt_state"])
+    assert_trees_close(adam.mu, ref_adam.mu, GRAD_TOL, f"{what} adam mu = 0.1 g")
+    assert_trees_close(adam.nu, ref_adam.nu, 2 * GRAD_TOL, f"{what} adam nu = 0.05 g^2")
+    bound = update_bound("adamw", ref["grads"], lr)
+    assert_params_close(new_state.params, ref["params"], ref["old_params"], bound, what)
