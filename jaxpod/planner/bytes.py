@@ -34,7 +34,7 @@ def _step_share(cfg: Config) -> float:
     """With `memory.stream=matrix`: the largest step's share of a layer's parameters (a third
     of `W_qkv`, `W_o`, or one of the `mlp_panels` panels of `W_in` and `W_out`)."""
     d, f = cfg.model.d_model, cfg.model.d_ff
-    return max(d * d, 2 * d * f / cfg.memory.mlp_panels) / sum(layer_params(d, f))
+    return max(d * d, 2 * d * f / cfg.memory.mlp_panels) / sum(layer_params(cfg.model))
 
 
 def _largest_matrix(cfg: Config) -> float:
