@@ -1,7 +1,8 @@
 """GPT's Llama options train like the plain single-device model: grouped-query attention
 (`model.kv_heads`), the SwiGLU MLP (`model.mlp`) and rotary positions (`model.positions`),
 each alone and together, on tensor (1x1x2), pipeline with tensor (1x2x2) and replicas with
-tensor (2x1x2) meshes: one AdamW step's loss, gradients (its first moment, 0.1 g) and
+tensor (2x1x2) meshes, together with sequence parallelism and chunks, and streamed a matrix
+at a time over RTS: one AdamW step's loss, gradients (its first moment, 0.1 g) and
 updated parameters against the plain model's, to the equivalence lab's tolerances
 (tests/helpers/lab.py), each option's config its own lab.
 
@@ -33,19 +34,33 @@ GQA = ("model.kv_heads=2",)
 SWIGLU = ("model.mlp=swiglu",)
 ROPE = ("model.positions=rope",)
 LLAMA = (*GQA, *SWIGLU, *ROPE, "model.rope_base=500000")
+# all three with the sequence split over tensor and attended in chunks (RoPE's positions are
+# the whole sequence's), and streamed a matrix at a time over RTS 2 (GQA's W_qkv one slot of
+# a KV head at a time, SwiGLU's gate and up in panels of the hidden units)
+LLAMA_SP = (*LLAMA, "model.sequence_parallel=true", "model.sequence_chunks=2")
+LLAMA_MATRIX = (*LLAMA, "memory.rts=2", "memory.stream=matrix", "memory.mlp_panels=2")
+LLAMA_MATRIX += ("model.remat=full",)
 OPTIONS = {"gqa": GQA, "swiglu": SWIGLU, "rope": ROPE, "llama": LLAMA}
+OPTIONS |= {"llama-sp-chunks": LLAMA_SP, "llama-matrix-rts2": LLAMA_MATRIX}
 MESHES = [(1, 1, 2), (1, 2, 2), (2, 1, 2)]
 # each option alone on the tensor mesh, all of them together on every mesh
 CASES = [(name, (1, 1, 2)) for name in ("gqa", "swiglu", "rope")]
 CASES += [("llama", shape) for shape in MESHES]
+CASES += [("llama-sp-chunks", (1, 2, 2)), ("llama-matrix-rts2", (2, 1, 2))]
 _LABS: dict = {}
 
 
 def option_lab(tiny_cfg, mesh_for, name: str) -> Lab:
-    """The equivalence lab of the tiny GPT with option `name`'s overrides (one per process)."""
+    """The equivalence lab of the tiny GPT with option `name`'s overrides (one per process).
+    The plain reference (1x1x1) leaves out the `memory.` ones: they move bytes, not math."""
+
+    def cfg(*more: str, mesh: tuple[int, int, int]):
+        plain = mesh == (1, 1, 1)
+        keep = [o for o in OPTIONS[name] if not (plain and o.startswith("memory."))]
+        return tiny_cfg(*keep, *more, mesh=mesh)
+
     if name not in _LABS:
-        overrides = OPTIONS[name]
-        _LABS[name] = Lab(lambda *o, mesh: tiny_cfg(*overrides, *o, mesh=mesh), mesh_for)
+        _LABS[name] = Lab(cfg, mesh_for)
     return _LABS[name]
 
 
