@@ -94,3 +94,18 @@ def test_llama3_8b_preset_counts_llamas_parameters_and_what_it_adds():
     cfg = load_config(CONFIGS / "llama3_8b_tpu_v5p.yaml", [])
     added = 32 * (6144 + 4096 + 28672 + 4096 + 8192) + 4096
     assert param_layout(cfg)["total"] == 8_030_261_248 + added
+
+
+def test_llama3_8b_preset_estimates_on_its_slice():
+    """`estimate` on the preset's slice, named as `compile --target` names it: 64 v5p chips,
+    the preset's mapping, a step time and an MFU between 0 and 1."""
+    from helpers import CONFIGS
+
+    from jaxpod.inspect.estimate import parse_estimate_target
+
+    cfg = load_config(CONFIGS / "llama3_8b_tpu_v5p.yaml", [])
+    profile, chips = parse_estimate_target("tpu-v5p:4x4x4")
+    assert (profile, chips) == ("tpu-v5p", cfg.devices)
+    r = estimate_config(cfg, profile)
+    assert r["target"] == "tpu-v5p:64" and r["global_batch"] == 128
+    assert r["step_time_s"] > 0 and 0 < r["mfu"] < 1
