@@ -8,9 +8,11 @@ updated parameters against the plain model's, to the equivalence lab's tolerance
 
 The tiny GPT has 4 heads; with 2 KV heads on 2 tensor shards each shard holds one KV head
 and its two query heads. The reference reads every query head's KV head on one device, so a
-sharded layout that paired a query head with another shard's KV head would not match it (a
-layout that cut one KV head across shards does not even run: `mesh.tensor` must divide
-`model.kv_heads`, tests/config/test_transformer_rules.py).
+pairing of query and KV heads that holds on a shard but not on the whole layer fails here:
+query head h reading KV head h mod kv_heads (right on a shard of one KV head, wrong on one
+device) moves the loss by 1e-3, a thousand times the tolerance. A layout that cut one KV head
+across shards does not even run: `mesh.tensor` must divide `model.kv_heads`
+(tests/config/test_transformer_rules.py).
 """
 
 from __future__ import annotations
