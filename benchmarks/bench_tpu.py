@@ -30,6 +30,7 @@ PRESETS = {
     "efficientnet_b4_g16_tpu_v5e16": "tpu-v5e:4x4",
     "efficientnet_b4_g16_tpu_v5e256": "tpu-v5e:16x16",
     "gpt3_175b_tpu_v5p": "tpu-v5p:8x8x4",
+    "llama3_8b_tpu_v5p": "tpu-v5p:4x4x4",
 }
 
 

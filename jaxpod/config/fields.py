@@ -23,7 +23,8 @@ def get(cfg: Config, key: str) -> Any:
 
 
 _AT_LEAST_1 = (
-    "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff model.seq_len "
+    "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.kv_heads model.d_ff "
+    "model.seq_len "
     "model.sequence_chunks "
     "model.vocab train.steps train.micro_batch train.grad_accum train.global_batch "
     "train.batch_parts train.pipeline_group train.virtual_stages "

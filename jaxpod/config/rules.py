@@ -20,6 +20,7 @@ from jaxpod.config.rules_data import BYTE_VOCAB, PATH_DATA, check_data  # noqa: 
 from jaxpod.config.rules_memory import check_memory, parse_bytes  # noqa: F401  (re-exported)
 from jaxpod.config.rules_model import check_blocks
 from jaxpod.config.rules_parallel import check_parallel
+from jaxpod.config.rules_transformer import check_transformer
 from jaxpod.config.schema import CHUNKED, STEPWISE, Config
 
 MAX_DEVICES = 256  # what `train` runs on one host's virtual CPU devices
@@ -119,14 +120,8 @@ def check_model(cfg: Config) -> None:
             f"model.layers={md.layers} does not divide into mesh.pipeline={mesh.pipeline} stages; "
             f"use a multiple of {mesh.pipeline}"
         )
-    if kind.tensor_parallel:
-        for name in ("heads", "d_ff", "vocab"):
-            value = getattr(md, name)
-            if value % mesh.tensor:
-                fail(
-                    f"mesh.tensor={mesh.tensor} does not divide model.{name}={value}; "
-                    f"use a mesh.tensor that divides it or a multiple of {mesh.tensor}"
-                )
+    if kind.stages == "stacked":
+        check_transformer(cfg)
 
 
 def check_train(cfg: Config) -> None:

@@ -21,6 +21,8 @@ ModelName = Literal["gpt", "bert", "efficientnet"]  # = the keys of jaxpod.confi
 Remat = Literal["none", "full", "minimal", "attention", "comms"]
 Variant = Literal["b0", "b1", "b2", "b3", "b4"]
 Norm = Literal["pre", "post"]
+MlpKind = Literal["gelu", "swiglu"]
+Positions = Literal["learned", "rope"]
 OptimName = Literal["sgd", "adamw", "lamb", "lars"]
 LrSchedule = Literal["constant", "cosine", "polynomial"]
 TextData = Literal["stdlib-code", "synthetic", "text-files"]
@@ -72,8 +74,8 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Model hyperparameters: transformers (gpt, bert) use layers..tie_embeddings and norm;
-    efficientnet uses variant..pipeline_splits (and remat)."""
+    """Model hyperparameters: transformers (gpt, bert) use layers..norm, gpt also
+    kv_heads..rope_base; efficientnet uses variant..pipeline_splits (and remat)."""
 
     name: ModelName = "gpt"
     layers: int = 4
@@ -87,6 +89,10 @@ class ModelConfig:
     sequence_parallel: bool = False  # residual stream split over tensor along the sequence
     tie_embeddings: bool = True
     norm: Norm = "pre"  # bert: pre- or post-LayerNorm blocks
+    kv_heads: int | None = None  # gpt: key/value heads (grouped-query attention); null: heads
+    mlp: MlpKind = "gelu"  # gpt: gelu (W_in, W_out) or swiglu (gate and up of width d_ff)
+    positions: Positions = "learned"  # gpt: a learned table, or rope (rotary q and k)
+    rope_base: float = 10000.0  # positions=rope: the rotary base (Llama 3: 500000)
     variant: Variant = "b0"  # efficientnet compound-scaling preset
     g16: bool = False  # grouped (16 channels/group) instead of depthwise convs, expansion 4
     norm_groups: int = 4  # GroupNorm groups
@@ -96,6 +102,11 @@ class ModelConfig:
     image_size: int = 32
     num_classes: int = 10
     pipeline_splits: tuple[str, ...] = ()  # block names where stages 1.. start, e.g. [4a]
+
+    @property
+    def kv_head_count(self) -> int:
+        """Key/value heads: `kv_heads`, or `heads` (multi-head attention) when null."""
+        return self.kv_heads or self.heads
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ from jaxpod.engine.state import (
     optimizer_shardings,
     with_shardings,
 )
+from jaxpod.models.chunks import token_loss_in_chunks
 from jaxpod.models.family import build_model, row_keys
-from jaxpod.models.layers import token_loss_in_chunks
 from jaxpod.models.params import STACK, in_stack, masks
 from jaxpod.optim.chains import make_optimizer
 from jaxpod.optim.guarded import guarded_update, unscaled_sum_squares, whole_tree

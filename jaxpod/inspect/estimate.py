@@ -15,8 +15,9 @@ import re
 
 from jaxpod.config import Config
 from jaxpod.errors import UserError
+from jaxpod.planner.counts import param_layout
 from jaxpod.planner.speed import SPEEDS, get_speed
-from jaxpod.planner.step_time import Workload, estimate, layer_flops, params
+from jaxpod.planner.step_time import Workload, estimate, layer_flops
 
 MAX_DEVICES = 65536
 RECOMPUTE = {"none": "none", "full": "full", "minimal": "selective", "attention": "selective"}
@@ -57,6 +58,8 @@ def workload_of(cfg: Config) -> Workload:
         seq=md.seq_len,
         vocab=md.vocab,
         ffn=md.d_ff,
+        kv_heads=md.kv_head_count,
+        gated=md.mlp == "swiglu",
         global_batch=t.micro_batch * t.grad_accum * replica,
         micro_batch=t.micro_batch,
         t=m.tensor,
@@ -87,7 +90,7 @@ def estimate_config(cfg: Config, profile: str) -> dict:
     return {
         "target": f"{profile}:{devices}",
         "mapping": f"replica {w.d} x pipeline {w.p} x tensor {w.t}",
-        "params": params(w),
+        "params": param_layout(cfg)["total"],
         "global_batch": w.global_batch,
         "step_time_s": est["step_s"],
         "tokens_per_s": tokens / est["step_s"],

@@ -17,9 +17,9 @@ from flax import nnx
 from jaxpod.config import ModelConfig
 from jaxpod.config.kinds import KINDS
 from jaxpod.models.family import Family
-from jaxpod.models.layers import INIT_STD, Layer, LayerNorm, apply_layers
+from jaxpod.models.layers import Layer, LayerNorm, apply_layers
 from jaxpod.models.mlm import check_vocab, mask_tokens
-from jaxpod.models.params import NO_DECAY, TABLE, param
+from jaxpod.models.params import INIT_STD, NO_DECAY, TABLE, param
 from jaxpod.parallel.tensor import (
     column_dense,
     position_rows,

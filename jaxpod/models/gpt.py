@@ -1,5 +1,7 @@
-"""Decoder-only GPT in Flax NNX: pre-LayerNorm layers, learned positions, tied or untied
-embeddings, no dropout (a step is a deterministic function of parameters and batch).
+"""Decoder-only GPT in Flax NNX: pre-LayerNorm layers, learned or rotary positions
+(`model.positions`), multi-head or grouped-query attention (`model.kv_heads`), a GELU or
+SwiGLU MLP (`model.mlp`), tied or untied embeddings, no dropout (a step is a deterministic
+function of parameters and batch).
 
 The layer parameters are one stacked `Layer` with a leading `[L]` axis (`self.layers`),
 applied with `lax.scan`, so compile time does not grow with depth. A pipeline needs three
@@ -17,14 +19,15 @@ from flax import nnx
 from jaxpod.config import ModelConfig
 from jaxpod.config.kinds import KINDS
 from jaxpod.models.family import Family
-from jaxpod.models.layers import INIT_STD, Layer, LayerNorm, apply_layers
-from jaxpod.models.params import TABLE, param
+from jaxpod.models.layers import Layer, LayerNorm, apply_layers
+from jaxpod.models.params import INIT_STD, TABLE, param
 from jaxpod.parallel.tensor import position_rows, vocab_cross_entropy, vocab_embed
 
 
 class GPT(nnx.Module):
-    """GPT with params `wte[V, D]` (vocab-parallel), `wpe[T, D]`, `layers[L, ...]`, `ln_f`,
-    and `unembed[V, D]` when embeddings are untied. The token tables have role `TABLE`."""
+    """GPT with params `wte[V, D]` (vocab-parallel), `wpe[T, D]` (learned positions only),
+    `layers[L, ...]`, `ln_f`, and `unembed[V, D]` when embeddings are untied. The token
+    tables have role `TABLE`."""
 
     masked = False  # targets are the next tokens of every position (BERT: masked positions)
 
@@ -33,7 +36,8 @@ class GPT(nnx.Module):
         normal = lambda shape: INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
         self.wte = param(normal((v, d)), ("vocab", "embed"), TABLE)
         rows = "positions" if cfg.sequence_parallel else None  # split over tensor with SP
-        self.wpe = param(normal((cfg.seq_len, d)), (rows, "embed"))
+        rope = cfg.positions == "rope"
+        self.wpe = None if rope else param(normal((cfg.seq_len, d)), (rows, "embed"))
         self.layers = Layer(
             d,
             cfg.heads,
@@ -42,6 +46,9 @@ class GPT(nnx.Module):
             layers=cfg.layers,
             sequence_chunks=cfg.sequence_chunks,
             sequence_parallel=cfg.sequence_parallel,
+            kv_heads=cfg.kv_heads,
+            mlp=cfg.mlp,
+            rope_base=cfg.rope_base if rope else None,
         )
         self.sequence_parallel = cfg.sequence_parallel
         self.ln_f = LayerNorm(d)
@@ -50,11 +57,12 @@ class GPT(nnx.Module):
         )
 
     def embed(self, tokens: jax.Array, tp: str | None = None) -> jax.Array:
-        """`tokens[..., T] int32 -> x[..., T, D]` (token + position embedding); with
-        sequence parallelism this shard's positions only, `x[..., T_tensor, D]`."""
+        """`tokens[..., T] int32 -> x[..., T, D]` (token + learned position embedding; RoPE
+        rotates inside attention instead); with sequence parallelism this shard's positions
+        only, `x[..., T_tensor, D]`."""
         t, sp = tokens.shape[-1], self.sequence_parallel
-        positions = position_rows(self.wpe[...], t, tp, sp)
-        return vocab_embed(tokens, self.wte[...], tp, scatter=sp) + positions
+        x = vocab_embed(tokens, self.wte[...], tp, scatter=sp)
+        return x if self.wpe is None else x + position_rows(self.wpe[...], t, tp, sp)
 
     def inputs_and_targets(self, tokens: jax.Array, keys=None):
         """`tokens[..., T+1] -> (inputs[..., T], targets[..., T], None)`: every position

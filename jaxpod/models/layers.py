@@ -7,7 +7,8 @@ layer's slice inside a `scan` (`apply_layers`; `jaxpod.parallel.stack` for the s
 
 The tensor-parallel collectives come from `jaxpod.parallel.tensor`; the `tp` argument is
 the mesh axis to use (`None` = plain single-device math). Because shapes are read off the
-arrays, the same code runs on a full layer or on one tensor shard of it.
+arrays, the same code runs on a full layer or on one tensor shard of it. The attention is
+`jaxpod.models.attention`'s.
 
 Dtypes: layers compute in the dtype of their inputs and (already cast) weights, i.e.
 `precision.compute`; LayerNorm statistics and the attention softmax are taken in float32
@@ -16,96 +17,26 @@ and cast back (a no-op for float32 models).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
-from jaxpod.models.params import LAYERS, NO_DECAY, panel_axis_of_layer, param
-from jaxpod.parallel.manual import vary_like
-from jaxpod.parallel.tensor import (
-    ATTENTION_OUT,
-    ATTENTION_QKV,
-    column_dense,
-    gather_sequence,
-    reduce_rows,
-    row_dense,
-)
+from jaxpod.models.attention import SelfAttention
+from jaxpod.models.chunks import map_chunks
+from jaxpod.models.params import layer_param, panel_axis_of_layer
+from jaxpod.parallel.tensor import column_dense, gather_sequence, reduce_rows
 
-INIT_STD = 0.02
 F32 = jnp.float32
-
-
-def _param(
-    rngs: nnx.Rngs | None,
-    shape,
-    axes,
-    layers: int | None,
-    fill: float | None = None,
-    panel_axis: int | None = None,
-):
-    """A parameter of `shape` (leading `[layers]` axis if stacked): normal(0.02) weights, or
-    `fill` for biases and norm parameters (role `NO_DECAY`). `panel_axis`: the dimension of
-    `shape` that `Layer.steps` cuts into panels."""
-    if layers is not None:
-        shape, axes = (layers, *shape), (LAYERS, *axes)
-        panel_axis = None if panel_axis is None else panel_axis + 1
-    if fill is None:
-        value, roles = INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), ()
-    else:
-        value, roles = jnp.full(shape, fill, jnp.float32), (NO_DECAY,)
-    return param(value, axes, *roles, panel_axis=panel_axis)
-
-
-def map_chunks(fn: Callable, x: jax.Array, chunks: int, axis: int) -> jax.Array:
-    """`fn(chunk, i)` on each of `chunks` equal chunks of `x` along `axis`, one after
-    another (a scan), each chunk a checkpoint: only one chunk's intermediates are ever
-    alive, forward or backward (they are recomputed, never saved). The chunks' outputs are
-    written back in place along `axis`. `chunks=1` is `fn(x, 0)`.
-
-    The serialisation factor of pod recipes (attention queries, MLP tokens, the loss head):
-    the same math, 1/chunks of the working memory, a little recomputation.
-    """
-    if chunks == 1:
-        return fn(x, 0)
-    axis %= x.ndim
-    n = x.shape[axis] // chunks
-    chunk = jax.checkpoint(lambda i: fn(jax.lax.dynamic_slice_in_dim(x, i * n, n, axis), i))
-    like = jax.eval_shape(chunk, 0)
-
-    def body(out, i):  # each chunk's output written into place: no stacked copies
-        return jax.lax.dynamic_update_slice_in_dim(out, chunk(i), i * like.shape[axis], axis), None
-
-    shape = (*like.shape[:axis], chunks * like.shape[axis], *like.shape[axis + 1 :])
-    out = vary_like(jnp.zeros(shape, like.dtype), like)
-    return jax.lax.scan(body, out, jnp.arange(chunks))[0]
-
-
-def token_loss_in_chunks(
-    model: nnx.Module, h: jax.Array, targets: jax.Array, tp: str | None, chunks: int, **kw
-) -> jax.Array:
-    """`model.token_loss` of `h[..., D]` against `targets[...]` -> `loss[N]` (tokens
-    flattened), the N tokens in `gcd(chunks, N)` chunks (`map_chunks`): one chunk's logits
-    `[N/chunks, V_tensor]` alive at a time instead of all of them. `kw`: passed on to
-    `token_loss`."""
-    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    chunks = math.gcd(chunks, targets.shape[0])
-    n = targets.shape[0] // chunks
-    chunk_loss = lambda hc, i: model.token_loss(
-        hc, jax.lax.dynamic_slice_in_dim(targets, i * n, n), tp, **kw
-    )
-    return map_chunks(chunk_loss, h, chunks, axis=0)
 
 
 class LayerNorm(nnx.Module):
     """LayerNorm over the last dim, `x[..., D] -> [..., D]`; params `scale[D]`, `bias[D]`."""
 
     def __init__(self, dim: int, *, layers: int | None = None, eps: float = 1e-5):
-        self.scale = _param(None, (dim,), ("embed",), layers, fill=1.0)
-        self.bias = _param(None, (dim,), ("embed",), layers, fill=0.0)
+        self.scale = layer_param(None, (dim,), ("embed",), layers, fill=1.0)
+        self.bias = layer_param(None, (dim,), ("embed",), layers, fill=0.0)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -116,91 +47,12 @@ class LayerNorm(nnx.Module):
         return (y + self.bias[...].astype(F32)).astype(dtype)
 
 
-class SelfAttention(nnx.Module):
-    """Multi-head attention, heads split over the tensor axis; causal (GPT) or not (BERT).
-
-    `W_qkv[D, 3, HD_tensor]` (column-parallel, q/k/v of the local heads), `W_o[HD_tensor, D]`
-    (row-parallel, one psum). `x[B, T, D] -> [B, T, D]`. With `chunks=C` the queries go
-    through in C chunks of T/C (`map_chunks`): only one chunk's scores `[B, H_tensor, T/C, T]`
-    are ever alive, forward or backward. Same math for any C.
-    `sequence_parallel`: `x[B, T_tensor, D] -> [B, T_tensor, D]` (see
-    `jaxpod.parallel.tensor`): all-gather T in, reduce-scatter T out.
-    """
-
-    def __init__(
-        self,
-        d_model: int,
-        heads: int,
-        *,
-        rngs: nnx.Rngs,
-        layers: int | None = None,
-        causal: bool = True,
-        chunks: int = 1,
-        sequence_parallel: bool = False,
-    ):
-        self.causal = causal
-        self.chunks = chunks
-        self.sequence_parallel = sequence_parallel
-        self.head_dim = d_model // heads
-        hd = heads * self.head_dim
-        self.w_qkv = _param(rngs, (d_model, 3, hd), ("embed", None, "heads"), layers, panel_axis=1)
-        self.b_qkv = _param(None, (3, hd), (None, "heads"), layers, fill=0.0, panel_axis=0)
-        self.w_o = _param(rngs, (hd, d_model), ("heads", "embed"), layers)
-        self.b_o = _param(None, (d_model,), ("embed",), layers, fill=0.0)
-
-    def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
-        return self.project(self.mix(x, tp), tp)
-
-    def mix(self, x: jax.Array, tp: str | None) -> jax.Array:
-        """The attention before its output projection (reads `W_qkv`, `b_qkv` only):
-        `x[B, T, D]` (`[B, T_tensor, D]` sequence-parallel) -> `o[B, T, HD_tensor]`."""
-        return self.attend_qkv(self.qkv(self.gather_input(x, tp)))
-
-    def gather_input(self, x: jax.Array, tp: str | None) -> jax.Array:
-        """`x[B, T, D]` as the matmul needs it (sequence-parallel: all-gathered over T)."""
-        return gather_sequence(x, tp) if self.sequence_parallel else x
-
-    def qkv(self, x: jax.Array) -> jax.Array:
-        """`x[B, T, D] @ W_qkv -> [B, T, n, HD_tensor]` (`n` = 3, or 1 for a panel of
-        `W_qkv[D, 1, HD_tensor]`: queries, keys or values alone)."""
-        qkv = column_dense(x, self.w_qkv[...], self.b_qkv[...])
-        return checkpoint_name(qkv, ATTENTION_QKV)
-
-    def attend_qkv(self, qkv: jax.Array) -> jax.Array:
-        """`qkv[B, T, 3, HD_tensor] -> o[B, T, HD_tensor]`, the queries in `chunks` chunks."""
-        b, t = qkv.shape[:2]
-        qkv = qkv.reshape(b, t, 3, -1, self.head_dim)  # [B, T, 3, H_tensor, hd]
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        n = t // self.chunks  # queries per chunk
-        attend_chunk = lambda qc, i: attend(qc, k, v, self.causal, i * n)
-        out = map_chunks(attend_chunk, q, self.chunks, axis=1)
-        return checkpoint_name(out.reshape(b, t, -1), ATTENTION_OUT)
-
-    def project(self, o: jax.Array, tp: str | None) -> jax.Array:
-        """The output projection (reads `W_o`, `b_o` only): `o[B, T, HD_tensor]` ->
-        `[B, T, D]` (`[B, T_tensor, D]` sequence-parallel), summed over `tp`."""
-        return row_dense(o, self.w_o[...], self.b_o[...], tp, self.sequence_parallel)
-
-
-def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, start: jax.Array | int = 0
-) -> jax.Array:
-    """Softmax attention of queries `q[B, Tq, H, hd]` at positions `start..start+Tq-1` over
-    `k, v[B, T, H, hd]` -> `[B, Tq, H, hd]`; the scores `[B, H, Tq, T]` are the big temporary.
-    """
-    tq, t = q.shape[1], k.shape[1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5)
-    if causal:
-        allowed = (start + jnp.arange(tq))[:, None] >= jnp.arange(t)[None, :]
-        scores = jnp.where(allowed, scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores.astype(F32), axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-
-
 class Mlp(nnx.Module):
-    """GELU MLP: `W_in[D, F_tensor]` column-parallel, `W_out[F_tensor, D]` row-parallel;
-    `chunks`: the tokens go through in chunks (`map_chunks`: one chunk's `[B, T/C, F_tensor]`
-    hidden activations alive at a time); `sequence_parallel` as in `SelfAttention`."""
+    """GELU MLP: `W_in[D, F_tensor]` column-parallel, `W_out[F_tensor, D]` row-parallel.
+    SwiGLU (`kind="swiglu"`): `W_in[D, 2, F_tensor]` holds the gate and the up projection,
+    each of width F, both column-parallel; `silu(gate) * up` meets `W_out`. `chunks`: the
+    tokens go through in chunks (`map_chunks`: one chunk's `[B, T/C, F_tensor]` hidden
+    activations alive at a time); `sequence_parallel` as in `SelfAttention`."""
 
     def __init__(
         self,
@@ -211,13 +63,21 @@ class Mlp(nnx.Module):
         layers: int | None = None,
         chunks: int = 1,
         sequence_parallel: bool = False,
+        kind: str = "gelu",
     ):
+        if kind not in ("gelu", "swiglu"):
+            raise ValueError(f"kind={kind!r} must be 'gelu' or 'swiglu'")
         self.chunks = chunks
         self.sequence_parallel = sequence_parallel
-        self.w_in = _param(rngs, (d_model, d_ff), ("embed", "mlp"), layers, panel_axis=1)
-        self.b_in = _param(None, (d_ff,), ("mlp",), layers, fill=0.0, panel_axis=0)
-        self.w_out = _param(rngs, (d_ff, d_model), ("mlp", "embed"), layers, panel_axis=0)
-        self.b_out = _param(None, (d_model,), ("embed",), layers, fill=0.0)
+        self.gated = kind == "swiglu"
+        shape, axes = ((2, d_ff), (None, "mlp")) if self.gated else ((d_ff,), ("mlp",))
+        cut = len(shape) - 1  # panels split the hidden units
+        self.w_in = layer_param(
+            rngs, (d_model, *shape), ("embed", *axes), layers, panel_axis=cut + 1
+        )
+        self.b_in = layer_param(None, shape, axes, layers, fill=0.0, panel_axis=cut)
+        self.w_out = layer_param(rngs, (d_ff, d_model), ("mlp", "embed"), layers, panel_axis=0)
+        self.b_out = layer_param(None, (d_model,), ("embed",), layers, fill=0.0)
 
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
         return self.reduce(self.partial(self.gather_input(x, tp)), tp)
@@ -233,7 +93,11 @@ class Mlp(nnx.Module):
         w_in, b_in, w_out = self.w_in[...], self.b_in[...], self.w_out[...]
 
         def partial_sums(xc, _):  # [B, n, D] -> [B, n, D], this shard's F columns only
-            h = jax.nn.gelu(column_dense(xc, w_in, b_in), approximate=True)
+            h = column_dense(xc, w_in, b_in)  # [B, n, F_tensor], gated: [B, n, 2, F_tensor]
+            if self.gated:
+                h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+            else:
+                h = jax.nn.gelu(h, approximate=True)
             return jnp.tensordot(h, w_out, axes=1)
 
         return map_chunks(partial_sums, x, self.chunks, axis=1)
@@ -248,8 +112,8 @@ class Layer(nnx.Module):
     """A transformer layer. Pre-LayerNorm (GPT, `norm="pre"`): `x + attn(ln1(x))`, then
     `x + mlp(ln2(x))`. Post-LayerNorm (original BERT, `norm="post"`): `ln1(x + attn(x))`,
     then `ln2(x + mlp(x))`. `causal=False` lets every position attend to every other;
-    `sequence_chunks`, `sequence_parallel` (then `x` is `[B, T_tensor, D]` in and out): see
-    `SelfAttention`."""
+    `sequence_chunks`, `sequence_parallel` (then `x` is `[B, T_tensor, D]` in and out),
+    `kv_heads`, `rope_base`: see `SelfAttention`; `mlp`: `Mlp`'s kind."""
 
     def __init__(
         self,
@@ -263,6 +127,9 @@ class Layer(nnx.Module):
         norm: str = "pre",
         sequence_chunks: int = 1,
         sequence_parallel: bool = False,
+        kv_heads: int | None = None,
+        mlp: str = "gelu",
+        rope_base: float | None = None,
     ):
         if norm not in ("pre", "post"):
             raise ValueError(f"norm={norm!r} must be 'pre' or 'post'")
@@ -277,10 +144,18 @@ class Layer(nnx.Module):
             causal=causal,
             chunks=sequence_chunks,
             sequence_parallel=sp,
+            kv_heads=kv_heads,
+            rope_base=rope_base,
         )
         self.ln2 = LayerNorm(d_model, layers=layers)
         self.mlp = Mlp(
-            d_model, d_ff, rngs=rngs, layers=layers, chunks=sequence_chunks, sequence_parallel=sp
+            d_model,
+            d_ff,
+            rngs=rngs,
+            layers=layers,
+            chunks=sequence_chunks,
+            sequence_parallel=sp,
+            kind=mlp,
         )
 
     def __call__(self, x: jax.Array, tp: str | None) -> jax.Array:
@@ -303,7 +178,7 @@ class Layer(nnx.Module):
         values (x, q, k, v, the attention output, the MLP's partial sums), so that what a
         layer's backward pass keeps of its steps' inputs stays small.
 
-        Attention: queries, keys and values, one `W_qkv` panel each (each step makes its
+        Attention: queries, keys and values, one `W_qkv` panel (slot) each (each step makes its
         input ready again: LayerNorm, sequence all-gather), the attention itself (no
         weights), `W_o`. MLP: one step run once per panel of the hidden units (panel
         index None; `mlp_panels` panels: a column panel of `W_in`, `b_in` and the matching
@@ -322,8 +197,9 @@ class Layer(nnx.Module):
             axis = panel_axis_of_layer(getattr(getattr(self, group), name))
             return (path, axis, index, count)
 
-        for j in range(3):  # carry (x[, q[, k]]) -> + this panel's [B, T, 1, HD_tensor]
-            reads = (*ln1, cut("attn/w_qkv", j, 3), cut("attn/b_qkv", j, 3))
+        n = self.attn.slots
+        for j in range(n):  # carry (x, slots 0..j-1) -> + this slot's [B, T, 1, KVD_tensor]
+            reads = (*ln1, cut("attn/w_qkv", j, n), cut("attn/b_qkv", j, n))
             ready = lambda m, x: m.attn.gather_input(norm(m, "ln1", x), tp)
             out.append((reads, lambda m, c, r=ready: (*c, m.attn.qkv(r(m, c[0])))))
         out.append(((), lambda m, c: (c[0], m.attn.attend_qkv(jnp.concatenate(c[1:], 2)))))

@@ -19,8 +19,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+INIT_STD = 0.02  # the normal init of every weight matrix and token table
 NO_DECAY = "no_decay"
 TABLE = "table"
 LAYERS = "layers"  # the logical name of the stacked layer axis
@@ -43,6 +45,27 @@ def param(
         raise ValueError(f"axes {axes} do not name the {value.ndim} dimensions of {value.shape}")
     panel = {} if panel_axis is None else {PANEL_AXIS: panel_axis}
     return nnx.Param(value, axes=tuple(axes), roles=frozenset(roles), **panel)
+
+
+def layer_param(
+    rngs: nnx.Rngs | None,
+    shape,
+    axes,
+    layers: int | None,
+    fill: float | None = None,
+    panel_axis: int | None = None,
+) -> nnx.Param:
+    """A parameter of `shape` (leading `[layers]` axis if stacked): normal(0.02) weights, or
+    `fill` for biases and norm parameters (role `NO_DECAY`). `panel_axis`: the dimension of
+    `shape` that `Layer.steps` cuts into panels; `axes`: logical names, one per dimension."""
+    if layers is not None:
+        shape, axes = (layers, *shape), (LAYERS, *axes)
+        panel_axis = None if panel_axis is None else panel_axis + 1
+    if fill is None:
+        value, roles = INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), ()
+    else:
+        value, roles = jnp.full(shape, fill, jnp.float32), (NO_DECAY,)
+    return param(value, axes, *roles, panel_axis=panel_axis)
 
 
 def panel_axis_of_layer(variable: nnx.Variable) -> int:

@@ -2,7 +2,7 @@
 
 A policy decides which intermediate values of a layer are *saved* for the backward pass;
 everything else is recomputed from the layer's input. The model tags the interesting
-values with `checkpoint_name` (see `jaxpod.models.layers`).
+values with `checkpoint_name` (see `jaxpod.models.attention`).
 
 With `memory.offload` containing `activations`, the values a policy saves are *offloaded*
 instead: written to `pinned_host` memory in the forward pass and read back in the backward

@@ -126,7 +126,7 @@ def _tick_scan_buffers(cfg: Config, sets: dict, ticks: int, per_tick: int) -> tu
     micro, per_stage = cfg.pipeline_group, md.layers // mesh.pipeline
     rows = ticks + micro + 1 + (2 * micro if md.name == "bert" else 0)
     buffers = rows * sets["btd"] + per_tick * sets["saved"]
-    sharded, replicated = layer_params(md.d_model, md.d_ff)
+    sharded, replicated = layer_params(md)
     layer = (sharded // mesh.tensor + replicated) * DTYPE_BYTES[cfg.precision.params]
     tick_grads = per_stage * layer // cfg.memory.rts if per_tick > 1 else 0
     if cfg.train.skip_bubbles:

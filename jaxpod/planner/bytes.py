@@ -30,21 +30,29 @@ from jaxpod.planner.profiles import DeviceProfile, get_profile
 TOKEN_BYTES = 4  # int32 token ids
 
 
+def _widths(cfg: Config) -> tuple[int, int, int, int]:
+    """`(D, F, W_qkv's columns D + 2 KVD, W_in's columns: F, or 2F with SwiGLU)`."""
+    md = cfg.model
+    d, f = md.d_model, md.d_ff
+    qkv = d + 2 * md.kv_head_count * (d // md.heads)
+    return d, f, qkv, 2 * f if md.mlp == "swiglu" else f
+
+
 def _step_share(cfg: Config) -> float:
-    """With `memory.stream=matrix`: the largest step's share of a layer's parameters (a third
+    """With `memory.stream=matrix`: the largest step's share of a layer's parameters (one slot
     of `W_qkv`, `W_o`, or one of the `mlp_panels` panels of `W_in` and `W_out`)."""
-    d, f = cfg.model.d_model, cfg.model.d_ff
-    return max(d * d, 2 * d * f / cfg.memory.mlp_panels) / sum(layer_params(d, f))
+    d, f, _, f_in = _widths(cfg)
+    return max(d * d, (f_in + f) * d / cfg.memory.mlp_panels) / sum(layer_params(cfg.model))
 
 
 def _largest_matrix(cfg: Config) -> float:
     """Elements of the largest weight matrix one step of a layer gathers, on one tensor
-    device: `W_qkv` or an MLP matrix, or with `memory.stream=matrix` a third of `W_qkv` or one
-    MLP panel."""
-    d, f = cfg.model.d_model, cfg.model.d_ff
+    device: `W_qkv` or an MLP matrix, or with `memory.stream=matrix` one slot of `W_qkv`,
+    `W_o` or one MLP panel."""
+    d, _, qkv, f_in = _widths(cfg)
     if cfg.memory.stream == "matrix":
-        return max(d * d, d * f / cfg.memory.mlp_panels) / cfg.mesh.tensor
-    return max(3 * d * d, d * f) / cfg.mesh.tensor
+        return max(d * d, d * f_in / cfg.memory.mlp_panels) / cfg.mesh.tensor
+    return max(qkv * d, d * f_in) / cfg.mesh.tensor
 
 
 def _state_bytes(cfg: Config, layout: dict) -> dict:
@@ -122,7 +130,7 @@ def _scattered_bytes(cfg: Config, profile: DeviceProfile) -> float:
     copy = pb if profile.transposes_scattered_grads else 0
     scattered = _largest_matrix(cfg) * (compute_bytes(cfg, profile) + copy)
     if cfg.memory.stream != "matrix" and cfg.model.remat != "none":
-        mlp_matrix = cfg.model.d_model * cfg.model.d_ff / cfg.mesh.tensor * pb
+        mlp_matrix = cfg.model.d_model * _widths(cfg)[3] / cfg.mesh.tensor * pb
         scattered = max(scattered - mlp_matrix, 0)  # net of the freed matrix, if any
     return scattered
 
@@ -174,7 +182,7 @@ def _strip_updates(cfg: Config, layout: dict) -> float:
     `jaxpod.optim.strips`) and the token embedding are each updated in strips."""
     md, mesh, devices, rts = cfg.model, cfg.mesh, cfg.total_devices, cfg.memory.rts
     mb = DTYPE_BYTES[cfg.precision.params]  # masters of the params' dtype (16-bit)
-    layer = (mesh.pipeline, md.d_model, max(3 * md.d_model, md.d_ff))
+    layer = (mesh.pipeline, md.d_model, max(*_widths(cfg)[2:]))
     table = (md.vocab, md.d_model)
     strip = max(
         math.prod(layer[1:]) / mesh.tensor / rts / strips(layer, devices, True)[1],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from jaxpod.config import Config
+from jaxpod.config import Config, ModelConfig
 from jaxpod.config.efficientnet_specs import flops_per_image, stage_params
 
 
@@ -28,11 +28,23 @@ def efficientnet_stage_params(cfg: Config) -> list[int]:
     )
 
 
-def layer_params(d: int, f: int) -> tuple[int, int]:
-    """(tensor-sharded, replicated) parameter counts of one transformer layer."""
-    sharded = 3 * d * d + 3 * d + d * d + d * f + f + f * d  # qkv, W_o, MLP weights/in-bias
+def layer_params(md: ModelConfig) -> tuple[int, int]:
+    """(tensor-sharded, replicated) parameter counts of one transformer layer of `md`: the
+    attention's `W_qkv[D, D + 2·KVD]` (KVD = kv_heads · head width: GQA's narrower keys and
+    values) and `W_o`, the MLP's input (two of width F with SwiGLU) and output."""
+    d, f = md.d_model, md.d_ff
+    qkv = d + 2 * md.kv_head_count * (d // md.heads)  # query, key and value widths
+    f_in = 2 * f if md.mlp == "swiglu" else f  # SwiGLU: gate and up
+    sharded = d * qkv + qkv + d * d + d * f_in + f_in + f * d  # qkv, W_o, MLP weights/in-bias
     replicated = 4 * d + d + d  # two LNs, W_o bias, MLP out bias
     return sharded, replicated
+
+
+def layer_matmul_params(md: ModelConfig) -> int:
+    """Weights of one transformer layer that a token multiplies by (no biases or norms)."""
+    sharded, _ = layer_params(md)
+    qkv = md.d_model + 2 * md.kv_head_count * (md.d_model // md.heads)
+    return sharded - qkv - (2 * md.d_ff if md.mlp == "swiglu" else md.d_ff)
 
 
 def param_layout(cfg: Config, params_override: int | None = None) -> dict:
@@ -52,13 +64,14 @@ def param_layout(cfg: Config, params_override: int | None = None) -> dict:
             "estimated": False,
         }
     d, v, s = md.d_model, md.vocab, md.seq_len
-    sharded, replicated = layer_params(d, md.d_ff)
+    sharded, replicated = layer_params(md)
     vocab_sharded = v * d  # token embedding (vocab-parallel)
     other_replicated = 2 * d  # final (gpt) / embedding (bert) LN
+    positions = 0 if md.positions == "rope" else s * d  # RoPE: no table
     if md.sequence_parallel:  # positions split over tensor along T
-        vocab_sharded += s * d
+        vocab_sharded += positions
     else:
-        other_replicated += s * d
+        other_replicated += positions
     if md.name == "gpt" and not md.tie_embeddings:
         vocab_sharded += v * d
     if md.name == "bert":
@@ -94,6 +107,5 @@ def flops_per_example(cfg: Config) -> int:
             depth_mult=md.depth_mult,
             block_groups=md.block_groups,
         )
-    sharded, _ = layer_params(md.d_model, md.d_ff)
-    matmul = md.layers * (sharded - 3 * md.d_model - md.d_ff) + md.vocab * md.d_model
+    matmul = md.layers * layer_matmul_params(md) + md.vocab * md.d_model
     return 2 * matmul + 4 * md.layers * md.seq_len * md.d_model

@@ -24,6 +24,8 @@ class _Rows(NamedTuple):
     kept_scores: int  # the attention scores [b, H/t, T, T] autodiff saves (none in chunks)
     kept_hidden: int  # the MLP's hidden units autodiff saves (none in chunks)
     chunk_scores: int  # one query chunk's scores
+    qkvo: int  # queries, keys, values and the attention output, [b, T, (2D + 2 KVD)/t]
+    gated: bool  # a SwiGLU MLP: W_in's output is the gate and the up projection, 2 btf
 
 
 def _layer_rows(cfg: Config) -> _Rows:
@@ -33,6 +35,8 @@ def _layer_rows(cfg: Config) -> _Rows:
     md, t = cfg.model, cfg.mesh.tensor
     b, s, d, f, h = cfg.train.micro_batch, md.seq_len, md.d_model, md.d_ff, md.heads
     btd, btf, scores = b * s * d, b * s * f // t, b * (h // t) * s * s
+    # grouped-query attention: keys and values are kv_heads/heads of the queries' width
+    qkvo = (2 * btd + 2 * b * s * md.kv_head_count * (d // h)) // t
     # With sequence_chunks = C > 1 each query chunk and each MLP token chunk is a checkpoint:
     # scores and MLP hidden activations are never saved, one query chunk's scores are alive.
     # The MLP's token chunks earn credit in the backward working set only with RTS (the
@@ -47,16 +51,20 @@ def _layer_rows(cfg: Config) -> _Rows:
     res = btd // t if md.sequence_parallel else btd
     gathered = 2 * btd if md.sequence_parallel and t > 1 else 0
     kept_scores, kept_hidden = (0, 0) if chunked else (scores, btf)
-    return _Rows(btd, btf, res, gathered, kept_scores, kept_hidden, scores // md.sequence_chunks)
+    chunk_scores = scores // md.sequence_chunks
+    gated = md.mlp == "swiglu"
+    return _Rows(btd, btf, res, gathered, kept_scores, kept_hidden, chunk_scores, qkvo, gated)
 
 
 def _autodiff_saved(cfg: Config, r: _Rows, cb: int) -> int:
     """Bytes of what autodiff saves of one layer without remat (`cb` bytes a scalar): the
     policy `none` keeps all of it."""
-    t = cfg.mesh.tensor
-    # LN1/LN2: 4 [b,T,D] each; q, k, v, attention output: [b,T,D/t] each; masked scores,
-    # exp, probabilities [b,H/t,T,T] (+ the boolean mask, 1 byte); GELU MLP: 6 [b,T,F/t].
-    every = (8 * r.res + r.gathered + 4 * r.btd // t + 6 * r.kept_hidden) * cb
+    # LN1/LN2: 4 [b,T,D] each; q, k, v, attention output (`qkvo`; RoPE's rotation is linear,
+    # so its backward keeps nothing more); masked scores, exp, probabilities [b,H/t,T,T] (+ the
+    # boolean mask, 1 byte); GELU MLP: 6 [b,T,F/t]; SwiGLU too: gate and up, sigmoid(gate)
+    # and its derivative (sigmoid's JVP rule), silu(gate), the product (a 1x1x1 probe, d 128,
+    # F 512: XLA 50.7 MB, 48.1 planned with 5 of them, 50.2 with 6).
+    every = (8 * r.res + r.gathered + r.qkvo + 6 * r.kept_hidden) * cb
     every += (3 * cb + 1) * r.kept_scores
     return every
 
@@ -67,10 +75,11 @@ def _policy_scalars(cfg: Config, r: _Rows) -> dict:
     # The attention psum's output is saved; the MLP psum's output is not (the residual add's
     # backward needs no inputs, so autodiff drops it as a residual).
     psums = r.res if t > 1 else 0
+    qkv = r.qkvo - r.btd // t  # W_qkv's output: q, k, v (the attention output is D/t)
     return {
         "full": r.res,
-        "minimal": r.res + 3 * r.btd // t + r.btd + r.btf,
-        "attention": r.res + 4 * r.btd // t,
+        "minimal": r.res + qkv + r.btd + (2 if r.gated else 1) * r.btf,
+        "attention": r.res + r.qkvo,
         "comms": r.res + psums,
     }
 
@@ -78,20 +87,22 @@ def _policy_scalars(cfg: Config, r: _Rows) -> dict:
 def _recomputed(cfg: Config, r: _Rows, cb: int, attention_work: int) -> tuple[int, int, int]:
     """Bytes alive at the peak of a recomputed layer's attention and MLP halves, and the MLP's
     input values alone: `(attention, mlp_in, mlp)` (the backward working set's terms)."""
-    md, t = cfg.model, cfg.mesh.tensor
+    md = cfg.model
     # Alive together at the peak of a recomputed layer's backward (the GELU's backward, in
     # every remat-full program read with benchmarks/xla_peak.py): of the attention, the scores
     # and the probabilities kept for its backward (exp is fused into them; the causal mask is
     # one [T, T]); of the MLP, the pre-activation, the GELU's tanh, the cotangents of the
-    # GELU's output and of its input, 4 hidden-sized (the GELU's output is dead by then).
-    attention = (4 * r.res + r.gathered // 2 + 4 * r.btd // t) * cb + 2 * cb * r.kept_scores
+    # GELU's output and of its input, 4 hidden-sized (the GELU's output is dead by then);
+    # SwiGLU's gate and up, sigmoid(gate), the product's cotangent and the cotangents of gate
+    # and up, 6.
+    attention = (4 * r.res + r.gathered // 2 + r.qkvo) * cb + 2 * cb * r.kept_scores
     attention += attention_work
     mlp_in = (4 * r.res + r.gathered // 2) * cb
     # the recomputed MLP's hidden units: the whole sequence's, or with RTS (the weights
     # gathered inside the layer) one token chunk's (measured)
     chunked = md.sequence_chunks > 1
     hidden = r.btf // md.sequence_chunks if chunked and cfg.memory.rts > 1 else r.btf
-    return attention, mlp_in, mlp_in + 4 * hidden * cb
+    return attention, mlp_in, mlp_in + (6 if r.gated else 4) * hidden * cb
 
 
 def _backward_work(cfg: Config, r: _Rows, cb: int, kept: int) -> int:
@@ -109,10 +120,11 @@ def _backward_work(cfg: Config, r: _Rows, cb: int, kept: int) -> int:
     md, t, mem = cfg.model, cfg.mesh.tensor, cfg.memory
     chunked = md.sequence_chunks > 1
     attention_work = (5 * cb + 1) * r.chunk_scores if chunked else 0  # masked, exp, probs, 2 grads
-    if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad
-        return (2 * r.kept_scores + r.btf + 2 * r.btd) * cb + attention_work
+    if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad(s)
+        hidden = (2 if r.gated else 1) * r.btf
+        return (2 * r.kept_scores + hidden + 2 * r.btd) * cb + attention_work
     attention, mlp_in, mlp = _recomputed(cfg, r, cb, attention_work)
-    step_inputs = (3 * r.res + 4 * r.btd // t) * cb  # x, q, k, v, o, x1, y: kept per layer
+    step_inputs = (3 * r.res + r.qkvo) * cb  # x, q, k, v, o, x1, y: kept per layer
     if mem.stream == "matrix" and t == 1:
         mlp_panel = mlp_in + r.btd * cb + 6 * r.btf // mem.mlp_panels * cb
         return max(max(attention, mlp_panel) + step_inputs - kept, 0)

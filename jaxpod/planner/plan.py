@@ -10,6 +10,8 @@ Parameter counts (D = d_model, F = d_ff, V = vocab, T = seq_len, L = layers):
 
     one layer   4·D² + 2·D·F + 9·D + F
                 (LNs 2·2D; qkv D·3D + 3D; out D·D + D; MLP D·F + F + F·D + D)
+                GQA: qkv D·Q + Q with Q = D + 2·kv_heads·D/heads; SwiGLU: W_in D·2F + 2F;
+                RoPE: no position table (`jaxpod.planner.counts.layer_params`)
     gpt         L·layer + V·D (tokens) + T·D (positions) + 2D (final LN) [+ V·D if untied]
     bert        L·layer + V·D + T·D + 2·D (token types) + 2D (embedding or final LN)
                 + MLM head D·D + D (dense) + 2D (LN) + V (output bias; output weights tied)

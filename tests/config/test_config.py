@@ -63,6 +63,8 @@ def test_choices_table_matches_defaults():
         "model.remat",
         "model.variant",
         "model.norm",
+        "model.mlp",
+        "model.positions",
         "optim.name",
         "optim.lr_schedule",
         "optim.moments",

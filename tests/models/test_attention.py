@@ -15,7 +15,7 @@ from helpers.lab import GRAD_TOL, assert_trees_close
 def test_sequence_chunks_are_the_same_math(causal):
     """Attention over 4 query blocks (lax.map, each a checkpoint) == one block: outputs and
     gradients (w.r.t. weights and input) of a single layer, float32, to rounding."""
-    from jaxpod.models.layers import SelfAttention
+    from jaxpod.models.attention import SelfAttention
 
     x = jax.random.normal(jax.random.key(1), (2, 16, 32))
 

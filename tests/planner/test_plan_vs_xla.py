@@ -274,3 +274,19 @@ def test_a_widening_backend_converts_the_streamed_matrices_to_float32(tiny_cfg, 
     as_float32 = xla_case(tiny_cfg, FP16_CASE, "precision.params=float32",
                           "precision.compute=float32")  # fmt: skip
     assert plan(as_float32)["bytes_per_device"]["widened"] == 0
+
+
+# GPT's Llama options together, on a mapping of none of benchmarks/heldout_llama.yaml's rows
+LLAMA = ["model.heads=8", "model.kv_heads=2", "model.mlp=swiglu", "model.positions=rope"]
+
+
+def test_llama_options_planned_within_10_percent(tiny_cfg, mesh_for):
+    """Grouped-query attention (8 heads on 2 KV heads), SwiGLU and RoPE on 2x2x2 with the
+    attention remat policy: the planner's device total within 10 % of XLA:CPU's."""
+    cfg = tiny_cfg(
+        *SMALL_GPT, *LLAMA, "model.remat=attention", "train.grad_accum=4", mesh=(2, 2, 2)
+    )
+    planned = plan(cfg)["bytes_per_device"]["device_total"]
+    measured = compiled_bytes(cfg, mesh_for)
+    print(f"llama options 2x2x2: planned {planned / 1e6:.2f} MB, compiled {measured / 1e6:.2f} MB")
+    assert planned == pytest.approx(measured, rel=0.10)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpod.config import load_config
+from jaxpod.config import ModelConfig, load_config
 from jaxpod.planner.activations import activation_bytes
 from jaxpod.planner.counts import layer_params
 from jaxpod.planner.profiles import get_profile
@@ -68,7 +68,7 @@ def test_a_layer_scan_in_the_tick_carries_the_whole_stage_gradient(layers, extra
     the stage's whole stack (the tick's layers are a dynamic slice of it): circular with
     2-layer virtual stages of a 4-layer stage holds 4 layers' gradients, one-layer ticks hold
     none."""
-    sharded, replicated = layer_params(D, F)
+    sharded, replicated = layer_params(ModelConfig(d_model=D, heads=4, d_ff=F))
     assert acts(*extra, layers=layers)["tick_grads"] == stack * (sharded + replicated) * 4
 
 

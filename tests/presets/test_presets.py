@@ -116,6 +116,7 @@ def test_emulated_keeps_the_topology_and_recipe(emulated, full):
 TPU_PRESETS = {
     "bert_large_tpu_v5p": "tpu-v5p:2x2x4",
     "gpt3_175b_tpu_v5p": "tpu-v5p:8x8x4",
+    "llama3_8b_tpu_v5p": "tpu-v5p:4x4x4",
     "efficientnet_b4_g16_tpu_v5e16": "tpu-v5e:4x4",
     "efficientnet_b4_g16_tpu_v5e256": "tpu-v5e:16x16",
 }
