@@ -6,6 +6,7 @@ Import from here; the submodules are an implementation detail (`load` -> `rules`
 
 from jaxpod.config.load import (
     check_allowed,
+    check_once,
     config_from_dict,
     config_to_dict,
     dump_yaml,
@@ -57,6 +58,7 @@ __all__ = [
     "PrecisionConfig",
     "TrainConfig",
     "check_allowed",
+    "check_once",
     "config_from_dict",
     "config_to_dict",
     "dump_yaml",
