@@ -217,21 +217,6 @@ def _parse_override(text: str) -> tuple[str, object]:
     return key, value
 
 
-def check_once(overrides: Sequence[str]) -> None:
-    """One-line `ConfigError` for a key the command line gives twice: the last would win
-    silently, as a key given twice in a YAML mapping would (which the loader refuses too).
-    The library's own override lists may repeat a key to replace it; a user's may not."""
-    seen: dict[str, str] = {}
-    for text in overrides:
-        key = text.partition("=")[0].strip()
-        if key in seen:
-            fail(
-                f"key '{_shown(key)[1:-1]}' is given twice on the command line ({_shown(seen[key])} "
-                f"and {_shown(text)}); keep one"
-            )
-        seen[key] = text
-
-
 def _set(d: dict[str, Any], key: str, value: object) -> None:
     if "." in key:
         section, sub = key.split(".", 1)
