@@ -1,8 +1,8 @@
 """Validation against the program, on seeded random small configs: every config the rules
 accept (`jaxpod.config.divisibility` and the section checks) builds its engine and lowers its
 train step and its eval step on the virtual CPU devices, from abstract inputs; every config
-they refuse gets one line naming its fields. The fast lane draws `FAST` configs, the slow
-lane `SLOW` more, from one seed.
+they refuse gets one line naming its fields. The fast lane draws `FAST` transformer configs,
+the slow lane `SLOW` more and `VISION` EfficientNets, from one seed.
 
 A draw starts from a mapping that mostly divides (a mesh of at most 8 devices, shapes that
 split over it, a schedule with the virtual stages it takes) and then sets 0 to 3 fields to
@@ -15,13 +15,13 @@ import random
 import re
 
 import pytest
-from helpers import make_tiny_cfg, mesh_for
+from helpers import TINY_VISION, make_tiny_cfg, mesh_for
 
 from jaxpod.config import ConfigError
 from jaxpod.config.schema import CHUNKED
 
 SEED = 0
-FAST, SLOW = 24, 160
+FAST, SLOW, VISION = 24, 160, 24  # transformers (fast, slow), EfficientNets (slow)
 KINDS = ("gpipe", "circular", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 WIDE = {  # the values a field set off the mapping takes
     "model.layers": [1, 2, 3, 4, 6, 8],
@@ -108,11 +108,36 @@ def draw(rng: random.Random) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def draw_vision(rng: random.Random) -> list[str]:
+    """One config's overrides of configs/tiny.yaml: the tests' tiny EfficientNet
+    (`helpers.TINY_VISION`) on 1 to 3 stages, its batch, schedule, image size and remat."""
+    p = rng.choice([1, 2, 2, 3])
+    r = rng.choice([q for q in (1, 2, 4) if q * p <= 8])
+    splits = {1: "[]", 2: rng.choice(["[3a]", "[2a]"]), 3: "[2a,3a]"}[p]
+    values = {
+        "devices": r * p,
+        "mesh.replica": r,
+        "mesh.pipeline": p,
+        "mesh.tensor": 1,
+        "model.pipeline_splits": splits,
+        "model.image_size": rng.choice([32, 33, 40, 48]),
+        "model.remat": rng.choice(["none", "full"]),
+        "train.micro_batch": rng.choice([1, 2, 3]),
+        "train.grad_accum": rng.choice([1, 2, 3, 4]),
+        "train.global_batch": "null",
+        "train.batch_parts": rng.choice([1, 1, 2]),
+        "train.pipeline_group": rng.choice(["null", "null", 1, 2]),
+        "train.pipeline_schedule": rng.choice(["gpipe", "1f1b", "zb-h1"]) if p > 1 else "gpipe",
+    }
+    return [*TINY_VISION, *(f"{k}={v}" for k, v in values.items())]
+
+
 _rng = random.Random(SEED)
 DRAWS = [draw(_rng) for _ in range(FAST + SLOW)]
+DRAWS += [draw_vision(_rng) for _ in range(VISION)]
 CASES = [
     pytest.param(i, marks=() if i < FAST else pytest.mark.slow, id=f"draw{i}")
-    for i in range(FAST + SLOW)
+    for i in range(len(DRAWS))
 ]
 
 
