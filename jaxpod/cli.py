@@ -32,14 +32,19 @@ from jaxpod.inspect.pod_commands import add_pod_commands
 
 
 def _split_config_and_overrides(items: list[str], command: str) -> tuple[str, list[str]]:
-    """`CONFIG` is the one argument without `=`; `KEY=VALUE` overrides may surround it."""
+    """`CONFIG` is the one argument without `=`; `KEY=VALUE` overrides may surround it, each
+    key once (`check_once`)."""
+    from jaxpod.config import check_once
+
     configs = [i for i in items if "=" not in i]
     if len(configs) != 1:
         raise UserError(
             f"expected one CONFIG file among the arguments, got {configs or 'none'}; "
             f"usage: jaxpod {command} CONFIG [KEY=VALUE ...]"
         )
-    return configs[0], [i for i in items if "=" in i]
+    overrides = [i for i in items if "=" in i]
+    check_once(overrides)
+    return configs[0], overrides
 
 
 def _spec(args: argparse.Namespace):

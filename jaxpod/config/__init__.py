@@ -4,6 +4,7 @@ section by section) and `load` (the one loader: YAML, KEY=VALUE overrides, coerc
 Import from here; the submodules are an implementation detail (`load` -> `rules` -> `schema`).
 """
 
+from jaxpod.config.command_line import check_once
 from jaxpod.config.load import (
     check_allowed,
     config_from_dict,
@@ -57,6 +58,7 @@ __all__ = [
     "PrecisionConfig",
     "TrainConfig",
     "check_allowed",
+    "check_once",
     "config_from_dict",
     "config_to_dict",
     "dump_yaml",

@@ -4,9 +4,11 @@ One function per section (`check_mesh`, `check_model`, ... `check_memory`) check
 section's fields and the rules about it, reading other sections only where a rule relates them
 (the model's shapes divide over the mesh, RTS over the replicas). The cross-section resolution
 fills in what the user may leave out: `resolve_replica` (mesh.replica=-1 from the devices) and
-`resolve_batch` (grad_accum and global_batch from each other). Model-dependent rules ask what
-kind the model is (`cfg.kind`: images or tokens, packed or stacked stages, tensor-parallel),
-not its name. Every rule raises ``ConfigError`` with one line naming the field and the fix.
+`resolve_batch` (grad_accum and global_batch from each other). Every divisibility rule (the
+model over the mesh, the batch's parts and passes, the schedule, the heads, the streamed
+pieces) is one table, `jaxpod.config.divisibility`, checked once the sizes are resolved.
+Model-dependent rules ask what kind the model is (`cfg.kind`), not its name. Every rule
+raises ``ConfigError`` with one line naming the field and the fix.
 
 Imports `schema` and, for EfficientNet's block names, the jax-free
 `jaxpod.config.efficientnet_specs` (`rules_model`), never jax: `jaxpod.config.load` builds the
@@ -15,13 +17,14 @@ dataclasses and calls `validate_and_resolve`.
 
 import dataclasses
 
+from jaxpod.config.divisibility import enforce, sizes
 from jaxpod.config.fields import _check_fields, fail, get
 from jaxpod.config.rules_data import BYTE_VOCAB, PATH_DATA, check_data  # noqa: F401
 from jaxpod.config.rules_memory import check_memory, parse_bytes  # noqa: F401  (re-exported)
 from jaxpod.config.rules_model import check_blocks
 from jaxpod.config.rules_parallel import check_parallel
 from jaxpod.config.rules_transformer import check_transformer
-from jaxpod.config.schema import CHUNKED, STEPWISE, Config
+from jaxpod.config.schema import STEPWISE, Config
 
 MAX_DEVICES = 256  # what `train` runs on one host's virtual CPU devices
 MAX_PLANNED_DEVICES = 65536  # what the commands that only plan accept (a pod's count)
@@ -95,31 +98,9 @@ def check_model(cfg: Config) -> None:
                 f"model.pipeline_splits={list(md.pipeline_splits)} is for model.name=efficientnet; "
                 "transformer layers split evenly, set model.pipeline_splits=[]"
             )
-        if md.d_model % md.heads:
-            fail(
-                f"model.d_model={md.d_model} is not divisible by model.heads={md.heads}; "
-                "choose model.heads that divides model.d_model"
-            )
     if kind.data == "images":
         if md.image_size < 32:
             fail(f"model.image_size={md.image_size} must be >= 32 (five stride-2 stages)")
-    else:
-        if md.seq_len % md.sequence_chunks:
-            fail(
-                f"model.sequence_chunks={md.sequence_chunks} does not divide "
-                f"model.seq_len={md.seq_len}; use a divisor of {md.seq_len}"
-            )
-        if md.sequence_parallel and md.seq_len % mesh.tensor:
-            fail(
-                f"model.sequence_parallel=true splits model.seq_len={md.seq_len} over "
-                f"mesh.tensor={mesh.tensor}, which does not divide it; use a multiple of "
-                f"{mesh.tensor} or model.sequence_parallel=false"
-            )
-    if kind.stages == "stacked" and md.layers % mesh.pipeline:
-        fail(
-            f"model.layers={md.layers} does not divide into mesh.pipeline={mesh.pipeline} stages; "
-            f"use a multiple of {mesh.pipeline}"
-        )
     if kind.stages == "stacked":
         check_transformer(cfg)
 
@@ -159,10 +140,8 @@ def check_precision(cfg: Config) -> None:
 
 
 def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
-    """(grad_accum, global_batch), each derived from the other (default grad_accum=1); the
-    batch's parts divide grad_accum, a GPipe pass's micro-batches a part's, and its output
-    tokens split over the stages of a stacked pipeline (its head runs 1/S of them on every
-    stage)."""
+    """(grad_accum, global_batch), each derived from the other (default grad_accum=1); how
+    they split into parts, passes and heads is checked by `jaxpod.config.divisibility`."""
     t = cfg.train
     per_accum = t.micro_batch * replica
     if t.global_batch is None:
@@ -181,36 +160,11 @@ def resolve_batch(cfg: Config, replica: int) -> tuple[int, int]:
                 f"{t.global_batch} (which needs grad_accum={grad_accum}); set only one, e.g. "
                 "train.grad_accum=null"
             )
-    parts = t.batch_parts
-    if grad_accum % parts:
+    if t.batch_parts > 1 and not cfg.kind.fixed_denominator:
         fail(
-            f"train.batch_parts={parts} does not divide train.grad_accum={grad_accum} "
-            f"micro-batches; use a divisor of {grad_accum}"
-        )
-    if parts > 1 and not cfg.kind.fixed_denominator:
-        fail(
-            f"train.batch_parts={parts} sums the parts' losses, but model.name={cfg.model.name} "
-            "divides its loss by a count of the whole batch (masked tokens); use "
-            "train.batch_parts=1"
-        )
-    micro = grad_accum // parts  # micro-batches per call of the step
-    group = t.pipeline_group or micro
-    if micro % group:
-        fail(
-            f"train.pipeline_group={group} does not divide {_group_name(t, False)}={micro}; "
-            f"use a divisor of {micro}"
-        )
-    check_schedule(cfg, group)
-    tokens = t.micro_batch * group * cfg.model.seq_len
-    # the head runs on 1/S of a pass's tokens per stage, but under the tables with backward
-    # ops (`STEPWISE`), one micro-batch at a time on the last
-    spread = t.pipeline_schedule not in STEPWISE
-    if cfg.kind.stages == "stacked" and spread and tokens % cfg.mesh.pipeline:
-        name = _group_name(t)
-        fail(
-            f"train.micro_batch*{name}*model.seq_len = {t.micro_batch}*"
-            f"{group}*{cfg.model.seq_len} = {tokens} output tokens per pipeline pass is not "
-            f"divisible by mesh.pipeline={cfg.mesh.pipeline}; change one of them"
+            f"train.batch_parts={t.batch_parts} sums the parts' losses, but model.name="
+            f"{cfg.model.name} divides its loss by a count of the whole batch (masked tokens); "
+            "use train.batch_parts=1"
         )
     return grad_accum, per_accum * grad_accum
 
@@ -232,68 +186,6 @@ def check_counts(cfg: Config, global_batch: int) -> None:
         fail(
             f"train.micro_batch={t.micro_batch} makes {what} a step, more than an int32 count "
             f"holds ({INT32_MAX:,}); reduce train.micro_batch (or train.grad_accum)"
-        )
-
-
-def _group_name(t, group: bool = True) -> str:
-    """The key(s) a pipeline pass's micro-batch count (`group`) or a call's comes from."""
-    if group and t.pipeline_group:
-        return "train.pipeline_group"
-    return "train.grad_accum/train.batch_parts" if t.batch_parts > 1 else "train.grad_accum"
-
-
-def check_schedule(cfg: Config, group: int) -> None:
-    """The pipeline schedule against the mesh, the model and a pass's `group` micro-batches."""
-    t, stages, md = cfg.train, cfg.mesh.pipeline, cfg.model
-    kind, v = t.pipeline_schedule, t.virtual_stages
-    if v > 1 and kind not in CHUNKED:
-        fail(
-            f"train.virtual_stages={v} splits each pipeline stage into virtual stages, which "
-            f"train.pipeline_schedule={kind} does not run; set train.virtual_stages=1, or a "
-            f"schedule of {', '.join(CHUNKED)}"
-        )
-    if kind == "gpipe":
-        return
-    if stages == 1:
-        fail(
-            f"train.pipeline_schedule={kind} schedules pipeline stages but mesh.pipeline=1; "
-            "set mesh.pipeline > 1 or train.pipeline_schedule=gpipe"
-        )
-    if kind not in CHUNKED:
-        return
-    if cfg.kind.stages != "stacked":
-        fail(
-            f"train.pipeline_schedule={kind} cuts a stack of identical layers into virtual "
-            f"stages; model.name={md.name} has heterogeneous stages: use gpipe, 1f1b or zb-h1"
-        )
-    if kind == "zb-v" and v != 2:
-        fail(
-            f"train.pipeline_schedule=zb-v runs two chunks per stage in a V; set "
-            f"train.virtual_stages=2 (not {v})"
-        )
-    if v < 2:
-        fail(
-            f"train.pipeline_schedule={kind} needs train.virtual_stages >= 2 (virtual "
-            "stages per stage; with 1 it is gpipe or 1f1b)"
-        )
-    if md.layers % (stages * v):
-        fail(
-            f"model.layers={md.layers} does not divide into mesh.pipeline*train.virtual_stages"
-            f" = {stages}*{v} = {stages * v} virtual stages; use a multiple of {stages * v}"
-        )
-    if group % stages and kind != "zb-v":
-        name = _group_name(t)
-        fail(
-            f"{name}={group} micro-batches per pass is not a multiple of mesh.pipeline="
-            f"{stages}: train.pipeline_schedule={kind} sends them around the ring in groups "
-            f"of {stages}; use a multiple of {stages}"
-        )
-    per_virtual = md.layers // (stages * v)
-    if per_virtual % cfg.memory.phases:
-        fail(
-            f"memory.phases={cfg.memory.phases} does not divide the {per_virtual} layers of a "
-            f"virtual stage (model.layers/(mesh.pipeline*train.virtual_stages)); use a divisor "
-            f"of {per_virtual}"
         )
 
 
@@ -339,9 +231,10 @@ def validate_and_resolve(cfg: Config, max_devices: int = MAX_DEVICES) -> Config:
     check_optim(cfg)
     check_data(cfg)
     check_precision(cfg)
-    check_memory(cfg, replica)
+    check_memory(cfg)
     check_parallel(cfg)
     grad_accum, global_batch = resolve_batch(cfg, replica)
+    enforce(sizes(cfg, replica, grad_accum))
     check_counts(cfg, global_batch)
     return dataclasses.replace(
         cfg,

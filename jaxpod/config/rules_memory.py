@@ -1,10 +1,11 @@
-"""Validation of the `memory` section: where bytes live (device profile, budget, RTS, offload,
-phases, streamed matrices, the token table's slices), checked against the model's stages and
-the resolved replica count. Split from `jaxpod.config.rules`, which calls `check_memory`;
-`parse_bytes` reads sizes such as `900MB` or `16GiB`. jax-free, like every config module.
+"""Validation of the `memory` section: where bytes live (device profile, budget, offload,
+phases, streamed matrices, the token table's slices), checked against the model. How RTS
+groups, panels, slices and phases divide is `jaxpod.config.divisibility`'s. Split from
+`jaxpod.config.rules`, which calls `check_memory`; `parse_bytes` reads sizes such as `900MB`
+or `16GiB`. jax-free, like every config module.
 """
 
-from jaxpod.config.fields import _check_fields, fail, get
+from jaxpod.config.fields import _check_fields, fail
 from jaxpod.config.schema import Config
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -27,8 +28,8 @@ def parse_bytes(text: str | None, key: str = "memory.device_budget") -> int | No
     return int(value)
 
 
-def check_memory(cfg: Config, replica: int) -> None:
-    """Where bytes live, against the model's stages and the resolved `replica` count."""
+def check_memory(cfg: Config) -> None:
+    """Where bytes live: the options a model's kind takes, and how they combine."""
     _check_fields(cfg, "memory")
     parse_bytes(cfg.memory.device_budget)
     mem, md = cfg.memory, cfg.model
@@ -44,32 +45,12 @@ def check_memory(cfg: Config, replica: int) -> None:
             "memory.phases/rts/offload/stream/mlp_panels/vocab_slices are for transformer "
             f"models; leave them at 1/1/[]/layer/1/1 for model.name={md.name}"
         )
-    _check_rts(cfg, replica)
     _check_streaming(cfg)
-
-
-def _check_rts(cfg: Config, replica: int) -> None:
-    """RTS splits weights and optimizer state over groups of replicas: each group size must
-    divide the replica count, and one must divide the other, as the groups nest."""
-    mem = cfg.memory
-    for key in ("memory.rts", "memory.rts_optimizer"):
-        value = get(cfg, key)
-        if value is not None and replica % value:
-            fail(
-                f"{key}={value} does not divide mesh.replica={replica}; use a divisor of {replica}"
-            )
-    rts, rts_opt = mem.rts, mem.rts if mem.rts_optimizer is None else mem.rts_optimizer
-    if max(rts, rts_opt) % min(rts, rts_opt):
-        fail(
-            f"memory.rts={rts} and memory.rts_optimizer={rts_opt} must divide one another "
-            "(weights and optimizer state are split over nested groups of replicas)"
-        )
 
 
 def _check_streaming(cfg: Config) -> None:
     """How a stage's weights are cut into the pieces that are streamed (phases of layers, MLP
-    panels, token-table slices, matrix by matrix), against the model's shapes per stage and
-    per tensor shard."""
+    panels, token-table slices, matrix by matrix): which options go together."""
     mem, md = cfg.memory, cfg.model
     if mem.phases > md.layers:
         fail(f"memory.phases={mem.phases} is more than model.layers={md.layers}; use fewer")
@@ -78,31 +59,13 @@ def _check_streaming(cfg: Config) -> None:
             f"memory.mlp_panels={mem.mlp_panels} streams the MLP's matrices in panels, which "
             "only memory.stream=matrix does; set memory.stream=matrix or memory.mlp_panels=1"
         )
-    local_ff = md.d_ff // cfg.mesh.tensor
-    if local_ff % mem.mlp_panels:
-        fail(
-            f"memory.mlp_panels={mem.mlp_panels} does not divide the {local_ff} hidden units "
-            "per tensor shard (model.d_ff/mesh.tensor); use a divisor of it"
-        )
     if mem.vocab_slices > 1 and md.name != "gpt":
         fail(
             f"memory.vocab_slices={mem.vocab_slices} slices GPT's token table; model.name="
             f"{md.name} uses its table whole: set memory.vocab_slices=1"
         )
-    local_vocab = md.vocab // cfg.mesh.tensor
-    if local_vocab % mem.vocab_slices:
-        fail(
-            f"memory.vocab_slices={mem.vocab_slices} does not divide the {local_vocab} table rows "
-            "per tensor shard (model.vocab/mesh.tensor); use a divisor of it"
-        )
     if mem.stream == "matrix" and md.remat == "none":
         fail(
             "memory.stream=matrix makes each weight matrix a remat unit, gathered again in the "
             "backward pass; it needs a remat policy: set model.remat=full (or minimal, ...)"
-        )
-    per_stage = md.layers // cfg.mesh.pipeline
-    if per_stage % mem.phases:
-        fail(
-            f"memory.phases={mem.phases} does not divide the {per_stage} layers of each pipeline "
-            f"stage (model.layers/mesh.pipeline); use a divisor of {per_stage}"
         )

@@ -3,7 +3,9 @@
 Every enumerated choice is a `typing.Literal` annotation; `CHOICES` and `LIST_CHOICES` (what
 the rules check and the tests enumerate) are read off those annotations, so an option is
 written once. The dataclasses hold values only: reading YAML is `jaxpod.config.load`'s job,
-checking them `jaxpod.config.rules`'s. Like the whole package, this module never imports jax.
+checking them `jaxpod.config.rules`'s, how their sizes divide one another (the mesh, the
+batch, the schedule, the heads) `jaxpod.config.divisibility`'s. Like the whole package, this
+module never imports jax.
 
 `devices` counts the devices of each process (all of them in a single process); `processes`
 is not a YAML key but set by whoever loads the config (`load_config(..., processes=N)`, after

@@ -1,12 +1,12 @@
 """`jaxpod search`: the fastest mappings of a config on N devices. Jax-free.
 
-Every mapping is enumerated, pruned by divisibility and bounds, never sampled: tensor width t
-(dividing the heads, the MLP and the vocabulary, inside one fast domain), pipeline depth p
-(dividing the layers), replicas r = N / (t·p), the micro-batch and accumulation that make the
-global batch, the schedule (GPipe, 1F1B, ZB-H1; circular, interleaved 1F1B and ZB-V with 2
-virtual stages), the remat policy
-and RTS over the replicas. Each is validated as a config (`jaxpod.config.load_config`), kept
-if the planner says it fits the profile's memory, and ranked by the step-time model
+Every mapping is enumerated, never sampled: tensor width t (inside one fast domain), pipeline
+depth p, replicas r = N / (t·p), the micro-batch and accumulation that make the global
+batch, the schedule (GPipe, 1F1B, ZB-H1; circular, interleaved 1F1B and ZB-V with 2 virtual
+stages), the remat policy and RTS over the replicas. Each choice is pruned at once by the
+divisibility rules it completes (`jaxpod.config.divisibility`, the rules validation
+enforces). Each mapping left is validated as a config (`jaxpod.config.load_config`), kept if
+the planner says it fits the profile's memory, and ranked by the step-time model
 (`jaxpod.inspect.estimate`).
 """
 
@@ -14,13 +14,29 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from jaxpod.config import MAX_PLANNED_DEVICES, Config, load_config
+from jaxpod.config import CHOICES, MAX_PLANNED_DEVICES, Config, load_config
+from jaxpod.config.divisibility import accepts, sizes
+from jaxpod.config.schema import CHUNKED
 from jaxpod.errors import ConfigError
 from jaxpod.inspect.estimate import estimate_config
 from jaxpod.planner.plan import plan
 from jaxpod.planner.speed import get_speed
 
 REMATS = ("none", "full", "comms")
+# (kind, virtual stages) of every schedule tried
+SCHEDULES = tuple((k, 2 if k in CHUNKED else 1) for k in CHOICES["train.pipeline_schedule"])
+# the fields a mapping sets; the rest of the rules' sizes are the config's own
+SEARCHED = (
+    "mesh.replica",
+    "mesh.pipeline",
+    "mesh.tensor",
+    "train.micro_batch",
+    "train.grad_accum",
+    "train.pipeline_schedule",
+    "train.virtual_stages",
+    "memory.rts",
+    "memory.rts_optimizer",
+)
 MAX_MICRO_BATCH = 32
 TERMS = {  # breakdown key -> what it is, for the reasons
     "matmul_s": "matmul time",
@@ -38,46 +54,42 @@ def divisors(n: int) -> list[int]:
 
 
 def mappings(cfg: Config, devices: int, global_batch: int, fast_group: int) -> Iterator[list]:
-    """Override lists of every mapping worth planning (see the module docstring)."""
-    md = cfg.model
+    """Override lists of every mapping worth planning (see the module docstring): each choice
+    made is checked at once against the divisibility rules whose fields are all chosen
+    (`jaxpod.config.divisibility.accepts`), so a branch they refuse is never walked."""
+    base = {k: v for k, v in sizes(cfg).items() if k not in SEARCHED}
     for t in divisors(min(devices, fast_group, 64)):
-        if md.heads % t or md.d_ff % t or md.vocab % t or devices % t:
+        at_t = {**base, "mesh.tensor": t}
+        if devices % t or not accepts(at_t):
             continue
         for p in divisors(devices // t):
-            if md.layers % p:
-                continue
             r = devices // (t * p)
-            if global_batch % r:
-                continue
-            yield from _batching(cfg, t, p, r, global_batch // r)
+            at_p = {**at_t, "mesh.pipeline": p, "mesh.replica": r}
+            if global_batch % r == 0 and accepts(at_p):
+                yield from _batching(at_p, global_batch // r)
 
 
-def _batching(cfg: Config, t: int, p: int, r: int, per_replica: int) -> Iterator[list]:
-    """The micro-batch, schedule, remat and RTS choices of one (t, p, r)."""
+def _batching(values: dict, per_replica: int) -> Iterator[list]:
+    """The micro-batch, schedule, remat and RTS choices of one (t, p, r) in `values`."""
+    r, p, t = (values[f"mesh.{a}"] for a in ("replica", "pipeline", "tensor"))
     mesh = [f"mesh.replica={r}", f"mesh.pipeline={p}", f"mesh.tensor={t}"]
     for mb in divisors(per_replica):
         if mb > MAX_MICRO_BATCH:
             break
         accum = per_replica // mb
+        at_mb = {**values, "train.micro_batch": mb, "train.grad_accum": accum}
         batch = [f"train.micro_batch={mb}", f"train.grad_accum={accum}", "train.global_batch=null"]
-        for schedule in _schedules(cfg, p, accum):
+        for kind, virtual in SCHEDULES:
+            at_kind = {**at_mb, "train.pipeline_schedule": kind, "train.virtual_stages": virtual}
+            if not accepts(at_kind):
+                continue
+            schedule = [f"train.pipeline_schedule={kind}", f"train.virtual_stages={virtual}"]
             for remat in REMATS:
                 for rts in sorted({1, r}):
+                    if not accepts({**at_kind, "memory.rts": rts, "memory.rts_optimizer": rts}):
+                        continue
                     memory = [f"memory.rts={rts}", f"memory.rts_optimizer={rts}"]
                     yield [*mesh, *batch, *schedule, f"model.remat={remat}", *memory]
-
-
-def _schedules(cfg: Config, p: int, accum: int) -> list[list[str]]:
-    if p == 1:
-        return [["train.pipeline_schedule=gpipe", "train.virtual_stages=1"]]
-    one = ("gpipe", "1f1b", "zb-h1")
-    out = [[f"train.pipeline_schedule={k}", "train.virtual_stages=1"] for k in one]
-    if cfg.model.layers % (2 * p):
-        return out
-    chunked = ("circular", "interleaved-1f1b") if accum % p == 0 else ()
-    for k in (*chunked, "zb-v"):
-        out.append([f"train.pipeline_schedule={k}", "train.virtual_stages=2"])
-    return out
 
 
 def search(

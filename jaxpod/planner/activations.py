@@ -84,12 +84,13 @@ def _packed_activation_bytes(cfg: Config, profile: DeviceProfile, cb: int) -> di
     the update rounds stochastically are what its model needs from the config."""
     stage_params = efficientnet_stage_params(cfg)
     row = max(stage_params)  # n_max: every stage's row is this long
-    act, pb = DTYPE_BYTES[cfg.precision.compute], DTYPE_BYTES[cfg.precision.params]
-    # rows rounded stochastically: the weights row, and the optimizer's (one row of its
-    # moments per parameter) when 16-bit
-    opt16 = cfg.optim.moments != "float32" and cfg.precision.master != "float32"
-    moments = MOMENTS[cfg.optim.name]
-    sr_rows = (1 + moments * opt16) if pb < 4 else 0
+    prec = cfg.precision
+    act, pb = DTYPE_BYTES[prec.compute], DTYPE_BYTES[prec.params]
+    # the rows hold the master weights; the optimizer's rows (one per moment) its moments,
+    # float32 with optim.moments=float32: the 16-bit ones are rounded stochastically
+    master16 = prec.master != "float32" and pb < 4
+    moments, opt16 = MOMENTS[cfg.optim.name], master16 and cfg.optim.moments != "float32"
+    sr_rows = master16 + moments * opt16
     return efficientnet.activation_bytes(
         cfg,
         cb,
@@ -99,7 +100,7 @@ def _packed_activation_bytes(cfg: Config, profile: DeviceProfile, cb: int) -> di
         sr_rows,
         pb,
         stage_params,
-        moments,
+        0 if opt16 else moments,
         dense_depthwise=profile.dense_depthwise_grads,
     )
 

@@ -147,16 +147,16 @@ def _switch_union(
     return stage_work
 
 
-def _update_work(row_elements: int, sr_rows: int, moments: int) -> int:
+def _update_work(row_elements: int, sr_rows: int, f32_moments: int) -> int:
     """Bytes of the packed update's working set on whole rows of `row_elements`: float32
     copies of the row and, with 16-bit rows (`sr_rows` rounded stochastically), one row's
-    random bits; with float32 rows the new optimizer state's leaves (`moments` rows)."""
+    random bits; with float32 optimizer rows (`f32_moments` of them, whatever the weights'
+    dtype) the new optimizer state's leaves."""
     update_work = UPDATE_F32_ROWS * row_elements * F32
     if sr_rows:  # the rows are rounded one after another: one row's bits are live
         update_work += SR_BIT_ROWS * row_elements * F32
-    else:  # float32 rows: the new optimizer state's leaves wait for their row's concatenate
-        update_work += moments * row_elements * F32
-    return update_work
+    # float32 optimizer rows are not rounded: the new state's leaves wait for their concatenate
+    return update_work + f32_moments * row_elements * F32
 
 
 def activation_bytes(
@@ -178,7 +178,7 @@ def activation_bytes(
     `sr_rows`: how many rows of that length the update rounds stochastically;
     `param_bytes`: a weight's bytes (kernels narrower than `cb` are held widened);
     `stage_params`: each stage's parameter count (autodiff saves the weights without remat;
-    default: every stage's row full); `moments`: the optimizer's state rows;
+    default: every stage's row full); `moments`: the optimizer's float32 state rows;
     `dense_depthwise`: the device builds a depthwise conv's weight gradient from a dense
     [k, k, C, C] float32 kernel, live in its stage's backward (read on 1- and 2-stage probes
     of the digits config with `model.g16=false`, benchmarks/xla_peak.py)."""

@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpod.config import Config, parse_bytes
-from jaxpod.config.rules import check_schedule, resolve_batch
-from jaxpod.errors import ConfigError, UserError
+from jaxpod.config.divisibility import accepts, sizes
+from jaxpod.errors import UserError
 from jaxpod.parallel.schedules import STEPWISE
 from jaxpod.planner import schedule_choice
 from jaxpod.planner.activations import DTYPE_BYTES, activation_bytes
@@ -122,22 +122,10 @@ def _finer_vocab(cfg: Config, limit: int, params_override: int | None) -> dict:
     return _fewest(cfg, limit, params_override, counts, changes, fit_only=True)
 
 
-def _schedule_ok(trial: Config) -> bool:
-    """Whether `trial`'s pipeline schedule passes the config's own rules (`check_schedule`)."""
-    try:
-        check_schedule(trial, trial.pipeline_group)
-    except ConfigError:
-        return False
-    return True
-
-
-def _batch_ok(trial: Config) -> bool:
-    """Whether `trial`'s batch settings pass the config's own rules (`resolve_batch`)."""
-    try:
-        resolve_batch(trial, trial.mesh.replica)
-    except ConfigError:
-        return False
-    return True
+def _divides(trial: Config) -> bool:
+    """Whether `trial` passes every divisibility rule (`jaxpod.config.divisibility`): the
+    batch, the schedule, the heads, the streamed pieces, as validation checks them."""
+    return accepts(sizes(trial))
 
 
 def _memory_changes(cfg: Config, limit: int, params_override: int | None) -> list:
@@ -175,9 +163,8 @@ def _model_changes(cfg: Config) -> list:
     md, mesh = cfg.model, cfg.mesh
     out = []
     if cfg.kind.tensor_parallel and mesh.tensor > 1 and not md.sequence_parallel:
-        if md.seq_len % mesh.tensor == 0:
-            out.append(("model.sequence_parallel=true", _with_model(cfg, sequence_parallel=True)))
-    if cfg.kind.data == "tokens" and md.sequence_chunks == 1 and md.seq_len % 8 == 0:
+        out.append(("model.sequence_parallel=true", _with_model(cfg, sequence_parallel=True)))
+    if cfg.kind.data == "tokens" and md.sequence_chunks == 1:
         out.append(("model.sequence_chunks=8", _with_model(cfg, sequence_chunks=8)))
     if md.remat not in ("full",):
         out.append(("model.remat=full", _with_model(cfg, remat="full")))
@@ -185,8 +172,8 @@ def _model_changes(cfg: Config) -> list:
 
 
 def _fits(trial: Config, limit: int, params_override: int | None) -> bool:
-    """Whether `trial` passes the config's batch rules and its device total fits `limit`."""
-    return _batch_ok(trial) and _device_total(trial, params_override) <= limit
+    """Whether `trial` passes the divisibility rules and its device total fits `limit`."""
+    return _divides(trial) and _device_total(trial, params_override) <= limit
 
 
 def _train_changes(cfg: Config, limit: int, params_override: int | None) -> list:
@@ -214,26 +201,24 @@ def _train_changes(cfg: Config, limit: int, params_override: int | None) -> list
 
 
 def _mesh_changes(cfg: Config) -> list:
-    """`(label, trial)` of a deeper pipeline on half the replicas (stacked layers that divide
-    into twice the stages, in the configured phases), RTS no wider than the replicas left."""
-    mesh, mem, md = cfg.mesh, cfg.memory, cfg.model
+    """`(label, trial)` of a deeper pipeline on half the replicas (stacked layers), RTS no
+    wider than the replicas left; `_suggest` keeps it if the divisibility rules accept it."""
+    mesh, mem = cfg.mesh, cfg.memory
     p2 = mesh.pipeline * 2
-    if mesh.replica % 2 or md.layers % p2 or cfg.kind.stages != "stacked":
+    if mesh.replica % 2 or cfg.kind.stages != "stacked":
         return []
     trial = dataclasses.replace(
         cfg, mesh=dataclasses.replace(mesh, pipeline=p2, replica=mesh.replica // 2)
     )
     if mem.rts > trial.mesh.replica or (mem.rts_optimizer or 1) > trial.mesh.replica:
         trial = _with_memory(trial, rts=1, rts_optimizer=None)
-    if (md.layers // p2) % mem.phases:
-        return []
     return [(f"mesh.pipeline={p2} mesh.replica={mesh.replica // 2}", trial)]
 
 
 def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
     """Single changes that lower the device bytes, each with the total its own re-plan gives:
     those that fit `limit` first, then those that only come closer (a change that does not
-    lower the total is left out)."""
+    lower the total, or that a divisibility rule refuses, is left out)."""
     changes = [
         *_memory_changes(cfg, limit, params_override),
         *_model_changes(cfg),
@@ -243,7 +228,7 @@ def _suggest(cfg: Config, limit: int, params_override: int | None) -> str:
     fit, closer = [], []
     now = _device_total(cfg, params_override)
     for label, trial in changes:
-        if not _schedule_ok(trial):  # e.g. a deeper pipeline its schedule cannot run
+        if not _divides(trial):  # e.g. a deeper pipeline its schedule or head cannot split
             continue
         total = _device_total(trial, params_override)
         if total <= limit or total < now:

@@ -1,10 +1,10 @@
 """Which pipeline schedule to run a mapping with, and why. Jax-free.
 
-Every schedule the mapping can run (chunked ones with 2 virtual stages where the layers and
-micro-batches divide) is priced by its own table in lockstep — jaxpod's SPMD program, a tick
-as long as its slowest op (`jaxpod.parallel.schedule_time`, with remat `full` each backward
-op's recomputation counted) — and planned for its bytes; the advice is the fastest of those
-that fit, ties to fewer bytes.
+Every schedule the mapping can run (chunked ones with 2 virtual stages; the divisibility
+rules of `jaxpod.config.divisibility` say which) is priced by its own table in lockstep —
+jaxpod's SPMD program, a tick as long as its slowest op (`jaxpod.parallel.schedule_time`,
+with remat `full` each backward op's recomputation counted) — and planned for its bytes; the
+advice is the fastest of those that fit, ties to fewer bytes.
 """
 
 from __future__ import annotations
@@ -13,27 +13,30 @@ import dataclasses
 from collections.abc import Callable
 
 from jaxpod.config import Config
-from jaxpod.config.rules import check_schedule
+from jaxpod.config.divisibility import accepts, sizes
 from jaxpod.config.schema import CHUNKED
-from jaxpod.errors import ConfigError
 from jaxpod.parallel.schedule_time import bubble, lockstep_time
 from jaxpod.parallel.schedules import KINDS, make_schedule
 from jaxpod.planner.report import format_bytes
 
 
+def _with_schedule(cfg: Config, kind: str, virtual: int) -> Config:
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, pipeline_schedule=kind, virtual_stages=virtual)
+    )
+
+
 def candidates(cfg: Config) -> list[tuple[str, int]]:
-    """`(kind, virtual stages)` of each schedule `cfg`'s mapping can run."""
-    stages, micro, layers = cfg.mesh.pipeline, cfg.pipeline_group, cfg.model.layers
+    """`(kind, virtual stages)` of each schedule `cfg`'s mapping can run: its own, and every
+    kind, chunked ones with 2 virtual stages, that the divisibility rules accept with `cfg`'s
+    layers, micro-batches and phases (`jaxpod.config.divisibility`)."""
+    own = (cfg.train.pipeline_schedule, cfg.train.virtual_stages)
     out = []
     for kind in KINDS:
-        if kind not in CHUNKED:
-            out.append((kind, 1))
-            continue
-        stacked = cfg.kind.stages == "stacked"
-        grouped = kind == "zb-v" or micro % stages == 0
-        if stacked and grouped and layers % (2 * stages) == 0:
-            out.append((kind, 2))
-    return out
+        virtual = 2 if kind in CHUNKED else 1
+        if (kind, virtual) == own or accepts(sizes(_with_schedule(cfg, kind, virtual))):
+            out.append((kind, virtual))
+    return out if own in out else [own, *out]
 
 
 def _priced(cfg: Config, kind: str, virtual: int, recompute: bool) -> tuple[float, float]:
@@ -53,14 +56,7 @@ def advise(cfg: Config, limit: int, device_total: Callable[[Config], int]) -> di
     recompute = cfg.model.remat == "full"  # each backward op recomputes its stage first
     rows = []
     for kind, virtual in candidates(cfg):
-        trial = dataclasses.replace(
-            cfg,
-            train=dataclasses.replace(cfg.train, pipeline_schedule=kind, virtual_stages=virtual),
-        )
-        try:  # the config's own rules (phases per virtual stage, ...)
-            check_schedule(trial, cfg.pipeline_group)
-        except ConfigError:
-            continue
+        trial = _with_schedule(cfg, kind, virtual)
         rows.append((kind, virtual, *_priced(cfg, kind, virtual, recompute), device_total(trial)))
     fitting = [r for r in rows if r[4] <= limit] or rows
     kind, virtual, time, idle, total = min(fitting, key=lambda r: (round(r[2], 6), r[4]))

@@ -86,8 +86,16 @@ def test_lock_then_ctrl_c_saves_the_step_and_the_run_resumes(tmp_path):
     assert train_steps(run) == list(range(1, step + 1))
     assert not (run / ".jaxpod.lock").exists()
 
-    resumed = jaxpod("train", TINY, *COMMON, f"train.logdir={run}", f"train.steps={step + 2}",
-                     "--allow-changes", "train.steps")  # fmt: skip
+    common = [o for o in COMMON if not o.startswith("train.steps=")]  # each key once
+    resumed = jaxpod(
+        "train",
+        TINY,
+        *common,
+        f"train.logdir={run}",
+        f"train.steps={step + 2}",
+        "--allow-changes",
+        "train.steps",
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed        from step {step}" in resumed.stdout
     assert train_steps(run) == list(range(1, step + 3))

@@ -824,7 +824,9 @@ def _config_imports(module: str) -> set[str]:
 
 def test_layers_import_downwards_only():
     """tables (kinds, efficientnet_specs) <- schema <- fields <- rules_<topic> <- rules <- load
-    (and safe_yaml, presets <- load): each imports only layers below."""
+    (and safe_yaml, presets <- load), with the divisibility table between fields and rules:
+    kinds <- rule_sizes <- divisibility_<topic> <- divisibility (and fields) <- rules. Each
+    imports only layers below."""
     topics = {p.stem for p in (ROOT / "jaxpod" / "config").glob("rules_*.py")}
     tables = {"jaxpod.config.kinds", "jaxpod.config.efficientnet_specs"}
     assert _config_imports("kinds") == _config_imports("efficientnet_specs") == set()
@@ -833,7 +835,14 @@ def test_layers_import_downwards_only():
     base = {"jaxpod.config.schema", "jaxpod.config.fields", *tables}
     for topic in topics:
         assert _config_imports(topic) <= base, topic
-    below = base | {f"jaxpod.config.{t}" for t in topics}
+    assert _config_imports("rule_sizes") == {"jaxpod.config.kinds"}
+    sized = {"jaxpod.config.rule_sizes", "jaxpod.config.schema"}
+    parts = {p.stem for p in (ROOT / "jaxpod" / "config").glob("divisibility_*.py")}
+    for part in parts:
+        assert _config_imports(part) <= sized, part
+    table = {"jaxpod.config.fields", *sized, *(f"jaxpod.config.{p}" for p in parts)}
+    assert _config_imports("divisibility") <= table
+    below = base | {f"jaxpod.config.{t}" for t in topics} | {"jaxpod.config.divisibility"}
     assert {"jaxpod.config.schema"} <= _config_imports("rules") <= below
     assert _config_imports("safe_yaml") == set()
     assert _config_imports("presets") == {"jaxpod.config.fields"}

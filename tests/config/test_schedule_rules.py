@@ -28,11 +28,14 @@ def test_valid_schedules_load():
     cfg = load_config(TINY, ["train.pipeline_schedule=circular", "train.virtual_stages=2"])
     assert (cfg.train.pipeline_schedule, cfg.train.virtual_stages) == ("circular", 2)
     assert load_config(TINY, ["train.pipeline_schedule=1f1b"]).train.pipeline_schedule == "1f1b"
-    # 1f1b runs the head on the last stage per micro-batch: a pass's tokens need not split
-    # over the stages (gpipe's spread head needs it)
+    # zb-v runs the head on the last stage per micro-batch, in training and in evaluation: a
+    # pass's tokens need not split over the stages; gpipe's spread head needs it, and so does
+    # 1f1b's evaluation, a GPipe pass
     odd = ["model.seq_len=63", "train.micro_batch=1", "train.grad_accum=1"]
-    assert load_config(TINY, [*odd, "train.pipeline_schedule=1f1b"])
+    zb_v = ["train.pipeline_schedule=zb-v", "train.virtual_stages=2"]
+    assert load_config(TINY, [*odd, *zb_v]).train.pipeline_schedule == "zb-v"
     assert "output tokens per pipeline pass" in refused(*odd)
+    assert "output tokens of an evaluation pass" in refused(*odd, "train.pipeline_schedule=1f1b")
 
 
 @pytest.mark.parametrize(

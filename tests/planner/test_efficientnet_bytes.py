@@ -118,13 +118,20 @@ def test_block_output_cotangents():
 
 def test_update_rounds_with_four_uint32_rows():
     """16-bit rows: the update holds two float32 rows and four uint32 rows of threefry bits
-    (two lanes and their loop copies); float32 rows draw no bits but hold the new optimizer
-    state's leaves until they are concatenated (SGD: one row; calibration row
-    f32-w1-32-1x2x1, whose peak is the update). No bits before the backward: the memory
-    scheduler draws them at the update."""
+    (two lanes and their loop copies); float32 rows draw no bits; float32 optimizer rows,
+    beside rows of either dtype, hold the new optimizer state's leaves until they are
+    concatenated (SGD: one row; calibration row f32-w1-32-1x2x1, whose peak is the update).
+    No bits before the backward: the memory scheduler draws them at the update."""
     from jaxpod.planner.counts import efficientnet_stage_params
 
-    for over, rows in (([], UPDATE_F32_ROWS + SR_BIT_ROWS), (F32, UPDATE_F32_ROWS + 1)):
+    lamb32 = ["optim.name=lamb", "optim.moments=float32"]
+    master32 = ["precision.master=float32"]  # float32 rows, 16-bit weights in the forward
+    for over, rows in (
+        ([], UPDATE_F32_ROWS + SR_BIT_ROWS),
+        (F32, UPDATE_F32_ROWS + 1),
+        (lamb32, UPDATE_F32_ROWS + SR_BIT_ROWS + 2),  # float32 moments beside 16-bit rows
+        (master32, UPDATE_F32_ROWS + 1),  # nothing rounded: the rows are the float32 masters
+    ):
         cfg = _cfg(1, 2, *over)
         n_max = max(efficientnet_stage_params(cfg))
         assert activation_bytes(cfg, CPU)["update_work"] == rows * n_max * 4
@@ -168,6 +175,9 @@ CASES = {  # calibration rows (benchmarks/calibration_efficientnet.yaml)
     # the digits preset on 1x2x1: the 16-bit update is the peak, two float32 rows and four
     # uint32 rows of stochastic-rounding bits (XLA 28.0 MB, planned 28.0 MB)
     "digits-1x2x1": (1, 2, []),
+    # the digits preset with LAMB's float32 moments beside its 16-bit rows, a held-out check
+    # (no term read on it): XLA 40.7 MB, planned 41.0 MB (33.6 before they were counted)
+    "digits-lamb-f32-moments": (4, 2, ["optim.name=lamb", "optim.moments=float32"]),
 }
 
 

@@ -3,15 +3,18 @@ step-time model, each result what `plan` and `estimate` say of it alone."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from jaxpod.cli import main
-from jaxpod.config import MAX_PLANNED_DEVICES, load_config
+from jaxpod.config import MAX_PLANNED_DEVICES, ConfigError, load_config
 from jaxpod.inspect.estimate import estimate_config
-from jaxpod.inspect.search import divisors, search
+from jaxpod.inspect.search import divisors, mappings, search
+from jaxpod.parallel.schedules import KINDS
 from jaxpod.planner.plan import plan
+from jaxpod.planner.speed import get_speed
 
 CONFIG = "configs/tiny.yaml"
 
@@ -22,23 +25,48 @@ def found():
 
 
 def test_every_mapping_of_the_pod_is_considered(found):
-    """tiny (4 layers, 4 heads) on 16 devices, global batch 32 (its 2 x 4 per replica on
-    its 4 replicas there): t in {1, 2, 4}, p in {1, 2, 4}, each micro-batch dividing a
-    replica's share, each schedule, remat and RTS choice."""
-    expected = 0
-    for t in (1, 2, 4):
-        for p in (1, 2, 4):
+    """tiny (4 layers, 4 heads) on 16 devices, global batch 32, against brute force: every
+    (t, p, micro-batch, schedule, RTS) that validation accepts is considered, and nothing
+    else (the search prunes with the divisibility rules validation enforces), each with
+    every remat policy."""
+    base = ["devices=16", "memory.device=h100-80gb", "mesh.replica=-1"]
+    accepted = set()
+    for t in divisors(16):
+        for p in divisors(16 // t):
             r = 16 // (t * p)
-            if 32 % r:
-                continue
-            per = 32 // r
-            for mb in divisors(per):
-                accum = per // mb
-                chunks = 4 % (2 * p) == 0  # zb-v; circular, interleaved 1f1b: and accum % p
-                kinds = 1 if p == 1 else 3 + chunks * (1 + 2 * (accum % p == 0))
-                expected += kinds * 3 * len({1, r})
-    assert found["considered"] == expected
+            for mb in divisors(32 // r) if 32 % r == 0 else ():
+                for kind, virtual, rts in itertools.product(KINDS, (1, 2), {1, r}):
+                    mapping = _mapping(r, p, t, mb, 32 // r // mb, kind, virtual, rts)
+                    if _validates(CONFIG, [*base, *mapping]):
+                        accepted.add(mapping)
+    cfg = load_config(CONFIG, base, max_devices=MAX_PLANNED_DEVICES)
+    considered = [tuple(m) for m in mappings(cfg, 16, 32, get_speed("h100-80gb").fast_group)]
+    assert {m for m in considered if "model.remat=none" in m} == accepted
+    assert found["considered"] == len(considered) == 3 * len(accepted) == found["valid"]
     assert found["fitting"] == len(found["top"]) > 0
+
+
+def _mapping(r, p, t, mb, accum, kind, virtual, rts) -> tuple[str, ...]:
+    """The overrides `mappings` yields for these choices, with remat `none`."""
+    return (
+        *(f"mesh.{axis}={n}" for axis, n in (("replica", r), ("pipeline", p), ("tensor", t))),
+        f"train.micro_batch={mb}",
+        f"train.grad_accum={accum}",
+        "train.global_batch=null",
+        f"train.pipeline_schedule={kind}",
+        f"train.virtual_stages={virtual}",
+        "model.remat=none",
+        f"memory.rts={rts}",
+        f"memory.rts_optimizer={rts}",
+    )
+
+
+def _validates(config: str, overrides: list[str]) -> bool:
+    try:
+        load_config(config, overrides, max_devices=MAX_PLANNED_DEVICES)
+    except ConfigError:
+        return False
+    return True
 
 
 def test_the_ranking_is_what_plan_and_estimate_say_alone(found):
