@@ -1,38 +1,38 @@
 """The one config loader: a YAML preset plus KEY=VALUE overrides, coerced, validated, resolved.
 
 Everything that reads a config file goes through here: `load_config` for the whole validated
-`Config`, `peek` for one value before the rest can be checked (the CLI needs `devices` and
-`train.logdir` before jax starts or the process count is known). Keys are checked against
-the schema's fields; an unknown key gets a one-line ``ConfigError`` with the closest key.
+`Config` (`config_maker` for many of one preset), `peek` for one value before the rest can be
+checked (the CLI needs `devices` and `train.logdir` before jax starts or the process count is
+known). An unknown key gets a one-line ``ConfigError`` with the closest key. `processes` is
+not a key: the caller passes it, and dumps leave it out, so a dumped config.yaml loads back
+as it was written.
 
-`processes` is not a key: the caller passes it (`load_config(path, overrides, processes=N)`)
-and dumps leave it out, so a dumped config.yaml loads back as it was written.
-
-A *resolved* config (what ``load_config``/``config_from_dict``/``with_overrides`` return) has
-``mesh.replica`` filled in (never -1) and ``train.grad_accum``/``train.global_batch`` set to ints;
-``~`` in the path keys (`PATHS`) is expanded. YAML is read by a bounded loader (`safe_yaml`):
-no aliases (a few hundred bytes of nested aliases expand to gigabytes), no key given twice in a
-mapping (the last would silently win), at most `MAX_YAML` bytes. `allow_empty=False` (what
-`jaxpod train` asks) refuses an empty config file, which would otherwise silently train every
-default.
+A *resolved* config has ``mesh.replica`` filled in (never -1), ``train.grad_accum`` and
+``train.global_batch`` set to ints, ``~`` in the path keys (`PATHS`) expanded. YAML is read by
+a bounded loader (`safe_yaml`): no aliases (a few hundred bytes of nested aliases expand to
+gigabytes), no key given twice in a mapping, at most `MAX_YAML` bytes. `allow_empty=False`
+(what `jaxpod train` asks) refuses an empty config file, which would silently train defaults.
 """
 
+import copy
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import yaml
 
-from jaxpod.config.presets import resolve_config
 from jaxpod.config.rules import MAX_DEVICES, fail, get, validate_and_resolve
-from jaxpod.config.safe_yaml import MAX_YAML, DuplicateKeyError, safe_yaml
+from jaxpod.config.safe_yaml import safe_yaml
 from jaxpod.config.schema import ARGUMENTS, SECTIONS, Config
+from jaxpod.config.yaml_file import one_line as _one_line
+from jaxpod.config.yaml_file import read_yaml_mapping
 
 
 def _collect_field_types() -> dict[str, Any]:
@@ -53,11 +53,6 @@ TOP_LEVEL: tuple[str, ...] = tuple(
 
 _NUMBER_AS_TEXT = ("memory.device_budget",)  # text fields that may be given as a plain number
 PATHS = ("train.logdir", "data.path", "data.tokenizer")  # keys whose leading ~ is expanded
-
-
-def _one_line(text: object) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _shown(value: object) -> str:
@@ -248,53 +243,6 @@ def _build(d: dict[str, Any], processes: int, max_devices: int = MAX_DEVICES) ->
     return validate_and_resolve(_typed(d, processes), max_devices)
 
 
-def read_yaml_mapping(path: str | os.PathLike, *, allow_empty: bool = True) -> dict:
-    """The mapping at the top of a YAML config file or shipped preset (`tiny`), read with the
-    bounded loader ({} for an empty file, if `allow_empty`); one-line `ConfigError` if it is
-    missing, unreadable, too large, not YAML, uses aliases, gives a key twice, is empty (unless
-    allowed) or not a mapping."""
-    shown = os.fspath(path)
-    path = resolve_config(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(MAX_YAML + 1)
-    except FileNotFoundError:
-        fail(f"config file '{shown}' does not exist; pass a YAML file or a preset name like tiny")
-    except IsADirectoryError:
-        fail(f"config file '{shown}' is a directory; pass a YAML file or a preset name like tiny")
-    except (OSError, UnicodeDecodeError) as exc:
-        fail(f"config file '{shown}' cannot be read ({type(exc).__name__}); pass a YAML file")
-    try:
-        raw = safe_yaml(text)
-    except DuplicateKeyError as exc:
-        fail(f"config file '{shown}': {_one_line(exc)}")
-    except yaml.YAMLError as exc:
-        fail(f"config file '{shown}' does not parse: {_yaml_problem(exc)}")
-    if raw is None and allow_empty:
-        return {}
-    if raw is None:
-        fail(
-            f"config file '{shown}' is empty (or only comments), which would train every "
-            "default; start from a preset such as tiny"
-        )
-    if not isinstance(raw, Mapping):
-        fail(
-            f"config file '{shown}' top level must be a mapping of sections, "
-            f"not a {type(raw).__name__}"
-        )
-    return raw
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """What the YAML parser says is wrong, and where, without the snippet of the file it
-    quotes (a file that is no config, a secret's first line, is never printed)."""
-    if not isinstance(exc, yaml.MarkedYAMLError):  # our loader's own words: no snippet
-        return _one_line(exc)
-    mark, problem = exc.problem_mark, exc.problem or exc.context or "not YAML"
-    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return f"{_one_line(problem)}{at}"
-
-
 def _read(
     path: str | os.PathLike | None, overrides: Sequence[str] | str, allow_empty: bool = True
 ) -> dict[str, Any]:
@@ -318,7 +266,28 @@ def load_config(
     `processes`: how many processes share the mesh, each with `devices` devices;
     `allow_empty=False` refuses an empty file; `max_devices`: `MAX_DEVICES` for what runs
     here, `MAX_PLANNED_DEVICES` for the commands that only plan."""
-    return _build(_read(path, overrides, allow_empty), processes, max_devices)
+    return config_maker(path, overrides, processes, allow_empty, max_devices)(())
+
+
+def config_maker(
+    path: str | os.PathLike | None,
+    overrides: Sequence[str] = (),
+    processes: int = 1,
+    allow_empty: bool = True,
+    max_devices: int = MAX_DEVICES,
+) -> Callable[[Sequence[str]], Config]:
+    """`make(more)`: `load_config(path, [*overrides, *more], ...)`, the YAML read once."""
+    raw = _read(path, overrides, allow_empty)
+    parsed = functools.lru_cache(maxsize=4096)(_parse_override)  # many mappings share values
+
+    def make(more: Sequence[str]) -> Config:
+        d = copy.deepcopy(raw)
+        for text in more:
+            key, value = parsed(text)
+            _set(d, key, copy.deepcopy(value))
+        return _build(d, processes, max_devices)
+
+    return make
 
 
 def check_allowed(keys: Sequence[str]) -> None:

@@ -124,7 +124,13 @@ def compile_for_target(cfg: Config, target: Target, progress: TextIO | None = No
     with Phase(text, progress, prefix="jaxpod: "):
         shape = (cfg.mesh.replica, cfg.mesh.pipeline, cfg.mesh.tensor)
         mesh = torus_mesh(shape, target_devices(target))
-    result = compile_step(cfg, mesh, profile=target.profile, progress=progress)
+    # no client can load a compile-only program back: a cache entry would only warn when read
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        result = compile_step(cfg, mesh, profile=target.profile, progress=progress)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
     layout = torus_layout(mesh)
     return {"target": target.text, "layout": describe_layout(layout) if layout else "", **result}
 

@@ -28,6 +28,11 @@ def add_pod_commands(sub, split: Callable) -> None:
     find.add_argument("--global-batch", type=int, help="examples per step (default: the config's)")
     find.add_argument("--top", type=int, default=5, help="how many mappings to print (5)")
     find.add_argument("--json", action="store_true", help="print one JSON object")
+    find.add_argument(
+        "--verify",
+        action="store_true",
+        help="compile the top mappings for the TPU topology of --target (minutes each)",
+    )
     find.set_defaults(run=lambda args: _search(args, split))
 
 
@@ -44,6 +49,8 @@ def _estimate(args: argparse.Namespace, split: Callable) -> None:
 
 
 def _search(args: argparse.Namespace, split: Callable) -> None:
+    import sys
+
     from jaxpod.errors import UserError
     from jaxpod.inspect.estimate import parse_estimate_target
     from jaxpod.inspect.search import format_search, search
@@ -52,10 +59,22 @@ def _search(args: argparse.Namespace, split: Callable) -> None:
     profile, devices = parse_estimate_target(args.target)
     if args.top < 1 or (args.global_batch is not None and args.global_batch < 1):
         raise UserError("--top and --global-batch must be positive")
+    if args.verify and not args.target.startswith("tpu-"):
+        raise UserError(f"--verify compiles for a TPU topology (tpu-v5p:2x2x2); not {args.target}")
     result = search(config, overrides, profile, devices, args.global_batch)
     result["top"] = result["top"][: args.top + 1]
+    if not args.json:
+        print(format_search(result, args.top, args.target), flush=True)
+    if args.verify:
+        from jaxpod.inspect.search_verify import format_verified, verify
+
+        shown = result["top"][: args.top]
+        progress = None if args.json else sys.stderr
+        verified = verify(config, overrides, args.target, shown, progress)
+        for entry, v in zip(shown, verified, strict=True):
+            entry["compiled"] = v
+        if not args.json:
+            print(format_verified(verified, args.target))
     if args.json:
         result["top"] = result["top"][: args.top]
         print(json.dumps(result, indent=2))
-    else:
-        print(format_search(result, args.top, args.target))

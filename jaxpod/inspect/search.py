@@ -2,8 +2,8 @@
 
 Every mapping is enumerated, never sampled: tensor width t (inside one fast domain), pipeline
 depth p, replicas r = N / (t·p), the micro-batch and accumulation that make the global
-batch, the schedule (GPipe, 1F1B, ZB-H1; circular, interleaved 1F1B and ZB-V with 2 virtual
-stages), the remat policy and RTS over the replicas. Each choice is pruned at once by the
+batch, the schedule (GPipe, 1F1B, ZB-H1; circular and interleaved 1F1B with 2 to 4 virtual
+stages; ZB-V), the remat policy and RTS over the replicas. Each choice is pruned at once by the
 divisibility rules it completes (`jaxpod.config.divisibility`, the rules validation
 enforces). Each mapping left is validated as a config (`jaxpod.config.load_config`), kept if
 the planner says it fits the profile's memory, and ranked by the step-time model
@@ -12,10 +12,11 @@ the planner says it fits the profile's memory, and ranked by the step-time model
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from jaxpod.config import CHOICES, MAX_PLANNED_DEVICES, Config, load_config
 from jaxpod.config.divisibility import accepts, sizes
+from jaxpod.config.load import config_maker
 from jaxpod.config.schema import CHUNKED
 from jaxpod.errors import ConfigError
 from jaxpod.inspect.estimate import estimate_config
@@ -23,8 +24,13 @@ from jaxpod.planner.plan import plan
 from jaxpod.planner.speed import get_speed
 
 REMATS = ("none", "full", "comms")
-# (kind, virtual stages) of every schedule tried
-SCHEDULES = tuple((k, 2 if k in CHUNKED else 1) for k in CHOICES["train.pipeline_schedule"])
+# (kind, virtual stages) of every schedule tried: the round-robin chunked kinds with 2 to 4
+# virtual stages a device (Megatron's runs use up to 3), ZB-V with its V's two
+SCHEDULES = tuple(
+    (k, v)
+    for k in CHOICES["train.pipeline_schedule"]
+    for v in ((2,) if k == "zb-v" else (2, 3, 4) if k in CHUNKED else (1,))
+)
 # the fields a mapping sets; the rest of the rules' sizes are the config's own
 SEARCHED = (
     "mesh.replica",
@@ -38,6 +44,17 @@ SEARCHED = (
     "memory.rts_optimizer",
 )
 MAX_MICRO_BATCH = 32
+# the mapping a search starts from (every mapping sets these again): the config's own mesh
+# may not divide a shape the command line gives
+UNMAPPED = (
+    "mesh.replica=-1",
+    "mesh.pipeline=1",
+    "mesh.tensor=1",
+    "train.pipeline_schedule=gpipe",
+    "train.virtual_stages=1",
+    "memory.rts=1",
+    "memory.rts_optimizer=1",
+)
 TERMS = {  # breakdown key -> what it is, for the reasons
     "matmul_s": "matmul time",
     "memory_s": "memory-bound time",
@@ -92,21 +109,30 @@ def _batching(values: dict, per_replica: int) -> Iterator[list]:
                     yield [*mesh, *batch, *schedule, f"model.remat={remat}", *memory]
 
 
+def mapping_maker(
+    config: str, overrides: list[str], profile: str, devices: int
+) -> Callable[[list[str]], Config]:
+    """`make(mapping)`: the config of `config` + `overrides` on `devices` devices of `profile`
+    with a mapping's overrides (`mappings`) applied, the YAML read once."""
+    base = [*overrides, f"devices={devices}", f"memory.device={profile}", *UNMAPPED]
+    return config_maker(config, base, max_devices=MAX_PLANNED_DEVICES)
+
+
 def search(
     config: str, overrides: list[str], profile: str, devices: int, global_batch: int | None
 ) -> dict:
     """`{"considered", "valid", "fitting", "top": [{"overrides", "estimate", "plan_bytes"}]}`
     sorted by step time (all fitting mappings)."""
-    base = [*overrides, f"devices={devices}", f"memory.device={profile}", "mesh.replica=-1"]
-    cfg = load_config(config, base, max_devices=MAX_PLANNED_DEVICES)
-    batch = global_batch or cfg.train.global_batch
+    make = mapping_maker(config, overrides, profile, devices)
+    cfg = make(())
+    batch = global_batch or _config_batch(config, overrides, devices)
     speed = get_speed(profile)
     considered = valid = 0
     ranked = []
     for more in mappings(cfg, devices, batch, speed.fast_group):
         considered += 1
         try:
-            c = load_config(config, [*base, *more], max_devices=MAX_PLANNED_DEVICES)
+            c = make(more)
         except ConfigError:
             continue
         valid += 1
@@ -119,6 +145,15 @@ def search(
         )
     ranked.sort(key=lambda m: m["estimate"]["step_time_s"])
     return {"considered": considered, "valid": valid, "fitting": len(ranked), "top": ranked}
+
+
+def _config_batch(config: str, overrides: list[str], devices: int) -> int:
+    """The global batch the config gives on `devices` devices with its own mesh."""
+    on = [*overrides, f"devices={devices}", "mesh.replica=-1"]
+    try:
+        return load_config(config, on, max_devices=MAX_PLANNED_DEVICES).train.global_batch
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (or give search --global-batch)") from None
 
 
 def reason(a: dict, b: dict) -> str:

@@ -11,6 +11,7 @@ Analytic, no jax.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from jaxpod.config import Config
 from jaxpod.parallel.chunk_routes import routes
@@ -172,7 +173,7 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int) -> dict:
         # two gradient copies of `device_bytes` ("carried").
         k = stages  # ring-buffer slots: over chunks, those the routes assign
         if virtual > 1:
-            k = routes(make_schedule(kind, stages, micro, virtual)).slots
+            k = route_slots(kind, stages, micro, virtual)
         saved = (2 * k + 2) * sets["btd"]
         buffers = per_tick * sets["saved"]
         head_tokens = tr.micro_batch * md.seq_len
@@ -288,3 +289,10 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         "host": saved - on_device_saved,
         "estimated": False,
     }
+
+
+@lru_cache(maxsize=512)
+def route_slots(kind: str, stages: int, micro: int, virtual: int) -> int:
+    """The ring-buffer slots a chunked schedule's routes assign a device (worked out once per
+    table: a search plans the same tables many times)."""
+    return routes(make_schedule(kind, stages, micro, virtual)).slots

@@ -824,7 +824,7 @@ def _config_imports(module: str) -> set[str]:
 
 def test_layers_import_downwards_only():
     """tables (kinds, efficientnet_specs) <- schema <- fields <- rules_<topic> <- rules <- load
-    (and safe_yaml, presets <- load), with the divisibility table between fields and rules:
+    (and safe_yaml, presets <- yaml_file <- load), with the divisibility table between fields and rules:
     kinds <- rule_sizes <- divisibility_<topic> <- divisibility (and fields) <- rules. Each
     imports only layers below."""
     topics = {p.stem for p in (ROOT / "jaxpod" / "config").glob("rules_*.py")}
@@ -846,7 +846,9 @@ def test_layers_import_downwards_only():
     assert {"jaxpod.config.schema"} <= _config_imports("rules") <= below
     assert _config_imports("safe_yaml") == set()
     assert _config_imports("presets") == {"jaxpod.config.fields"}
-    ends = {"jaxpod.config.rules", "jaxpod.config.safe_yaml", "jaxpod.config.presets"}
+    reader = {"jaxpod.config.fields", "jaxpod.config.safe_yaml", "jaxpod.config.presets"}
+    assert _config_imports("yaml_file") == reader
+    ends = {"jaxpod.config.rules", "jaxpod.config.yaml_file", *reader}
     assert _config_imports("load") <= {*ends, *below}
     assert "jaxpod.config.rules" in _config_imports("load")
     assert "TYPE_CHECKING" not in (ROOT / "jaxpod" / "config" / "rules.py").read_text()

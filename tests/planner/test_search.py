@@ -10,6 +10,7 @@ import pytest
 
 from jaxpod.cli import main
 from jaxpod.config import MAX_PLANNED_DEVICES, ConfigError, load_config
+from jaxpod.config.load import config_maker
 from jaxpod.inspect.estimate import estimate_config
 from jaxpod.inspect.search import divisors, mappings, search
 from jaxpod.parallel.schedules import KINDS
@@ -35,7 +36,7 @@ def test_every_mapping_of_the_pod_is_considered(found):
         for p in divisors(16 // t):
             r = 16 // (t * p)
             for mb in divisors(32 // r) if 32 % r == 0 else ():
-                for kind, virtual, rts in itertools.product(KINDS, (1, 2), {1, r}):
+                for kind, virtual, rts in itertools.product(KINDS, (1, 2, 3, 4), {1, r}):
                     mapping = _mapping(r, p, t, mb, 32 // r // mb, kind, virtual, rts)
                     if _validates(CONFIG, [*base, *mapping]):
                         accepted.add(mapping)
@@ -87,3 +88,33 @@ def test_search_cli(capsys, in_process_cli):
     with pytest.raises(SystemExit) as exit_:
         main(["search", CONFIG, "--target", "h100-80gb:16", "--top", "0"])
     assert exit_.value.code == 2
+
+
+def test_config_maker_is_load_config():
+    """`config_maker(path, base)(more)` reads the YAML once and gives what `load_config(path,
+    [*base, *more])` gives, a refused mapping refused alike."""
+    base = ["devices=16", "memory.device=h100-80gb", "mesh.replica=-1"]
+    make = config_maker(CONFIG, base, max_devices=MAX_PLANNED_DEVICES)
+    for more in ([], ["mesh.pipeline=4", "mesh.tensor=1"], ["mesh.tensor=4", "model.remat=full"]):
+        assert make(more) == load_config(CONFIG, [*base, *more], max_devices=MAX_PLANNED_DEVICES)
+    with pytest.raises(ConfigError, match="does not divide devices=16"):
+        make(["mesh.pipeline=3"])
+
+
+def test_a_shape_the_presets_mesh_cannot_split_is_searched():
+    """The preset's own mesh (pipeline 2, tensor 2) divides neither 5 layers nor 3 heads; the
+    search starts from no mapping, so it finds the ones that do."""
+    shape = ["model.layers=5", "model.heads=3", "model.d_model=48", "model.d_ff=96"]
+    found = search(CONFIG, shape, "h100-80gb", 8, 16)
+    assert found["fitting"] > 0
+    for m in found["top"]:
+        mesh = dict(o.split("=") for o in m["overrides"] if o.startswith("mesh."))
+        assert 5 % int(mesh["mesh.pipeline"]) == 0 and 3 % int(mesh["mesh.tensor"]) == 0
+
+
+def test_verify_needs_a_tpu_topology(capsys, in_process_cli):
+    with pytest.raises(SystemExit) as exit_:
+        main(["search", CONFIG, "--target", "h100-80gb:16", "--verify"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--verify compiles for a TPU topology" in err[0]
