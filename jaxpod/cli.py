@@ -132,7 +132,13 @@ def _plan(args: argparse.Namespace) -> None:
     if args.chart:
         check_chart_path(args.chart)
     result = plan(cfg)
+    if not result["fits"]:
+        from jaxpod.inspect.search import alternatives, format_alternatives
+
+        result["searched"] = alternatives(config, overrides, cfg)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    if "searched" in result and not args.json:
+        print(format_alternatives(result["searched"], cfg))
     if args.chart:
         from pathlib import Path
 

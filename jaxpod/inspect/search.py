@@ -147,6 +147,33 @@ def search(
     return {"considered": considered, "valid": valid, "fitting": len(ranked), "top": ranked}
 
 
+def alternatives(config: str, overrides: list[str], cfg: Config, top: int = 3) -> list[dict]:
+    """The `top` fastest mappings of `cfg`'s model, batch and devices that fit its profile
+    (`search`'s entries), for a plan that does not fit; [] for a model the step-time model
+    does not price (EfficientNet)."""
+    if cfg.kind.stages != "stacked":
+        return []
+    found = search(config, overrides, cfg.memory.device, cfg.devices, cfg.train.global_batch)
+    return found["top"][:top]
+
+
+def format_alternatives(ranked: list[dict], cfg: Config) -> str:
+    """`alternatives` as the lines `jaxpod plan` prints under a plan that does not fit."""
+    head = (
+        f"the fastest mappings of {cfg.devices} {cfg.memory.device} devices that fit "
+        "(jaxpod search; the step-time model):"
+    )
+    if not ranked:
+        return f"{head} none"
+    lines = [head]
+    for m in ranked:
+        total = m["plan_bytes"]["device_total"] / 1e9
+        shown = [o for o in m["overrides"] if not o.endswith(("=null", "_optimizer=1"))]
+        step = _time(m["estimate"]["step_time_s"])
+        lines.append(f"  {' '.join(shown)} ({total:.2f} GB, {step}/step)")
+    return "\n".join(lines)
+
+
 def _config_batch(config: str, overrides: list[str], devices: int) -> int:
     """The global batch the config gives on `devices` devices with its own mesh."""
     on = [*overrides, f"devices={devices}", "mesh.replica=-1"]

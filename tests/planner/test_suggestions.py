@@ -60,3 +60,33 @@ def test_a_deeper_pipeline_its_schedule_cannot_run_is_not_offered():
     over += ["model.remat=none", "memory.rts=1", "memory.rts_optimizer=1"]
     p = plan(load_config("configs/bert_large_pod16.yaml", over))
     assert not p["fits"] and "mesh.pipeline=4" not in p["suggestion"]
+
+
+@pytest.mark.parametrize(("config", "overrides"), CASES[:3], ids=lambda x: str(x)[-40:])
+def test_a_plan_that_does_not_fit_offers_the_searched_mappings(
+    config, overrides, capsys, in_process_cli
+):
+    """`jaxpod plan` of a mapping that does not fit prints the fastest mappings of the same
+    model, batch and devices that `search` finds fitting: each one, planned alone, fits at the
+    total printed and keeps the global batch; they come fastest first; [] where none fits."""
+    import json
+
+    from jaxpod.cli import main
+    from jaxpod.inspect.search import search
+
+    main(["plan", config, *overrides, "--json"])
+    result = json.loads(capsys.readouterr().out)
+    cfg = load_config(config, overrides)
+    found = search(config, overrides, cfg.memory.device, cfg.devices, cfg.train.global_batch)
+    assert result["searched"] == found["top"][:3]
+    for entry in result["searched"]:
+        alone = load_config(config, [*overrides, *entry["overrides"]])
+        planned = plan(alone, advice=False)
+        assert planned["fits"]
+        assert planned["bytes_per_device"] == entry["plan_bytes"]
+        assert alone.train.global_batch == cfg.train.global_batch
+    times = [e["estimate"]["step_time_s"] for e in result["searched"]]
+    assert times == sorted(times)
+    main(["plan", config, *overrides])
+    text = capsys.readouterr().out
+    assert "the fastest mappings of" in text and text.count("/step)") == len(times)
