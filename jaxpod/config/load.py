@@ -90,9 +90,14 @@ NAME_MAX, PATH_MAX = 255, 4095  # bytes of one name in a path, and of a whole pa
 
 def _check_path(key: str, path: str) -> None:
     """One-line `ConfigError` for a path no filesystem takes: a NUL byte, a name over 255
-    bytes, a path over 4095."""
+    bytes, a path over 4095; and for a URL (`gs://...`), which would be a local folder."""
     if "\0" in path:
         fail(f"{key}={_shown(path)} holds a NUL byte, which no path can; remove it")
+    if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", path):
+        fail(
+            f"{key}={_shown(path)} is a URL; jaxpod reads and writes local paths only (a "
+            "cloud bucket mounted as a folder, e.g. by gcsfuse, is a local path)"
+        )
     names = path.encode("utf-8", "surrogateescape").split(b"/")
     if max(map(len, names)) > NAME_MAX or len(path.encode("utf-8", "surrogateescape")) > PATH_MAX:
         fail(
