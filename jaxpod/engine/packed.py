@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpod.config import Config
 from jaxpod.engine.loss import Examples
-from jaxpod.engine.state import OptState, TrainState, compile_once, with_shardings
+from jaxpod.engine.state import OptState, TrainState, compile_once, put_global, with_shardings
 from jaxpod.models.family import family
 from jaxpod.models.params import masks
 from jaxpod.optim.chains import make_optimizer
@@ -127,8 +127,8 @@ class PackedStages:
             return self.packing.pack(trees), self.opt_packing.pack(opt)
 
         params, tx = compile_once(init_rows, (sharding.params, sharding.opt_state.tx))()
-        ls = jax.device_put(init_loss_scale(self.cfg.precision), sharding.opt_state.loss_scale)
-        step = jax.device_put(jnp.zeros((), jnp.int32), sharding.step)
+        ls = put_global(init_loss_scale(self.cfg.precision), sharding.opt_state.loss_scale)
+        step = put_global(jnp.zeros((), jnp.int32), sharding.step)
         return TrainState(step, params, OptState(tx, ls))
 
     layer_order = None  # the stages' rows hold their blocks in network order

@@ -32,6 +32,7 @@ from jaxpod.engine.state import (
     TrainState,
     compile_once,
     optimizer_shardings,
+    put_global,
     with_shardings,
 )
 from jaxpod.models.chunks import token_loss_in_chunks
@@ -131,8 +132,8 @@ class StackedStages:
 
         params = compile_once(init_params, sharding.params)()
         tx = compile_once(self.optimizer.init, sharding.opt_state.tx, params)(params)
-        ls = jax.device_put(init_loss_scale(cfg.precision), sharding.opt_state.loss_scale)
-        step = jax.device_put(jnp.zeros((), jnp.int32), sharding.step)
+        ls = put_global(init_loss_scale(cfg.precision), sharding.opt_state.loss_scale)
+        step = put_global(np.zeros((), np.int32), sharding.step)
         return TrainState(step, params, OptState(tx, ls))
 
     # ------------------------------------------------------------------ inside shard_map

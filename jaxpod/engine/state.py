@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import optax
 
 from jaxpod.optim.precision import LossScaleState
@@ -30,6 +31,18 @@ def compile_once(fn: Callable, out_shardings, *args) -> jax.stages.Compiled:
     once (the state's init): on CPU with `INIT_OPTIONS`, elsewhere as any jit."""
     options = cpu_only(INIT_OPTIONS)
     return jax.jit(fn, out_shardings=out_shardings).lower(*args).compile(compiler_options=options)
+
+
+def put_global(tree, shardings):
+    """`tree`'s host values as global arrays of `shardings`, each process writing only the
+    shards it addresses. (A `device_put` of a one-device array onto a sharding that spans
+    processes gives, in jax's multi-process runtime, an array whose shards cannot be read.)"""
+
+    def put(x, sharding):
+        value = np.asarray(x)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    return jax.tree.map(put, tree, shardings)
 
 
 class OptState(NamedTuple):

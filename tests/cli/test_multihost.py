@@ -22,6 +22,7 @@ from helpers.cli import (
     cli_env,
     finish,
     jaxpod,
+    start,
     start_two_processes,
 )
 
@@ -54,6 +55,23 @@ def test_two_processes_train_like_one(tmp_path, one_process_run):
     # Every process saved its shards into the one checkpoint, committed once.
     assert sorted(p.name for p in (multi / "checkpoints").iterdir()) == ["4"]
     assert (multi / "eval.json").exists()
+
+
+def test_one_device_per_process_trains_like_one_process(tmp_path):
+    """2 processes x 1 device, a 2x1x1 mesh with a dynamic loss scale: the state's scalars
+    (step, loss scale) are global arrays every process can read (the run's mapping reads each
+    leaf's shards), and the losses are one process's with 2 devices."""
+    mesh = ("mesh.replica=2", "mesh.pipeline=1", "mesh.tensor=1", "precision.loss_scale=dynamic")
+    run = ("train", TINY, *TINY4, *mesh)
+    one = tmp_path / "one"
+    finish([start(*run, "devices=2", f"train.logdir={one}")], timeout=300)
+    procs = start_two_processes(*run, "devices=1", f"train.logdir={tmp_path / 'two'}")
+    finish(procs, timeout=300)
+    losses = {
+        n: [r["loss"] for r in read_metrics(tmp_path / n) if "loss" in r] for n in ("one", "two")
+    }
+    assert len(losses["two"]) == 4
+    np.testing.assert_allclose(losses["two"], losses["one"], rtol=1e-6, atol=0)
 
 
 def test_unreachable_coordinator_is_a_bounded_one_line_error(tmp_path):
