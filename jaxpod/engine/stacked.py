@@ -153,9 +153,6 @@ class StackedStages:
         denominator = jax.lax.psum(jnp.sum(weights), batch_axes)
         return Examples(split(inputs), split(targets), split(weights), denominator)
 
-    def grads_to_device(self, grads):
-        return offload.to_device(grads) if self.any_host else grads
-
     def _prepare(self, tree, dims, leading: int = 0, panels=None):
         """Stored -> computed: cast to the compute dtype, all-gathered over the RTS group."""
         return gather(_cast(tree, self.dtype), dims, self.placement.rts_axes, leading, panels)
@@ -193,7 +190,7 @@ class StackedStages:
         host-resident leaf is already on the device."""
         placement, cfg = self.placement, self.cfg
         flat = lambda tree: jax.tree.leaves(tree)
-        leaves, treedef = jax.tree.flatten(params)
+        leaves, treedef = jax.tree.flatten(params, is_leaf=offload.is_resting)
         roles = (self.masks.stacked, self.masks.table, placement.host)
         rows = zip(leaves, *map(flat, roles), strict=True)
         ready = []
@@ -220,14 +217,23 @@ class StackedStages:
         prepare = fetch = virtual = None
         if placement.rts_axes or self.dtype != master_dtype_of(cfg.precision):
             prepare = lambda p, panels=None: self._prepare(p, dims, 1, panels)  # noqa: E731
+        fetch_whole = None
         if self.layers_on_host and not fetched:  # per phase, or per step (stream=matrix)
-            fetch = offload.to_device
+            fetch = offload.to_device  # the matrices; biases and norms whole, before the layers
+            fetch_whole = jax.tree.map(lambda d: not d, self.masks.decay[STACK])
         if cfg.train.virtual_stages > 1:
             virtual = (virtual_stage, cfg.train.virtual_stages)
         stack = getattr(model, STACK)
         options = self.stack_options
         return run_stack(
-            stack, x, tp=TP, options=options, prepare=prepare, fetch=fetch, virtual_stage=virtual
+            stack,
+            x,
+            tp=TP,
+            options=options,
+            prepare=prepare,
+            fetch=fetch,
+            fetch_whole=fetch_whole,
+            virtual_stage=virtual,
         )
 
     def _micro_head(self, model, h, targets, weights, denominator):
@@ -243,9 +249,9 @@ class StackedStages:
 
     def forward(self, params, pipelined: bool):
         """`(embed, stage, head)` of this device. Pipelined, the host-resident stack is
-        fetched once per step before the ticks (a transfer inside the tick scan makes its
-        transpose accumulate host-typed cotangents, which jax rejects), and the head
-        runs on 1/S of the last stage's outputs on every stage (`spread_over_stages`)."""
+        fetched once per step before the ticks, which all read it (fetched in phases inside
+        the ticks, it would cross 2 (M + S - 1) times a step), and the head runs on 1/S of
+        the last stage's outputs on every stage (`spread_over_stages`)."""
         model = self._model(params, fetched_layers=pipelined)
         sp = self.cfg.model.sequence_parallel
         embed = lambda tokens: model.embed(tokens, TP)
@@ -279,7 +285,7 @@ class StackedStages:
         stage(p, x, r), head(p, y, targets, weights, denominator), params)` (r: the virtual
         stage), each a function of
         the params, with every host-resident leaf fetched to the device once, here, before
-        the ticks (jax rejects a transfer inside the tick scan)."""
+        the ticks, which all read it."""
         if self.any_host:
             params = jax.tree.map(
                 lambda a, h: offload.to_device(a) if h else a, params, self.placement.host
