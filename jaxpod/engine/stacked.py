@@ -40,6 +40,7 @@ from jaxpod.models.params import STACK, in_stack, masks
 from jaxpod.optim.chains import make_optimizer
 from jaxpod.optim.guarded import guarded_update, unscaled_sum_squares, whole_tree
 from jaxpod.optim.per_layer import per_layer
+from jaxpod.optim.phased import in_phases
 from jaxpod.optim.precision import LossScaleState, compute_dtype, init_loss_scale, is_half
 from jaxpod.optim.precision import master_dtype as master_dtype_of
 from jaxpod.parallel import offload
@@ -297,26 +298,50 @@ class StackedStages:
         return embed, stage, head, params
 
     # ------------------------------------------------------------------ the update (GSPMD)
-    def update(self, grads, tx, params, loss_scale, key):
-        """The guarded update on the global arrays: host-resident state is moved to the
-        device, updated, and put back where it lives. Returns `(params, tx, loss_scale,
-        info)`; `info` adds `param_norm` to the guarded update's."""
-        cfg, placement = self.cfg, self.placement
-        sharding = self.state_shardings()
-        if self.any_host:
-            params = jax.device_put(params, offload.with_memory_kind(sharding.params, "device"))
-        if placement.host_optimizer:
-            device_tx = offload.with_memory_kind(sharding.opt_state.tx, "device")
-            tx = jax.device_put(tx, device_tx)
+    @property
+    def update_phases(self) -> int:
+        """How many phases the update brings the layer stack in by (`optim.phased`): the
+        step's `memory.phases` without a pipeline; 1 (the whole tree at once) with one, whose
+        stage holds its whole stack on the device for the ticks anyway."""
+        return self.placement.phases if self.cfg.mesh.pipeline == 1 else 1
+
+    def _apply(self) -> tuple:
+        """`(grad_sum_squares, apply)` of the guarded update: layer by layer for 16-bit
+        masters, whole-tree otherwise."""
+        cfg = self.cfg
         if is_half(master_dtype_of(cfg.precision)):  # 16-bit masters: layer by layer
-            grad_sq, apply = per_layer(
+            return per_layer(
                 self.optimizer,
                 self.masks.stacked,
                 stages=cfg.mesh.pipeline,
                 devices=cfg.total_devices,
             )
+        return unscaled_sum_squares, whole_tree(self.optimizer)
+
+    def update(self, grads, tx, params, loss_scale, key):
+        """The guarded update on the global arrays: host-resident state is moved to the
+        device, updated, and put back where it lives, the whole tree at once or, in phases
+        (`update_phases`), one phase of the layer stack at a time (`optim.phased`). Returns
+        `(params, tx, loss_scale, info)`; `info` adds `param_norm` to the guarded update's."""
+        cfg, placement = self.cfg, self.placement
+        sharding = self.state_shardings()
+        grad_sq, apply = self._apply()
+        norms: dict = {}
+        if self.update_phases > 1:
+            # the stacked matrices by phase; their biases and norms, a few vectors a layer,
+            # whole (XLA:TPU cannot read a slice of their layer axis from host memory)
+            phases = self.update_phases
+            stacked = jax.tree.map(lambda s, d: s and d, self.masks.stacked, self.masks.decay)
+            fetch, store = offload.to_device, offload.put_back
+            apply = in_phases(
+                apply, self.optimizer, stacked, phases, fetch=fetch, store=store, norms=norms
+            )
         else:
-            grad_sq, apply = unscaled_sum_squares, whole_tree(self.optimizer)
+            if self.any_host:
+                params = jax.device_put(params, offload.with_memory_kind(sharding.params, "device"))
+            if placement.host_optimizer:
+                device_tx = offload.with_memory_kind(sharding.opt_state.tx, "device")
+                tx = jax.device_put(tx, device_tx)
         params, tx, loss_scale, info = guarded_update(
             apply,
             grads,
@@ -328,7 +353,8 @@ class StackedStages:
             max_norm=cfg.optim.grad_clip,
             grad_sum_squares=grad_sq,
         )
-        info["param_norm"] = optax.tree.norm(params)
+        param_sq = norms.get("param_sq")
+        info["param_norm"] = optax.tree.norm(params) if param_sq is None else jnp.sqrt(param_sq)
         params = jax.device_put(params, sharding.params)
         tx = jax.device_put(tx, sharding.opt_state.tx)
         return params, tx, loss_scale, info

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpod.optim.guarded import Apply
+from jaxpod.optim.phased import state_owners
 from jaxpod.optim.precision import (
     F32,
     apply_updates,
@@ -137,15 +138,7 @@ class _Trees(NamedTuple):
         """The trees' leaves, and which parameter owns each optimizer-state leaf."""
         p_leaves, p_def = jax.tree.flatten(params)
         s_leaves, s_def = jax.tree.flatten(opt_state)
-        owner = jax.tree.leaves(
-            optax.tree_map_params(
-                optimizer,
-                lambda _, i: i,
-                opt_state,
-                jax.tree.unflatten(p_def, list(range(len(p_leaves)))),
-                transform_non_params=lambda _: -1,
-            )
-        )
+        owner = state_owners(optimizer, opt_state, params)
         owned = {i: [n for n, o in enumerate(owner) if o == i] for i in range(len(p_leaves))}
         g_leaves = jax.tree.leaves(grads)
         return cls(

@@ -5,8 +5,9 @@ A pod's *streaming memory* is emulated with the `pinned_host` memory kind: array
 `jax.device_put(x, jax.memory.Space.Device / Host)` inside a jitted function (or inside
 `shard_map`) moves them. What the engine offloads (`memory.offload`, `memory.phases`):
 
-- `optimizer`: the optimizer state lives in `pinned_host`; the step moves it to the device,
-  whole, for the update and writes the new state back.
+- `optimizer`: the optimizer state lives in `pinned_host`; the step moves it to the device
+  for the update and writes the new state back: whole, or with `memory.phases` and no
+  pipeline one phase of the layer stack at a time (`jaxpod.optim.phased`).
 - `params`: the master weights live in `pinned_host`; inside `shard_map` the non-layer
   weights are fetched before use and the layer stack's matrices phase by phase, or step by
   step with `memory.stream=matrix` (`jaxpod.parallel.matrix_stream`), each a checkpoint
@@ -113,6 +114,11 @@ def value_and_grad(fn: Callable, *, has_aux: bool = False) -> Callable:
 def to_host(tree: Any) -> Any:
     """Inside jit/shard_map: move every leaf to pinned host memory."""
     return jax.device_put(tree, jax.memory.Space.Host)
+
+
+def put_back(new: jax.Array, old: jax.Array) -> jax.Array:
+    """Inside jit: `new` in the memory `old` lives in (host or device)."""
+    return to_host(new) if on_host(old) else new
 
 
 def with_memory_kind(shardings: Any, kind: str) -> Any:

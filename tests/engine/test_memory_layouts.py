@@ -145,6 +145,11 @@ OFFLOAD_CASES = {  # name: (mesh, overrides)
         ("memory.offload=[optimizer,params,activations]", "memory.phases=2"),
     ),
     "params-phases2-2x1x4": ((2, 1, 4), ("memory.offload=[params]", "memory.phases=2")),
+    # no pipeline: the update too goes a phase at a time (`jaxpod.optim.phased`)
+    "optimizer-params-phases4-2x1x4": (
+        (2, 1, 4),
+        ("memory.offload=[optimizer,params]", "memory.phases=4"),
+    ),
 }
 
 

@@ -4,11 +4,13 @@ abstract state's shard shapes (per chip, elements x dtype size), never written d
 
 - `memory.phases=K` with the layers on the host: inside the micro-batch loop each phase
   fetches its own `L/K` layers of every stacked weight matrix, once for its forward pass and
-  once again for its backward pass (`jaxpod.parallel.stream.scan_phases`);
+  once again for its backward pass (`jaxpod.parallel.phases.scan_phases`); without a
+  pipeline the update goes a phase at a time too (`jaxpod.optim.phased`), and the device
+  total falls with K;
 - gradients stay in device memory: the host-resident state comes in and the new state goes
   back, nothing else crosses (`jaxpod.parallel.offload.value_and_grad`);
 - `memory.stream=matrix` with the layers on the host compiles, each step reading one
-  layer's matrix of the whole stack (`read_layer`);
+  layer's matrix of the whole stack (`jaxpod.parallel.weights_ready.read_layer`);
 - `memory.offload=[activations]`: what the remat policy saves lives in host memory
   (XLA's host temporaries), on a mesh without a pipeline.
 """
@@ -23,6 +25,7 @@ import jax
 import pytest
 from helpers import make_tiny_cfg
 
+from jaxpod.target.buffers import compile_with_spaces, device_memory_bytes
 from jaxpod.target.hlo import async_overlap, transfers
 from jaxpod.target.hlo_runs import runs
 from jaxpod.target.hlo_text import parse
@@ -42,6 +45,7 @@ class Program(NamedTuple):
     state: object  # the abstract TrainState, with its shardings
     text: str  # the optimized HLO
     memory: object  # `memory_analysis()`
+    spaces: dict  # bytes per memory space (`jaxpod.target.buffers`)
     matrices: dict  # the stacked weight matrices' bytes per chip, by path
 
 
@@ -61,10 +65,11 @@ def tpu():
             shape = (cfg.mesh.replica, cfg.mesh.pipeline, cfg.mesh.tensor)
             engine, state, batch = abstract_inputs(cfg, torus_mesh(shape, devices))
             lowered = engine.train_step.lower(*engine.updating_arguments(state, batch))
-            compiled = lowered.compile()
+            compiled, spaces = compile_with_spaces(lowered, {})
             memory = compiled.memory_analysis()
             matrices = stacked_matrices(state, engine.stages.masks.decay["layers"])
-            done[overrides, mesh] = Program(cfg, state, compiled.as_text(), memory, matrices)
+            text = compiled.as_text()
+            done[overrides, mesh] = Program(cfg, state, text, memory, spaces, matrices)
         return done[overrides, mesh]
 
     return compile_
@@ -117,8 +122,9 @@ def test_each_phase_fetches_its_own_layers_in_the_micro_batch_loop(tpu, phases):
     """Layers on the host in K phases (4 layers, mesh 4x1x2, GA 4): every stacked matrix
     moves in as K pieces of L/K layers, each fetched for its phase's forward pass and again
     for its backward pass in every micro-batch (2 K M fetches; XLA runs one micro-batch
-    outside the loop, so the pieces are counted wherever they run). A whole stacked matrix
-    moves in only in the entry computation, for the update."""
+    outside the loop, so the pieces are counted wherever they run), and once more for the
+    update, which goes a phase at a time (`jaxpod.optim.phased`): no whole stacked matrix
+    ever moves in. Its new value goes back as K pieces; no gradient crosses to the host."""
     program = tpu("memory.offload=[params]", f"memory.phases={phases}", "model.remat=full")
     micro = program.cfg.part_micro
     looped, entry = fetches(program.text)
@@ -128,12 +134,48 @@ def test_each_phase_fetches_its_own_layers_in_the_micro_batch_loop(tpu, phases):
     assert all(whole % phases == 0 for whole in matrices.values())
     for piece, leaves in per_piece.items():
         assert looped[piece] > 0, piece  # inside the loop, not hoisted out of it
-        assert every[piece] >= 2 * phases * micro * leaves, (piece, every[piece])
+        assert every[piece] >= (2 * micro + 1) * phases * leaves, (piece, every[piece])
     for whole in set(matrices.values()) - set(per_piece) - other_sizes(program.state):
-        assert looped[whole] == 0, whole  # no whole stacked matrix inside the loop
-    # the new state goes back once: no gradient crosses to the host
+        assert every[whole] == 0, whole  # no whole stacked matrix, in the loop or the update
     leaves, nbytes = resting(program.state)
-    assert row(transfers(program.text)["to_host"]) == (leaves, nbytes)
+    pieces = leaves + (phases - 1) * len(matrices)  # each matrix back in K pieces
+    assert row(transfers(program.text)["to_host"]) == (pieces, nbytes)
+
+
+def phased_state(program: Program) -> tuple[int, int]:
+    """`(leaves, bytes per chip)` of the stacked matrices and their optimizer moments: what
+    the update in phases brings to the device a phase at a time."""
+    names = {("layers", *path.split("/")) for path in program.matrices}
+    key = lambda k: str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(program.state)[0]
+    leaves = [x for p, x in flat if tuple(map(key, p))[-3:] in names]
+    return len(leaves), sum(shard_bytes(x) for x in leaves)
+
+
+# a state-dominated step: d 512, 16 positions, one sequence a micro-batch
+WEIGHTY = ("model.d_model=512", "model.heads=4", "model.d_ff=2048", "model.seq_len=16")
+WEIGHTY += ("train.micro_batch=1", "memory.offload=[params,optimizer]", "model.remat=full")
+
+
+def test_phases_lower_the_device_bytes(tpu):
+    """Params and Adam's moments on the host, no pipeline, phases 1, 2, 4: the update brings
+    in a phase's matrices and their moments, S/K of the S they hold (`phased_state`), instead
+    of all of S: XLA:TPU's device total (its HBM allocations) falls with K, by at most the
+    (1 - 1/K) S no longer held at once and by at least half of it (the rest of the step,
+    the gradients and the micro-batch loop, does not fall). Every stacked matrix and each
+    of its moments goes back as K pieces. Each phase's fetch overlaps compute (instructions
+    scheduled between its copy-start and its done); the whole stack's, with K=1, none."""
+    programs = {k: tpu(*WEIGHTY, f"memory.phases={k}") for k in (1, 2, 4)}
+    total = {k: device_memory_bytes(p.spaces) for k, p in programs.items()}
+    pieces, held = phased_state(programs[1])
+    print({k: f"{t / 2**20:.1f} MiB" for k, t in total.items()}, f"S {held / 2**20:.1f} MiB")
+    assert total[4] < total[2] < total[1]
+    for k in (2, 4):
+        fall, most = total[1] - total[k], (1 - 1 / k) * held
+        assert most / 2 <= fall <= most, (k, fall, most)
+        leaves, nbytes = resting(programs[k].state)
+        moved = transfers(programs[k].text)["to_host"]
+        assert (moved["executed"], moved["executed_bytes"]) == (leaves + (k - 1) * pieces, nbytes)
 
 
 @pytest.mark.parametrize("optimizer", [False, True], ids=["params", "params-optimizer"])
