@@ -323,6 +323,8 @@ def _apply(cut: _Cut, optimizer, ready, finite, grads, opt_state, params, key):
             new_s[n] = x
 
     for i in cut.stacked:  # [p, L/p, ...] back to [L, ...]
+        if trees.params[i].size == 0:  # left out of this call (`jaxpod.optim.phased`)
+            continue
         p_i, states, sq_i = _update_stacked(trees, cut, i, k_params, k_state)
         sq = sq + sq_i
         new_p[i] = p_i.reshape(trees.params[i].shape)

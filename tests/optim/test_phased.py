@@ -12,6 +12,7 @@ from helpers import make_tiny_cfg
 
 from jaxpod.optim.chains import make_optimizer
 from jaxpod.optim.guarded import guarded_update, whole_tree
+from jaxpod.optim.per_layer import per_layer
 from jaxpod.optim.phased import in_phases, state_owners
 from jaxpod.optim.precision import init_loss_scale, sum_squares
 
@@ -25,9 +26,10 @@ def _tree(rng: np.random.Generator, scale: float) -> dict:
     return {"layers": {"w": draw(LAYERS, 8, 16), "b": draw(LAYERS, 16)}, "wte": draw(32, 8)}
 
 
-def _update(name: str, phases: int | None):
+def _update(name: str, phases: int | None, layered: bool = False):
     """Two steps of the guarded update (the second with the first's state), whole or in
-    `phases`: `(params, optimizer state, infos, param_sq of each step or None)`."""
+    `phases` of `whole_tree` (`layered`: of `per_layer`, tensor by tensor): `(params,
+    optimizer state, infos, param_sq of each step or None)`."""
     cfg = make_tiny_cfg(f"optim.name={name}", "optim.warmup_steps=0", "optim.grad_clip=0.5")
     optimizer, _ = make_optimizer(cfg.optim, 10, decay_mask=DECAY, stacked_mask=STACKED, clip=False)
     rng = np.random.default_rng(3)
@@ -37,6 +39,8 @@ def _update(name: str, phases: int | None):
     for step in range(2):
         grads, norms = _tree(rng, 0.1), {}
         apply = whole_tree(optimizer)
+        if layered:
+            apply = per_layer(optimizer, STACKED, stages=1, min_strip=64)[1]
         if phases is not None:  # the matrices by phase, the biases with the other leaves
             matrices = jax.tree.map(lambda s, d: s and d, STACKED, DECAY)
             same = lambda new, old: new  # noqa: E731  one memory: nothing to put back
@@ -53,10 +57,16 @@ def _update(name: str, phases: int | None):
 
 
 @pytest.mark.parametrize("phases", [2, 4])
-@pytest.mark.parametrize("name", ["adamw", "lars"])
-def test_the_update_in_phases_is_the_whole_update(name, phases):
-    params, state, infos, _ = _update(name, None)
-    p_phased, s_phased, i_phased, param_sq = _update(name, phases)
+@pytest.mark.parametrize(
+    ("name", "layered"),
+    [("adamw", False), ("lars", False), ("lars", True)],
+    ids=["adamw", "lars", "lars-per-layer"],
+)
+def test_the_update_in_phases_is_the_whole_update(name, layered, phases):
+    """Whole-tree, and `per_layer` (the 16-bit masters' update, here on float32 so that
+    it rounds nothing) with its strips, in phases against the same update in one part."""
+    params, state, infos, _ = _update(name, None, layered)
+    p_phased, s_phased, i_phased, param_sq = _update(name, phases, layered)
     # the same arithmetic on the same values, on arrays of other shapes (XLA's vectorised
     # loops round some products apart from others: measured at most 1.5 ulp of the leaf's
     # largest value, tolerated 2)
