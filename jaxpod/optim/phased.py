@@ -53,24 +53,25 @@ class _Parts(NamedTuple):
     key: jax.Array
     fetch: Callable
     grads: list
-    params: list
     params_def: Any
-    state: list
     state_def: Any
     owner: list[int]
     counts: dict
 
-    def run(self, pick: Callable, k: int) -> tuple[list, list, jax.Array, jax.Array]:
+    def run(
+        self, pick: Callable, k: int, params: list, state: list
+    ) -> tuple[list, list, jax.Array, jax.Array]:
         """`(params, state, update's sum of squares, new params' sum of squares)` of the part
-        whose leaf i is `pick(i, leaf)` (None: left empty), fetched, updated with key k."""
+        whose leaf i is `pick(i, leaf)` (None: left empty) of `params` and `state` (the
+        leaves as written so far), fetched, updated with key k."""
 
         def take(i, x):
             part = pick(i, x)
             return _empty(x) if part is None else self.fetch(part)
 
         g = [take(i, x) for i, x in enumerate(self.grads)]
-        p = [take(i, x) for i, x in enumerate(self.params)]
-        rows = enumerate(zip(self.owner, self.state, strict=True))
+        p = [take(i, x) for i, x in enumerate(params)]
+        rows = enumerate(zip(self.owner, state, strict=True))
         s = [self.counts[n] if o < 0 else take(o, x) for n, (o, x) in rows]
         unflat = self.params_def.unflatten
         trees = (unflat(g), self.state_def.unflatten(s), unflat(p))
@@ -102,10 +103,11 @@ def in_phases(
         s_leaves, s_def = jax.tree.flatten(opt_state)
         owner = state_owners(optimizer, opt_state, params)
         counts = {n: fetch(x) for n, x in enumerate(s_leaves) if owner[n] < 0}
-        trees = (jax.tree.leaves(grads), p_leaves, p_def, s_leaves, s_def, owner, counts)
+        trees = (jax.tree.leaves(grads), p_def, s_def, owner, counts)
         parts = _Parts(apply, ready, finite, key, fetch, *trees)
         new_p, new_s = list(p_leaves), list(s_leaves)
-        out_p, out_s, update_sq, param_sq = parts.run(lambda i, x: None if i in stacked else x, 0)
+        rest = lambda i, x: None if i in stacked else x  # noqa: E731
+        out_p, out_s, update_sq, param_sq = parts.run(rest, 0, p_leaves, s_leaves)
         for i in set(range(len(p_leaves))) - stacked:
             new_p[i] = store(out_p[i], p_leaves[i])
         for n in (n for n, o in enumerate(owner) if o not in stacked):  # and the step counts
@@ -116,7 +118,10 @@ def in_phases(
             layers = lambda i, x, a=start: (  # noqa: E731
                 jax.lax.slice_in_dim(x, a, a + size) if i in stacked else None
             )
-            out_p, out_s, sq, psq = parts.run(layers, 1 + k)
+            # read from the leaves as written so far (phase k's rows are still the old ones):
+            # each write then updates the buffer the next phase reads, in place, and XLA
+            # keeps no copy of the old stack for the phases still to read it
+            out_p, out_s, sq, psq = parts.run(layers, 1 + k, new_p, new_s)
             update_sq, param_sq = update_sq + sq, param_sq + psq
             write = lambda full, new, a=start: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
                 full, store(new, full), a, 0

@@ -159,23 +159,27 @@ WEIGHTY += ("train.micro_batch=1", "memory.offload=[params,optimizer]", "model.r
 
 def test_phases_lower_the_device_bytes(tpu):
     """Params and Adam's moments on the host, no pipeline, phases 1, 2, 4: the update brings
-    in a phase's matrices and their moments, S/K of the S they hold (`phased_state`), instead
-    of all of S: XLA:TPU's device total (its HBM allocations) falls with K, by at most the
-    (1 - 1/K) S no longer held at once and by at least half of it (the rest of the step,
-    the gradients and the micro-batch loop, does not fall). Every stacked matrix and each
-    of its moments goes back as K pieces. Each phase's fetch overlaps compute (instructions
-    scheduled between its copy-start and its done); the whole stack's, with K=1, none."""
+    in a phase's matrices and their moments, S/K of the S they hold (`phased_state`), and
+    makes their new values, instead of all of S at once. XLA:TPU's device total (its HBM
+    allocations) falls with K: by at least the (1 - 1/K) S fetched state no longer held at
+    once, by at most twice that (the fetched state and its new value). The update writes
+    every stacked matrix and each of its moments back as K pieces. (Inside the micro-batch
+    loop XLA:TPU also relays out the stacked W_qkv in host memory, through the device, each
+    micro-batch: docs/memory.md.)"""
     programs = {k: tpu(*WEIGHTY, f"memory.phases={k}") for k in (1, 2, 4)}
     total = {k: device_memory_bytes(p.spaces) for k, p in programs.items()}
     pieces, held = phased_state(programs[1])
     print({k: f"{t / 2**20:.1f} MiB" for k, t in total.items()}, f"S {held / 2**20:.1f} MiB")
     assert total[4] < total[2] < total[1]
     for k in (2, 4):
-        fall, most = total[1] - total[k], (1 - 1 / k) * held
-        assert most / 2 <= fall <= most, (k, fall, most)
+        fall, least = total[1] - total[k], (1 - 1 / k) * held
+        assert least <= fall <= 2 * least, (k, fall, least)
+        # the update's writes (the entry computation's): each leaf, a matrix in K pieces
+        text = programs[k].text
         leaves, nbytes = resting(programs[k].state)
-        moved = transfers(programs[k].text)["to_host"]
-        assert (moved["executed"], moved["executed_bytes"]) == (leaves + (k - 1) * pieces, nbytes)
+        entry = parse(text).entry
+        back = [c["bytes"] for c in async_overlap(text, "to_host") if c["computation"] == entry]
+        assert (len(back), sum(back)) == (leaves + (k - 1) * pieces, nbytes)
 
 
 @pytest.mark.parametrize("optimizer", [False, True], ids=["params", "params-optimizer"])
