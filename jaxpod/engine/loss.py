@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 
 from jaxpod.config import Config
 from jaxpod.models.family import EVAL_STREAM, TRAIN_STREAM
+from jaxpod.parallel import offload
 from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.pipeline import forward_ticks
 from jaxpod.parallel.pipeline_chunks import train_chunk_ticks
@@ -62,8 +63,6 @@ class Stages(Protocol):
     def examples(self, params, batch: tuple, step: jax.Array, stream: int) -> Examples: ...
 
     def forward(self, params, pipelined: bool) -> tuple[Callable, Callable, Callable]: ...
-
-    def grads_to_device(self, grads): ...
 
     def pipeline_functions(self, params) -> tuple[Callable, Callable, Callable, Any]: ...
 
@@ -186,18 +185,20 @@ class DeviceLoss(NamedTuple):
             bubble_fill=self.bubble_fill,
             unroll=self.unroll,
         )
-        return (loss, aux), self.stages.grads_to_device(grads)
+        return (loss, aux), grads
 
     def pass_grads(self, scale, params, inputs, targets, weights, denominator):
-        """((loss, aux), grads of loss * scale), grads on the device, of one micro-batch (one
-        stage) or one pipeline pass: `jax.value_and_grad` of its loss, or `pipeline_train`."""
+        """((loss, aux), grads of loss * scale), grads made in device memory, of one
+        micro-batch (one stage) or one pipeline pass: `value_and_grad` of its loss (a
+        host-resident parameter reaches it as an `offload.Resting` pair), or
+        `pipeline_train`."""
         if self.schedule is not None and self.schedule.explicit_backward:
             return self.pipeline_train(scale, params, inputs, targets, weights, denominator)
         fn = self.micro_loss if self.schedule is None else self.pipeline_loss
         scaled = lambda *a: (lambda out: (out[0] * scale.astype(out[0].dtype), out))(fn(*a))
         args = (params, inputs, targets, weights, denominator)
-        (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(*args)
-        return out, self.stages.grads_to_device(grads)
+        (_, out), grads = offload.value_and_grad(scaled, has_aux=True)(*args)
+        return out, grads
 
     def accumulate(self, params, scale, batches, denominator):
         """Sum `pass_grads` over the leading axis of `batches` (one micro-batch, or one

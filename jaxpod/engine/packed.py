@@ -144,9 +144,6 @@ class PackedStages:
         inputs = images.reshape(micro, mb, *images.shape[1:])
         return Examples(inputs, labels.reshape(micro, mb), None, self.cfg.global_batch)
 
-    def grads_to_device(self, grads):
-        return grads
-
     def _stage_fn(self, k: int):
         """Stage k: `(params row {dtype: [n]}, carry f32[mb, A]) -> f32[mb, A]`."""
         (shape_in, _), graphdef = self.io_shapes[k], self.graphdefs[k]

@@ -41,6 +41,7 @@ from jaxpod.models.params import STACK, in_stack, masks
 from jaxpod.optim.chains import make_optimizer
 from jaxpod.optim.guarded import guarded_update, unscaled_sum_squares, whole_tree
 from jaxpod.optim.per_layer import per_layer
+from jaxpod.optim.phased import in_phases
 from jaxpod.optim.precision import LossScaleState, compute_dtype, init_loss_scale, is_half
 from jaxpod.optim.precision import master_dtype as master_dtype_of
 from jaxpod.parallel import offload
@@ -154,9 +155,6 @@ class StackedStages:
         denominator = jax.lax.psum(jnp.sum(weights), batch_axes)
         return Examples(split(inputs), split(targets), split(weights), denominator)
 
-    def grads_to_device(self, grads):
-        return offload.to_device(grads) if self.any_host else grads
-
     def _prepare(self, tree, dims, leading: int = 0, panels=None):
         """Stored -> computed: cast to the compute dtype, all-gathered over the RTS group."""
         return gather(_cast(tree, self.dtype), dims, self.placement.rts_axes, leading, panels)
@@ -194,7 +192,7 @@ class StackedStages:
         host-resident leaf is already on the device."""
         placement, cfg = self.placement, self.cfg
         flat = lambda tree: jax.tree.leaves(tree)
-        leaves, treedef = jax.tree.flatten(params)
+        leaves, treedef = jax.tree.flatten(params, is_leaf=offload.is_resting)
         roles = (self.masks.stacked, self.masks.table, placement.host)
         rows = zip(leaves, *map(flat, roles), strict=True)
         ready = []
@@ -221,14 +219,23 @@ class StackedStages:
         prepare = fetch = virtual = None
         if placement.rts_axes or self.dtype != master_dtype_of(cfg.precision):
             prepare = lambda p, panels=None: self._prepare(p, dims, 1, panels)  # noqa: E731
+        fetch_whole = None
         if self.layers_on_host and not fetched:  # per phase, or per step (stream=matrix)
-            fetch = offload.to_device
+            fetch = offload.to_device  # the matrices; biases and norms whole, before the layers
+            fetch_whole = jax.tree.map(lambda d: not d, self.masks.decay[STACK])
         if cfg.train.virtual_stages > 1:
             virtual = (virtual_stage, cfg.train.virtual_stages)
         stack = getattr(model, STACK)
         options = self.stack_options
         return run_stack(
-            stack, x, tp=TP, options=options, prepare=prepare, fetch=fetch, virtual_stage=virtual
+            stack,
+            x,
+            tp=TP,
+            options=options,
+            prepare=prepare,
+            fetch=fetch,
+            fetch_whole=fetch_whole,
+            virtual_stage=virtual,
         )
 
     def _micro_head(self, model, h, targets, weights, denominator):
@@ -244,9 +251,9 @@ class StackedStages:
 
     def forward(self, params, pipelined: bool):
         """`(embed, stage, head)` of this device. Pipelined, the host-resident stack is
-        fetched once per step before the ticks (a transfer inside the tick scan makes its
-        transpose accumulate host-typed cotangents, which jax rejects), and the head
-        runs on 1/S of the last stage's outputs on every stage (`spread_over_stages`)."""
+        fetched once per step before the ticks, which all read it (fetched in phases inside
+        the ticks, it would cross 2 (M + S - 1) times a step), and the head runs on 1/S of
+        the last stage's outputs on every stage (`spread_over_stages`)."""
         model = self._model(params, fetched_layers=pipelined)
         sp = self.cfg.model.sequence_parallel
         embed = lambda tokens: model.embed(tokens, TP)
@@ -280,7 +287,7 @@ class StackedStages:
         stage(p, x, r), head(p, y, targets, weights, denominator), params)` (r: the virtual
         stage), each a function of
         the params, with every host-resident leaf fetched to the device once, here, before
-        the ticks (jax rejects a transfer inside the tick scan)."""
+        the ticks, which all read it."""
         if self.any_host:
             params = jax.tree.map(
                 lambda a, h: offload.to_device(a) if h else a, params, self.placement.host
@@ -292,26 +299,50 @@ class StackedStages:
         return embed, stage, head, params
 
     # ------------------------------------------------------------------ the update (GSPMD)
-    def update(self, grads, tx, params, loss_scale, key):
-        """The guarded update on the global arrays: host-resident state is moved to the
-        device, updated, and put back where it lives. Returns `(params, tx, loss_scale,
-        info)`; `info` adds `param_norm` to the guarded update's."""
-        cfg, placement = self.cfg, self.placement
-        sharding = self.state_shardings()
-        if self.any_host:
-            params = jax.device_put(params, offload.with_memory_kind(sharding.params, "device"))
-        if placement.host_optimizer:
-            device_tx = offload.with_memory_kind(sharding.opt_state.tx, "device")
-            tx = jax.device_put(tx, device_tx)
+    @property
+    def update_phases(self) -> int:
+        """How many phases the update brings the layer stack in by (`optim.phased`): the
+        step's `memory.phases` without a pipeline; 1 (the whole tree at once) with one, whose
+        stage holds its whole stack on the device for the ticks anyway."""
+        return self.placement.phases if self.cfg.mesh.pipeline == 1 else 1
+
+    def _apply(self) -> tuple:
+        """`(grad_sum_squares, apply)` of the guarded update: layer by layer for 16-bit
+        masters, whole-tree otherwise."""
+        cfg = self.cfg
         if is_half(master_dtype_of(cfg.precision)):  # 16-bit masters: layer by layer
-            grad_sq, apply = per_layer(
+            return per_layer(
                 self.optimizer,
                 self.masks.stacked,
                 stages=cfg.mesh.pipeline,
                 devices=cfg.total_devices,
             )
+        return unscaled_sum_squares, whole_tree(self.optimizer)
+
+    def update(self, grads, tx, params, loss_scale, key):
+        """The guarded update on the global arrays: host-resident state is moved to the
+        device, updated, and put back where it lives, the whole tree at once or, in phases
+        (`update_phases`), one phase of the layer stack at a time (`optim.phased`). Returns
+        `(params, tx, loss_scale, info)`; `info` adds `param_norm` to the guarded update's."""
+        cfg, placement = self.cfg, self.placement
+        sharding = self.state_shardings()
+        grad_sq, apply = self._apply()
+        norms: dict = {}
+        if self.update_phases > 1:
+            # the stacked matrices by phase; their biases and norms, a few vectors a layer,
+            # whole (XLA:TPU cannot read a slice of their layer axis from host memory)
+            phases = self.update_phases
+            stacked = jax.tree.map(lambda s, d: s and d, self.masks.stacked, self.masks.decay)
+            fetch, store = offload.to_device, offload.put_back
+            apply = in_phases(
+                apply, self.optimizer, stacked, phases, fetch=fetch, store=store, norms=norms
+            )
         else:
-            grad_sq, apply = unscaled_sum_squares, whole_tree(self.optimizer)
+            if self.any_host:
+                params = jax.device_put(params, offload.with_memory_kind(sharding.params, "device"))
+            if placement.host_optimizer:
+                device_tx = offload.with_memory_kind(sharding.opt_state.tx, "device")
+                tx = jax.device_put(tx, device_tx)
         params, tx, loss_scale, info = guarded_update(
             apply,
             grads,
@@ -323,7 +354,8 @@ class StackedStages:
             max_norm=cfg.optim.grad_clip,
             grad_sum_squares=grad_sq,
         )
-        info["param_norm"] = optax.tree.norm(params)
+        param_sq = norms.get("param_sq")
+        info["param_norm"] = optax.tree.norm(params) if param_sq is None else jnp.sqrt(param_sq)
         params = jax.device_put(params, sharding.params)
         tx = jax.device_put(tx, sharding.opt_state.tx)
         return params, tx, loss_scale, info

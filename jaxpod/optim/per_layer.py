@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpod.optim.guarded import Apply
+from jaxpod.optim.phased import state_owners
 from jaxpod.optim.precision import (
     F32,
     apply_updates,
@@ -137,15 +138,7 @@ class _Trees(NamedTuple):
         """The trees' leaves, and which parameter owns each optimizer-state leaf."""
         p_leaves, p_def = jax.tree.flatten(params)
         s_leaves, s_def = jax.tree.flatten(opt_state)
-        owner = jax.tree.leaves(
-            optax.tree_map_params(
-                optimizer,
-                lambda _, i: i,
-                opt_state,
-                jax.tree.unflatten(p_def, list(range(len(p_leaves)))),
-                transform_non_params=lambda _: -1,
-            )
-        )
+        owner = state_owners(optimizer, opt_state, params)
         owned = {i: [n for n, o in enumerate(owner) if o == i] for i in range(len(p_leaves))}
         g_leaves = jax.tree.leaves(grads)
         return cls(
@@ -330,6 +323,8 @@ def _apply(cut: _Cut, optimizer, ready, finite, grads, opt_state, params, key):
             new_s[n] = x
 
     for i in cut.stacked:  # [p, L/p, ...] back to [L, ...]
+        if trees.params[i].size == 0:  # left out of this call (`jaxpod.optim.phased`)
+            continue
         p_i, states, sq_i = _update_stacked(trees, cut, i, k_params, k_state)
         sq = sq + sq_i
         new_p[i] = p_i.reshape(trees.params[i].shape)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpod.parallel.offload import is_resting
 from jaxpod.parallel.remat import remat
 
 
@@ -44,7 +45,7 @@ def _select(tree: dict, reads: tuple[str | Panel, ...]) -> tuple[dict, dict]:
         for key in parents:
             src, dst, pdst = src[key], dst.setdefault(key, {}), pdst.setdefault(key, {})
         dst[leaf] = src[leaf]
-        pdst[leaf] = jax.tree.map(lambda _, p=panel: p, src[leaf])
+        pdst[leaf] = jax.tree.map(lambda _, p=panel: p, src[leaf], is_leaf=is_resting)
     return out, panels
 
 
@@ -56,82 +57,59 @@ def _overlay(base: dict, top: dict) -> dict:
     }
 
 
-def _run_step(step, carry, used, panels, layer_params, graphdef, ready, remat_policy):
+def _run_step(step, carry, used, panels, layer_params, graphdef, ready, remat_policy, index):
     """One step of a layer, a remat unit: `step(layer, carry)` on the layer whose `used`
-    params (their `panels` taken) are made ready inside the unit."""
+    params (their `panels` taken; layer `index` of the stack when each step fetches) are
+    made ready inside the unit."""
 
     def fn(carry, used):
-        layer = nnx.merge(graphdef, _overlay(layer_params, ready(used, carry[0], panels)))
-        return step(layer, carry)
+        computed = ready(used, carry[0], panels, index)
+        return step(nnx.merge(graphdef, _overlay(layer_params, computed)), carry)
 
     return remat(fn, remat_policy, prevent_cse=True)(carry, used)
 
 
-def _per_panel(step, carry, used, panels, layer_params, run_step, fetch):
+def _per_panel(step, carry, used, panels, layer_params, run_step):
     """A step reading `Panel(index=None)`: run for each of its panels, the first and then a
     loop over the others (one panel's weights gathered at a time, their gradients summed
-    into one buffer). `fetch` (host-resident weights): the panels are cut before the loop,
-    which runs over them (its xs), each fetched inside its step; the other leaves
-    (LayerNorm) are fetched once here, for every panel."""
-    leaves, tree = jax.tree.flatten(used)
+    into one buffer). The panel index is traced: each panel is taken of the stored (or
+    fetched) weights inside its step."""
+    tree = jax.tree.structure(used, is_leaf=is_resting)
     cuts = tree.flatten_up_to(panels)
     count = next(p.count for p in cuts if p is not None and p.index is None)
-    if fetch is None:  # the panel index traced: taken of the stored weights in the step
-        index = lambda p, j: p if p is None or p.index is not None else p._replace(index=j)
-        at = lambda j: tree.unflatten([index(p, j) for p in cuts])
-        run_panel = lambda c, j: run_step(step, c, used, at(j), layer_params)
-        first, rest = 0, jnp.arange(1, count)
-    else:
-        is_cut = [p is not None and p.index is None for p in cuts]
-        cut = zip(leaves, cuts, is_cut, strict=True)
-        pieces = [_split(a, p.axis, count) for a, p, is_panel in cut if is_panel]
-        fixed = fetch([a for a, is_panel in zip(leaves, is_cut, strict=True) if not is_panel])
-
-        def run_panel(c, piece):
-            panels, others = iter(piece), iter(fixed)
-            used = [next(panels) if is_panel else next(others) for is_panel in is_cut]
-            return run_step(step, c, tree.unflatten(used), None, layer_params)
-
-        first, rest = [p[0] for p in pieces], [p[1:] for p in pieces]
-    carry = run_panel(carry, first)
+    index = lambda p, j: p if p is None or p.index is not None else p._replace(index=j)
+    at = lambda j: tree.unflatten([index(p, j) for p in cuts])
+    run_panel = lambda c, j: run_step(step, c, used, at(j), layer_params)
+    carry = run_panel(carry, 0)
     if count > 1:  # the step's input carry[0] passes through unchanged: closed over, not
         # carried, so the loop saves it once for the backward pass instead of once per panel
         x = carry[0]
         body = lambda acc, j: (run_panel((x, *acc), j)[1:], None)
-        carry = (x, *jax.lax.scan(body, carry[1:], rest)[0])
+        carry = (x, *jax.lax.scan(body, carry[1:], jnp.arange(1, count))[0])
     return carry
 
 
 def matrix_layer(
-    graphdef,
-    tp: str | None,
-    ready: Callable,
-    remat_policy: str,
-    mlp_panels: int,
-    fetch: Callable | None,
+    graphdef, tp: str | None, ready: Callable, remat_policy: str, mlp_panels: int
 ) -> Callable:
-    """`layer(x, layer_params) -> y`: the layer of `graphdef` run as its `steps(tp,
-    mlp_panels)`, each step a remat unit whose weights `ready` makes ready; `fetch` is the
-    per-step fetch `ready` applies (None: nothing fetched per step)."""
+    """`layer(x, layer_params, index=None) -> y`: the layer of `graphdef` run as its
+    `steps(tp, mlp_panels)`, each step a remat unit whose weights `ready` makes ready.
+    `index` (each step fetching its own weights): `layer_params` is the whole `[L, ...]`
+    stack and `ready` reads layer `index` of it."""
 
-    def run_step(step, carry, used, panels, layer_params):
-        return _run_step(step, carry, used, panels, layer_params, graphdef, ready, remat_policy)
+    def layer(x, layer_params, index=None):
+        def run_step(step, carry, used, panels, layer_params):
+            args = (graphdef, ready, remat_policy, index)
+            return _run_step(step, carry, used, panels, layer_params, *args)
 
-    def layer(x, layer_params):
         carry = (x,)
         for reads, step in nnx.merge(graphdef, layer_params).steps(tp, mlp_panels):
             reads = tuple(r if isinstance(r, str) else Panel(*r) for r in reads)
             used, panels = _select(layer_params, reads)
             if any(isinstance(r, Panel) and r.index is None for r in reads):
-                carry = _per_panel(step, carry, used, panels, layer_params, run_step, fetch)
+                carry = _per_panel(step, carry, used, panels, layer_params, run_step)
             else:
                 carry = run_step(step, carry, used, panels, layer_params)
         return carry[0]
 
     return layer
-
-
-def _split(a: jax.Array, axis: int, count: int) -> jax.Array:
-    """`a` cut into `count` equal panels along `axis`, stacked: `[count, ...]`."""
-    shape = (*a.shape[:axis], count, a.shape[axis] // count, *a.shape[axis + 1 :])
-    return jnp.moveaxis(a.reshape(shape), axis, 0)

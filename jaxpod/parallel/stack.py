@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpod.parallel.matrix_stream import matrix_layer
+from jaxpod.parallel.offload import is_resting
 from jaxpod.parallel.phases import scan_phases
 from jaxpod.parallel.remat import remat
 from jaxpod.parallel.weights_ready import make_ready
@@ -54,6 +55,7 @@ def run_stack(
     options: StackOptions,
     prepare: Callable | None = None,
     fetch: Callable | None = None,
+    fetch_whole: dict | None = None,
     virtual_stage: tuple[jax.Array | int, int] | None = None,
 ) -> jax.Array:
     """Run a stacked layer module (`[L, ...]` params, called as `layer(x, tp)`) over
@@ -61,18 +63,24 @@ def run_stack(
 
     `prepare(params, panels)` turns stored params into computed ones right before use
     (`panels`: the `Panel` to take of each leaf, or None). `fetch` (host -> device memory):
-    with `stream="layer"` per phase (`scan_phases`); with `stream="matrix"` per step, to the
-    panels the step reads, inside the step's remat unit (fetched again in the backward
-    pass; the panels are taken before `prepare` sees them, so its gather must not split a
-    panel axis). `virtual_stage=(r, V)`: only the layers of the r-th of V virtual stages
-    (r may be traced)."""
+    with `stream="layer"` per phase (`scan_phases`); with `stream="matrix"` per step, the
+    matrices the step reads and nothing else, each one layer's slice of the whole stack,
+    inside the step's remat unit (fetched again in the backward pass; `prepare` then takes
+    the panels on the device, so its gather must not split a panel axis). The leaves marked
+    in `fetch_whole` (a tree of bools like the stack's params: the engine marks its biases
+    and norms, a few vectors a layer) are fetched whole once, before the layers run: XLA:TPU
+    lays out a stacked bias such as `b_qkv[L, 3, HD]` in host memory with the layer axis
+    inside its tiles and cannot read a slice of that axis from the host.
+    `virtual_stage=(r, V)`: only the layers of the r-th of V virtual stages (r may be
+    traced)."""
     if options.stream not in STREAMS:
         raise ValueError(f"stream={options.stream!r} must be one of {STREAMS}")
     graphdef, stacked = nnx.split(layers)
     policy = options.remat_policy
+    step_fetch = options.stream == "matrix" and fetch is not None
     if options.stream == "matrix":
         ready = make_ready(prepare, fetch, policy)
-        layer = matrix_layer(graphdef, tp, ready, policy, options.mlp_panels, fetch)
+        layer = matrix_layer(graphdef, tp, ready, policy, options.mlp_panels)
         phase_fetch = None  # each step fetches its own
     else:
         ready = make_ready(prepare, None, policy)
@@ -82,9 +90,12 @@ def run_stack(
     # per pipeline tick); the steps' inputs live only while that layer's backward pass runs
     layer_fn = remat(layer, policy, offload=options.offload_activations)
     stacked = nnx.to_pure_dict(stacked)
+    if fetch is not None and fetch_whole is not None:  # fetched once, before the layers run
+        whole = lambda a, w: fetch(a) if w else a  # noqa: E731
+        stacked = jax.tree.map(whole, stacked, fetch_whole, is_leaf=is_resting)
+    if step_fetch or (virtual_stage is not None and options.phases == 1 and phase_fetch is None):
+        return _scan_indexed(layer, x, stacked, virtual_stage, options, whole=step_fetch)
     if virtual_stage is not None:
-        if options.phases == 1 and phase_fetch is None:
-            return _scan_virtual_stage(layer, x, stacked, virtual_stage, options)
         stacked = _virtual_stage_slice(stacked, virtual_stage)
     return scan_phases(
         layer_fn,
@@ -105,18 +116,25 @@ def _virtual_stage_slice(stacked: dict, virtual_stage: tuple) -> dict:
     return jax.tree.map(take, stacked)
 
 
-def _scan_virtual_stage(layer, x, stacked: dict, virtual_stage: tuple, options: StackOptions):
-    """The layers of virtual stage r of V, each indexed inside its remat unit: the backward
-    pass indexes it again, instead of every tick saving its stage's layers."""
-    index, count = virtual_stage
-    size = jax.tree.leaves(stacked)[0].shape[0] // count
-    pick = lambda i: jax.tree.map(  # noqa: E731
-        lambda a: jax.lax.dynamic_index_in_dim(a, index * size + i, 0, False), stacked
-    )
-    at = remat(
-        lambda x, i: layer(x, pick(i)),
-        options.remat_policy,
-        offload=options.offload_activations,
-    )
+def _scan_indexed(layer, x, stacked: dict, virtual_stage, options: StackOptions, whole: bool):
+    """The layers (of virtual stage r of V, `virtual_stage=(r, V)`; None: all), each indexed
+    inside its remat unit: the backward pass indexes it again, instead of every tick saving
+    its stage's layers. `whole` (each step fetches its own weights): the layer gets the whole
+    stack and its index, and each step reads its own slice of it inside its own remat unit,
+    so a host-resident array is never saved, carried or sliced anywhere else (phases change
+    nothing: each step fetches)."""
+    offset, size = 0, jax.tree.leaves(stacked)[0].shape[0]
+    if virtual_stage is not None:
+        index, count = virtual_stage
+        size //= count
+        offset = index * size
+
+    def run(x, i):
+        if whole:
+            return layer(x, stacked, offset + i)
+        pick = lambda a: jax.lax.dynamic_index_in_dim(a, offset + i, 0, False)  # noqa: E731
+        return layer(x, jax.tree.map(pick, stacked))
+
+    at = remat(run, options.remat_policy, offload=options.offload_activations)
     body = lambda x, i: (at(x, i), None)  # noqa: E731
     return jax.lax.scan(body, x, jnp.arange(size), unroll=options.unroll)[0]

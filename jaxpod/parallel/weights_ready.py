@@ -2,8 +2,9 @@
 
 `make_ready(prepare, fetch, remat_policy)` is what every way of running the stack calls on a
 layer's (or a step's) stored weights: fetched from host memory if each step fetches its own
-(its panels cut first, so only they move), then the caller's `prepare` (the RTS all-gather,
-the cast to the compute dtype), tied to the layer's input under remat (`depend_on`).
+(one layer's slice of the stack, its panels taken on the device), then the caller's
+`prepare` (the RTS all-gather, the cast to the compute dtype), tied to the layer's input
+under remat (`depend_on`).
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ def depend_on(weights, x: jax.Array):
 
 
 def make_ready(prepare: Callable | None, fetch: Callable | None, remat_policy: str) -> Callable:
-    """`ready(params, x, panels=None)`: stored params -> what the computation uses.
-    `fetch` (not None: each step fetches its own weights) moves the step's weights, its
-    `panels` taken first; then `prepare(params, panels)`, or without one the panels taken.
-    Recomputed in the backward pass (`remat_policy` not `none`), the weights are first made
-    a function of `x` so that their gather runs per layer and per tick."""
+    """`ready(params, x, panels=None, index=None)`: stored params -> what is computed with.
+    `fetch` (not None: each step fetches its own weights): `params` is the whole `[L, ...]`
+    stack of the step's leaves and layer `index` of it is fetched (`read_layer`), its
+    `panels` taken after, on the device. Then `prepare(params, panels)`, or without one the
+    panels taken. Recomputed in the backward pass (`remat_policy` not `none`), the weights
+    are first made a function of `x` so that their gather runs per layer and per tick."""
 
-    def ready(params, x, panels=None):
-        if fetch is not None:  # this step's weights only: its panels taken, then fetched
-            params, panels = fetch(take_panels(params, panels)), None
+    def ready(params, x, panels=None, index=None):
+        if fetch is not None:  # this step's leaves of layer `index`, fetched
+            params = fetch(read_layer(params, index))
         if prepare is None:
             return take_panels(params, panels)
         if remat_policy != "none":  # recomputed in the backward pass: gather it per tick
@@ -52,3 +54,11 @@ def make_ready(prepare: Callable | None, fetch: Callable | None, remat_policy: s
         return prepare(params, panels)
 
     return ready
+
+
+def read_layer(tree: dict, index) -> dict:
+    """Layer `index` of each `[L, ...]` leaf of `tree`: one slice of the whole leaf along its
+    layer axis alone, so a host-resident leaf is read by one transfer and nothing is computed
+    on it (XLA:TPU reads a slice of host memory along one axis only; a panel, a slice of
+    two, is taken on the device)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, False), tree)

@@ -155,9 +155,10 @@ def _on_device(cfg: Config, s: dict, host_weights: float, profile: DeviceProfile
     lowering keeps them, uncredited: jaxpod.parallel.offload), and a pipelined stage fetches
     its stack before the ticks. Where host memory is device memory (XLA:CPU) they are read in
     place, as the optimizer state is, unless in phases (XLA:CPU then holds the stack in its
-    temporaries: docs/memory.md, "Which program the planner counts"). The update runs on
-    whole trees: host-resident weights and optimizer state are moved to the device first
-    (`StackedStages.update`), the reduced grads too."""
+    temporaries: docs/memory.md, "Which program the planner counts"). The update is counted
+    on whole trees: host-resident weights and optimizer state moved to the device first,
+    the reduced grads too (`StackedStages.update`; in phases without a pipeline the TPU/GPU
+    program moves one phase of the stack at a time, uncredited)."""
     weights = s["weights"]
     if profile.shares_host_memory and cfg.memory.phases == 1:
         weights = s["weights"] - host_weights

@@ -166,11 +166,12 @@ def transfers(hlo_text: str) -> dict[str, dict[str, int]]:
     and results of the entry), and anything fusions read.
 
     What XLA:TPU emits for jaxpod's offloads (tiny preset, tpu-v5p): `memory.offload` of
-    `params` and `optimizer` (with or without `memory.phases`): async copies in the entry
-    computation only, `(f32[2,64]{1,0:T(2,128)}, f32[2,64]{1,0:T(2,128)S(5)}, u32[]{:S(2)})
-    copy-start(%param.39)` fetching each host-resident leaf and the reverse writing its new
-    value back, plus each parameter's gradient moved to the host (the transpose of the
-    parameter's fetch) and fetched back for the update. `activations` under remat `comms`:
+    `params` and `optimizer` (pipelined, with or without `memory.phases`): async copies in
+    the entry computation only, `(f32[2,64]{1,0:T(2,128)}, f32[2,64]{1,0:T(2,128)S(5)},
+    u32[]{:S(2)}) copy-start(%param.39)` fetching each host-resident leaf and the reverse
+    writing its new value back; no gradient crosses. Without a pipeline, the phases' slices
+    are fetched in the micro-batch loop (`dynamic-slice-start` of an `S(5)` operand).
+    `activations` under remat `comms`:
     in the tick loop, `dynamic-update-slice-start` of the saved value into an `S(5)` buffer,
     then a `HostExecute` custom-call-start that reads that buffer and the device-resident
     stack of saved values and writes the stack; under remat `full` nothing (nothing saved)."""

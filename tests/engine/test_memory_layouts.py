@@ -145,6 +145,11 @@ OFFLOAD_CASES = {  # name: (mesh, overrides)
         ("memory.offload=[optimizer,params,activations]", "memory.phases=2"),
     ),
     "params-phases2-2x1x4": ((2, 1, 4), ("memory.offload=[params]", "memory.phases=2")),
+    # no pipeline: the update too goes a phase at a time (`jaxpod.optim.phased`)
+    "optimizer-params-phases4-2x1x4": (
+        (2, 1, 4),
+        ("memory.offload=[optimizer,params]", "memory.phases=4"),
+    ),
 }
 
 
@@ -214,32 +219,38 @@ def gathered_shapes(jaxpr) -> Counter:
     return eqn_shapes(jaxpr, pick, Counter())
 
 
-def test_matrix_stream_fetches_each_step_its_panels(tiny_cfg, mesh_for):
-    """With host-resident layers and `memory.stream=matrix`, each step fetches only the
-    panels it reads (a third of `W_qkv`, `W_o`, one of the 2 MLP panels of `W_in`/`W_out`),
-    never a whole layer's matrix, and trains exactly like the plain engine (RTS 2, panels
-    cut before the gather: the RTS dimension is the other one)."""
+def test_matrix_stream_fetches_each_step_its_layers_matrix(tiny_cfg, mesh_for):
+    """With host-resident layers and `memory.stream=matrix`, each step fetches the one matrix
+    it reads of one layer (`W_qkv`, `W_o`, `W_in`, `W_out`), read as a slice of the stack's
+    layer axis alone (XLA:TPU reads host memory along one axis), and its panel is cut on the
+    device before the gather: never the whole stack of a matrix; the biases and norms are
+    fetched whole. It trains exactly like the plain engine (RTS 2 on the other dimension)."""
     shape = (2, 1, 4)
     plain, off = run(tiny_cfg, mesh_for, shape), run(tiny_cfg, mesh_for, shape, *STEP_FETCH)
     assert_same_training(off, plain, "step fetch")
     engine, state = off[0], off[2]
     assert {a.sharding.memory_kind for a in jax.tree.leaves(state.params)} == {offload.HOST}
     local = lambda a: a.sharding.shard_shape(a.shape)
-    layers = {k: jax.tree.map(lambda a: local(a)[1:], v) for k, v in state.params["layers"].items()}
+    stacks = {k: jax.tree.map(local, v) for k, v in state.params["layers"].items()}
     dims = engine.stages.placement.rts_dims["layers"]
     assert dims["mlp"]["w_in"] == 1 and dims["mlp"]["w_out"] == 2  # D, not the hidden units
     others = {k: v for k, v in state.params.items() if k != "layers"}
     rest = Counter(local(a) for a in jax.tree.leaves(others))
     jaxpr = jax.make_jaxpr(engine.eval_step)(state.params, abstract_batch(engine)).jaxpr
-    fetched = host_to_device_shapes(jaxpr, Counter())
+    fetched, gathered = host_to_device_shapes(jaxpr, Counter()), gathered_shapes(jaxpr)
     print(f"fetched (per-device shapes: count): {dict(fetched)}")
+    print(f"gathered (per-device shapes: count): {dict(gathered)}")
     for path, count, axis in (("attn/w_qkv", 3, 1), ("mlp/w_in", 2, 1), ("mlp/w_out", 2, 0)):
         group, name = path.split("/")
-        whole = layers[group][name]
-        panel = (*whole[:axis], whole[axis] // count, *whole[axis + 1 :])
-        assert fetched[panel] > 0, (path, panel)
-        assert fetched[whole] == rest[whole], (path, whole)  # only non-layer arrays that shape
-    assert fetched[layers["attn"]["w_o"]] > 0
+        stack = stacks[group][name]
+        layer = stack[1:]
+        assert fetched[layer] > 0, (path, layer)  # one layer's matrix, in its step
+        assert fetched[stack] == rest[stack], (path, stack)  # only non-layer arrays that shape
+        rts = dims[group][name]  # the panel's gathered shape: panel axis cut, RTS dim doubled
+        panel = [*layer[:axis], layer[axis] // count, *layer[axis + 1 :]]
+        panel[rts - 1] *= 2
+        assert gathered[tuple(panel)] > 0, (path, panel)
+    assert fetched[stacks["attn"]["w_o"][1:]] > 0
 
 
 def test_host_weights_stay_on_the_host_across_steps(tiny_cfg, mesh_for):

@@ -205,12 +205,14 @@ def test_an_accelerator_lowering_fetches_a_pipelined_stage_once(mesh_for):
 @pytest.mark.parametrize("platform", ACCELERATORS)
 def test_an_accelerator_lowering_streams_a_matrix_at_a_time(mesh_for, platform):
     """`memory.stream=matrix` in the TPU/GPU program: one layer's attention output matrix
-    ([32, 64] on tensor 2) and one of its q, k, v matrices ([64, 1, 32]) are moved in alone;
-    the CPU lowering moves neither."""
-    pieces = {"tensor<32x64xf32>", "tensor<64x1x32xf32>"}
+    ([32, 64] on tensor 2) and its q, k, v matrix ([64, 3, 32]) are moved in alone, each a
+    slice of the stack's layer axis (a q, k or v panel is cut on the device), never the
+    stage's whole stack of one ([4, 64, 3, 32]); the CPU lowering moves none of them."""
+    pieces = {"tensor<32x64xf32>", "tensor<64x3x32xf32>"}
     stream = (*OFFLOADED_LAYERS, "memory.stream=matrix", "memory.mlp_panels=2")
-    assert pieces <= _placed(_lowered(mesh_for, *stream, platform=platform), "device")
-    assert not pieces & _placed(_lowered(mesh_for, *stream), "device")
+    moved = _placed(_lowered(mesh_for, *stream, platform=platform), "device")
+    assert pieces <= moved and "tensor<4x64x3x32xf32>" not in moved
+    assert not (pieces | {"tensor<4x64x3x32xf32>"}) & _placed(_lowered(mesh_for, *stream), "device")
 
 
 @pytest.mark.parametrize("platform", ACCELERATORS)

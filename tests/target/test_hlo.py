@@ -370,17 +370,14 @@ def _per_chip(tree, kind: str | None = None) -> tuple[int, int]:
     ids=["params-optimizer", "params-phases2"],
 )
 def test_offloaded_state_moves_in_and_out_once_per_step(compile_tiny, overrides):
-    """Every host-resident leaf (`pinned_host`) comes to the device once and goes back once;
-    so does each parameter's gradient: the transpose of a parameter's fetch is a move of its
-    gradient to the host, which the update fetches back. All in the entry computation, once
-    per step; each fetch an async copy with its done."""
+    """Pipelined (the tiny preset's 2x2x2 mesh): every host-resident leaf (`pinned_host`)
+    comes to the device once (a stage's stack before the ticks, which the update reuses) and
+    its new value goes back once, and nothing else crosses: the gradients are made and
+    stay in device memory (`jaxpod.parallel.offload.value_and_grad`). All in the entry
+    computation, once per step; each fetch an async copy with its done."""
     _, state, text = compile_tiny(*overrides)
-    (resting, resting_bytes), (params, params_bytes) = (
-        _per_chip(state, HOST),
-        _per_chip(state.params),
-    )
-    assert resting > 0
-    ops, moved = resting + params, resting_bytes + params_bytes
+    ops, moved = _per_chip(state, HOST)
+    assert ops > 0
     found = transfers(text)
     assert row(found["to_device"]) == row(found["to_host"]) == (ops, moved, ops, moved)
     fetches = async_overlap(text)
