@@ -179,9 +179,12 @@ def _inputs(cfg: Config) -> int:
 
 def _input_copy(cfg: Config, profile: DeviceProfile) -> int:
     """Bytes of the uint8 image batch's tiled copy, on a device that pads arrays to tiles
-    (`DeviceProfile.tile`): XLA:TPU copies the call's images `[G, H, W, 3]` into its tiled
-    layout (the 3 channels padded to 128) once and holds the copy through the step."""
-    if profile.tile is None or cfg.kind.data != "images":
+    (`DeviceProfile.tile`): for a stepwise pipeline's tick loop XLA:TPU copies the call's
+    images `[G, H, W, 3]` (an argument laid out width-minor) into a channels-minor layout,
+    the 3 channels padded to 128, and holds the copy through the step. GPipe's ticks read
+    the argument itself: no copy."""
+    stepwise = cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule in STEPWISE
+    if profile.tile is None or cfg.kind.data != "images" or not stepwise:
         return 0
     images = cfg.part_micro * cfg.train.micro_batch
     return images * image_elements(profile.tile, cfg.model.image_size, 3)

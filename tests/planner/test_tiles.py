@@ -13,6 +13,7 @@ from jaxpod.planner.bytes import device_bytes
 from jaxpod.planner.counts import param_layout
 from jaxpod.planner.efficientnet import carry_size
 from jaxpod.planner.efficientnet_pieces import pieces
+from jaxpod.planner.plan import plan
 from jaxpod.planner.profiles import PROFILES, get_profile
 from jaxpod.planner.tiles import Tile, group_elements, image_elements
 from jaxpod.target.hlo_text import shape_bytes
@@ -79,16 +80,20 @@ def test_padding_grows_the_image_terms_and_leaves_the_carry():
     assert tiled[0][0]["saved"] > plain[0][0]["saved"]
 
 
-def test_the_image_batch_is_copied_into_tiles_on_tpu_only():
-    """On a TPU profile the device holds the uint8 batch's tiled copy through the step:
-    `[G, H, W, 3]` with 3 channels padded to 128, beside the batch itself."""
-    cfg = _digits()
+def _input_copy(cfg, name: str) -> int:
+    profile = get_profile(name)
+    acts = activation_bytes(cfg, profile)
+    return device_bytes(cfg, param_layout(cfg), acts, profile)["input_copy"]
+
+
+def test_the_image_batch_is_copied_into_tiles_for_stepwise_ticks_on_tpu_only():
+    """On a TPU profile a stepwise pipeline holds the uint8 batch's tiled copy through the
+    step: `[G, H, W, 3]` with 3 channels padded to 128, beside the batch itself; GPipe's
+    ticks read the batch as it is, and a CPU device copies nothing."""
+    cfg = _digits("train.pipeline_schedule=1f1b")
     hw, images = cfg.model.image_size, cfg.part_micro * cfg.train.micro_batch
-    tpu, cpu = get_profile("tpu-v5p"), get_profile("cpu")
-    layout = param_layout(cfg)
-    on_tpu = device_bytes(cfg, layout, activation_bytes(cfg, tpu), tpu)
-    on_cpu = device_bytes(cfg, layout, activation_bytes(cfg, cpu), cpu)
     expected = images * hw * TILE.rows_of(hw) * 128 * np.dtype(np.uint8).itemsize
-    assert on_tpu["input_copy"] == expected
-    assert on_cpu["input_copy"] == 0
-    assert on_tpu["inputs"] == on_cpu["inputs"] == images * hw * hw * 3
+    assert _input_copy(cfg, "tpu-v5p") == expected
+    assert _input_copy(cfg, "cpu") == 0
+    assert _input_copy(_digits("train.pipeline_schedule=gpipe"), "tpu-v5p") == 0
+    assert plan(cfg)["bytes_per_device"]["inputs"] == images * hw * hw * 3
