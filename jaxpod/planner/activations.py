@@ -103,6 +103,7 @@ def _packed_activation_bytes(cfg: Config, profile: DeviceProfile, cb: int) -> di
         stage_params,
         0 if opt16 else moments,
         dense_depthwise=profile.dense_depthwise_grads,
+        tile=profile.tile,
     )
 
 

@@ -26,6 +26,7 @@ from jaxpod.parallel.schedules import STEPWISE
 from jaxpod.planner.activations import DTYPE_BYTES, MOMENTS, compute_bytes
 from jaxpod.planner.counts import layer_params
 from jaxpod.planner.profiles import DeviceProfile, get_profile
+from jaxpod.planner.tiles import image_elements
 
 TOKEN_BYTES = 4  # int32 token ids
 
@@ -177,6 +178,19 @@ def _inputs(cfg: Config) -> int:
     return cfg.part_micro * cfg.train.micro_batch * (cfg.model.seq_len + 1) * TOKEN_BYTES
 
 
+def _input_copy(cfg: Config, profile: DeviceProfile) -> int:
+    """Bytes of the uint8 image batch's tiled copy, on a device that pads arrays to tiles
+    (`DeviceProfile.tile`): for a stepwise pipeline's tick loop XLA:TPU copies the call's
+    images `[G, H, W, 3]` (an argument laid out width-minor) into a channels-minor layout,
+    the 3 channels padded to 128, and holds the copy through the step. GPipe's ticks read
+    the argument itself: no copy."""
+    stepwise = cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule in STEPWISE
+    if profile.tile is None or cfg.kind.data != "images" or not stepwise:
+        return 0
+    images = cfg.part_micro * cfg.train.micro_batch
+    return images * image_elements(profile.tile, cfg.model.image_size, 3)
+
+
 def _strip_updates(cfg: Config, layout: dict) -> float:
     """The update's working set with 16-bit masters of stacked layers (`jaxpod.optim.
     per_layer`, tensor by tensor): the largest stacked tensor (one layer of every stage:
@@ -255,6 +269,7 @@ def device_bytes(
     # argument of every later call
     grad_sum = s["grads_update"] if cfg.train.batch_parts > 1 else 0
     inputs = _inputs(cfg)
+    input_copy = _input_copy(cfg, profile)
     # what the device stores between steps (XLA's device-resident arguments): the weights
     # that do not rest on the host, the optimizer state unless offloaded, and the batch
     stored = s["master"] - host_weights
@@ -269,7 +284,8 @@ def device_bytes(
         "scattered": int(scattered),
         "moved_in": int(moved_in),
         "inputs": int(inputs),
-        "device_total": int(weights + optimizer + inputs + grad_sum + moments[peak]),
+        "input_copy": int(input_copy),
+        "device_total": int(weights + optimizer + inputs + input_copy + grad_sum + moments[peak]),
         "grad_sum": int(grad_sum),
         "arguments": int(stored + optimizer + inputs + grad_sum),
         "host_total": int(host_weights + (s["optimizer"] - optimizer) + acts.get("host", 0)),

@@ -26,6 +26,7 @@ from __future__ import annotations
 from jaxpod.config import Config
 from jaxpod.parallel.schedules import STEPWISE
 from jaxpod.planner.efficientnet_pieces import F32, HEAD_BACKWARD_TEMPS, pieces
+from jaxpod.planner.tiles import Tile
 
 # Pipelined without remat the gradient row is built beside the backward, a leaf at a time
 # into the accumulated row (the planner's `grads`): one more row is live, the float32 row
@@ -62,7 +63,7 @@ def weight_grad_inputs(stage: list[dict], wide: int, act: int, pipelined: bool) 
     (without a pipeline the uint8 batch's conversion is fused into the stem's convolutions)."""
     total = sum(p["kept"] for p in stage) + _output_cotangents(stage, wide, act)
     if pipelined and stage[0]["name"] == "stem":
-        total += wide * stage[0]["in"]
+        total += wide * stage[0]["image"]
     return total
 
 
@@ -170,6 +171,7 @@ def activation_bytes(
     stage_params: list[int] | None = None,
     moments: int = 0,
     dense_depthwise: bool = False,
+    tile: Tile | None = None,
 ) -> dict:
     """Activation bytes per device (the breakdown `bytes.activation_bytes` reports), plus the
     packed update's working set (`update_work`). `cb`: bytes of a conv's operand or output
@@ -181,8 +183,9 @@ def activation_bytes(
     default: every stage's row full); `moments`: the optimizer's float32 state rows;
     `dense_depthwise`: the device builds a depthwise conv's weight gradient from a dense
     [k, k, C, C] float32 kernel, live in its stage's backward (read on 1- and 2-stage probes
-    of the digits config with `model.g16=false`, benchmarks/xla_peak.py)."""
-    stages = pieces(cfg, cb, act)
+    of the digits config with `model.g16=false`, benchmarks/xla_peak.py); `tile`: the
+    device's array tile, the pieces' values padded to it (`DeviceProfile.tile`)."""
+    stages = pieces(cfg, cb, act, tile)
     S = cfg.mesh.pipeline
     ticks, carries = _schedule_carries(cfg, cfg.train.micro_batch * carry_size(stages) * F32)
     if S > 1 and cfg.model.remat == "none":

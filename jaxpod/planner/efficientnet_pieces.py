@@ -5,7 +5,10 @@ moments `jaxpod.planner.efficientnet` models: its weight-gradient inputs and cot
 stem stage's peak), its forward values (another stage's peak), what autodiff saves without
 remat, and the sizes of its input, output and kernels. The terms are read off the buffer
 assignment of the program jaxpod compiles (`benchmarks/xla_peak.py`); why each is what it
-is: docs/memory.md, "The planner's byte model". Jax-free.
+is: docs/memory.md, "The planner's byte model". On a device that pads arrays to tiles
+(`DeviceProfile.tile`, XLA:TPU) every image-shaped value counts its padded elements
+(`jaxpod.planner.tiles`): channels minor, GroupNorm's group-shaped values a group's channels
+minor. Jax-free.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from jaxpod.config.efficientnet_specs import (
     IMAGE_CH,
     BlockSpec,
     block_specs,
+    norm_groups,
     split_specs,
     stem_head_channels,
 )
+from jaxpod.planner.tiles import Tile, group_elements, image_elements
 
 F32 = 4  # GroupNorm computes in float32: its centred values are float32 on every device
 # The stem's norm backward, running at the weight-gradient peak: beside its conv output,
@@ -32,6 +37,7 @@ HEAD_BACKWARD_TEMPS = 2
 # compute dtype, the affine output and with swish its sigmoid, the sigmoid's derivative factor
 # and the swish output (the next conv's operand).
 SAVED_NORM_F32 = 3
+SAVED_GROUP_F32 = 2  # of them, the group-shaped ones (`[.., G, C/G]`)
 SAVED_SWISH_ACT = 4
 SAVED_PLAIN_ACT = 1
 
@@ -40,33 +46,51 @@ def _size(hw: int, stride: int) -> int:
     return -(-hw // stride)  # SAME padding
 
 
-def _saved_convnorm(act: int, swish: bool) -> int:
-    """Bytes per output element autodiff saves for a ConvNorm's backward without remat."""
-    return SAVED_NORM_F32 * F32 + (SAVED_SWISH_ACT if swish else SAVED_PLAIN_ACT) * act
+class _Sizes:
+    """Elements per image of the values of `channels` at `hw` pixels a side: `image` as a
+    convolution's activation `[H, W, C]`, `grouped` as a GroupNorm's group-shaped value; both
+    padded to `tile` (None: logical)."""
+
+    def __init__(self, tile: Tile | None, groups: int):
+        self.tile, self.groups = tile, groups
+
+    def image(self, hw: int, channels: int) -> int:
+        return image_elements(self.tile, hw, channels)
+
+    def grouped(self, hw: int, channels: int) -> int:
+        return group_elements(self.tile, hw, channels, norm_groups(channels, self.groups))
 
 
-def _stem_piece(cfg: Config, wide: int, act: int) -> dict:
+def _saved_convnorm(act: int, swish: bool, n: int, grouped: int) -> int:
+    """Bytes per image autodiff saves for a ConvNorm's backward without remat: `n` elements
+    per output value, `grouped` per group-shaped one."""
+    f32 = SAVED_GROUP_F32 * grouped + (SAVED_NORM_F32 - SAVED_GROUP_F32) * n
+    return f32 * F32 + (SAVED_SWISH_ACT if swish else SAVED_PLAIN_ACT) * act * n
+
+
+def _stem_piece(cfg: Config, wide: int, act: int, sz: _Sizes) -> dict:
     """The stem's piece (a stride-2 ConvNorm with swish on the image): its conv output,
     centred values and swish, and (its backward running) its output's cotangent and the norm
     backward's temporaries; the image, when a stage's input, is in `carries` or sliced out of
-    the carry (`weight_grad_inputs`)."""
+    the carry (`weight_grad_inputs`, its `image` elements)."""
     md = cfg.model
     stem_ch, _ = stem_head_channels(md.variant, width_mult=md.width_mult)
-    hw = md.image_size
-    image, stem_out = hw * hw * IMAGE_CH, _size(hw, 2) ** 2 * stem_ch
-    stem_values = wide + F32 + act
+    hw, out_hw = md.image_size, _size(md.image_size, 2)
+    image, stem_out = sz.image(hw, IMAGE_CH), sz.image(out_hw, stem_ch)
+    stem_values = (wide + act) * stem_out + F32 * sz.grouped(out_hw, stem_ch)
     stem_cot = (1 + STEM_BACKWARD_TEMPS) * wide * stem_out
     return {
-        "kept": stem_values * stem_out + stem_cot,
+        "kept": stem_values + stem_cot,
         "cot": stem_cot,
-        "forward": stem_values * stem_out,
+        "forward": stem_values,
         # without remat: the image (the stem's operand, compute dtype) and its ConvNorm's
-        "saved": act * image + _saved_convnorm(act, True) * stem_out,
+        "saved": act * image + _saved_convnorm(act, True, stem_out, sz.grouped(out_hw, stem_ch)),
         "kernels": 0,  # (the stem's stage is never a forward-values stage)
         "convs": 1,
         "norms": 1,
-        "in": image,
-        "out": stem_out,
+        "image": image,
+        "in": hw * hw * IMAGE_CH,
+        "out": out_hw**2 * stem_ch,
         "name": "stem",
     }
 
@@ -105,34 +129,44 @@ def _block_grad_inputs(s: BlockSpec, sizes: tuple, wide: int, act: int) -> tuple
     return kept, cot
 
 
-def _block_forward(s: BlockSpec, sizes: tuple, wide: int, act: int) -> int:
+def _block_forward(s: BlockSpec, sizes: tuple, grouped: tuple, wide: int, act: int) -> int:
     """Bytes per image of an MBConv block's forward values (the forward-values peak): per
-    ConvNorm its conv output and centred values (float32), per swish its output in the
-    compute dtype; each conv's operand once (the block input widened for the expand; the
+    ConvNorm its conv output and centred values (float32, group-shaped: `grouped`, the
+    elements of the expand's, the spatial's and the projection's), per swish its output in
+    the compute dtype; each conv's operand once (the block input widened for the expand; the
     SE-gated tensor in the compute dtype and widened)."""
     n_in, mid_in, mid_out, n_out = sizes
+    g_mid_in, g_mid_out, g_out = grouped
     plain = s.feature_groups == 1
     fwd = wide * n_in if (s.expand != 1 or plain) else 0
     if s.expand != 1:
-        fwd += (wide + F32 + act) * mid_in
-    fwd += (wide + F32 + act) * mid_out + (act + wide) * mid_out
-    fwd += (wide + F32) * n_out
+        fwd += (wide + act) * mid_in + F32 * g_mid_in
+    fwd += (wide + act) * mid_out + F32 * g_mid_out + (act + wide) * mid_out
+    fwd += wide * n_out + F32 * g_out
     fwd += (wide + act) * s.mid_ch  # the SE's pooled vector and its gate
     return fwd
 
 
-def _block_piece(s: BlockSpec, h_in: int, wide: int, act: int) -> dict:
+def _block_piece(s: BlockSpec, h_in: int, wide: int, act: int, sz: _Sizes) -> dict:
     """An MBConv block's piece (spec `s`, input `h_in` pixels a side): its weight-gradient
     inputs (`_block_grad_inputs`), forward values (`_block_forward`), what autodiff saves
-    without remat, its kernels and sizes."""
+    without remat, its kernels and sizes (`sz`: elements per image, padded or not)."""
     h_out = _size(h_in, s.stride)
-    sizes = (h_in**2 * s.in_ch, h_in**2 * s.mid_ch, h_out**2 * s.mid_ch, h_out**2 * s.out_ch)
+    sizes = (
+        sz.image(h_in, s.in_ch),
+        sz.image(h_in, s.mid_ch),
+        sz.image(h_out, s.mid_ch),
+        sz.image(h_out, s.out_ch),
+    )
+    grouped = (sz.grouped(h_in, s.mid_ch), sz.grouped(h_out, s.mid_ch))
+    grouped += (sz.grouped(h_out, s.out_ch),)
     n_in, mid_in, mid_out, n_out = sizes
     plain = s.feature_groups == 1
     kept, cot = _block_grad_inputs(s, sizes, wide, act)
     # Without remat: each ConvNorm's saved values, and the SE-gated tensor
-    saved = _saved_convnorm(act, True) * (mid_in * (s.expand != 1) + mid_out)
-    saved += _saved_convnorm(act, False) * n_out + act * mid_out
+    saved = _saved_convnorm(act, True, mid_in, grouped[0]) * (s.expand != 1)
+    saved += _saved_convnorm(act, True, mid_out, grouped[1])
+    saved += _saved_convnorm(act, False, n_out, grouped[2]) + act * mid_out
     kernels = s.in_ch * s.mid_ch * (s.expand != 1) + s.mid_ch * s.out_ch
     kernels += 2 * s.mid_ch * s.se_ch  # SE reduce and expand
     # a depthwise spatial conv's weight gradient, on a device that computes it from a
@@ -141,7 +175,7 @@ def _block_piece(s: BlockSpec, h_in: int, wide: int, act: int) -> dict:
     return {
         "kept": kept,
         "cot": cot,
-        "forward": _block_forward(s, sizes, wide, act),
+        "forward": _block_forward(s, sizes, grouped, wide, act),
         "saved": saved,
         "kernels": kernels,
         "dense_grad": dense,
@@ -149,47 +183,54 @@ def _block_piece(s: BlockSpec, h_in: int, wide: int, act: int) -> dict:
         "residual": s.residual,
         "convs": 3 if s.expand != 1 else 2,
         "norms": 3 if s.expand != 1 else 2,
-        "in": n_in,
-        "out": n_out,
+        "in": h_in**2 * s.in_ch,
+        "out": h_out**2 * s.out_ch,
         "name": s.name,
     }
 
 
-def _head_piece(cfg: Config, last: int, hw: int, wide: int, act: int) -> dict:
+def _head_piece(cfg: Config, last: int, hw: int, wide: int, act: int, sz: _Sizes) -> dict:
     """The head's piece (a 1x1 ConvNorm with swish from the last block's `last` channels at
     `hw` pixels a side, the mean, the classifier)."""
     md = cfg.model
     _, head_ch = stem_head_channels(md.variant, width_mult=md.width_mult)
-    head_in, head_out = hw**2 * last, hw**2 * head_ch
+    head_in, head_out = sz.image(hw, last), sz.image(hw, head_ch)
+    head_grouped = sz.grouped(hw, head_ch)
+    forward = (wide + act + HEAD_BACKWARD_TEMPS * wide) * head_out + F32 * head_grouped
     return {
         # its operand widened, its conv output, swish and conv output's cotangent (its
         # output's cotangent is the mean's, a [mb, head_ch] vector)
         "kept": wide * head_in + (2 * wide + act) * head_out,
         "cot": wide * head_out,
-        "saved": _saved_convnorm(act, True) * head_out,
+        "saved": _saved_convnorm(act, True, head_out, head_grouped),
         # its operand widened, conv output, centred values, swish; its backward starting:
         # the norm backward's temporaries and the classifier's kernel gradient (per step)
-        "forward": wide * head_in + (wide + F32 + act + HEAD_BACKWARD_TEMPS * wide) * head_out,
+        "forward": wide * head_in + forward,
         "kernels": last * head_ch,
         "classifier_grad": head_ch * md.num_classes * F32,
         "in_out": head_out,
         "convs": 1,
         "norms": 1,
-        "in": head_in,
+        "in": hw**2 * last,
         "out": md.num_classes,
         "name": "head",
     }
 
 
-def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
+def pieces(
+    cfg: Config, wide: int = F32, act: int = F32, tile: Tile | None = None
+) -> list[list[dict]]:
     """Per pipeline stage, its pieces (stem, MBConv blocks, head), each
     `{"kept": bytes per image live at the weight-gradient peak, "forward": bytes per image
     live at the forward-values peak, "kernels": elements of its 1x1 and dense kernels,
     "convs", "norms", "in", "out": elements per image of its input and output}`; a block
-    also has `"out_cot"` (elements of its output's cotangent) and `"residual"`, the head
+    also has `"out_cot"` (elements of its output's cotangent), the stem `"image"` (elements
+    of the input image) and `"residual"`, the head
     `"classifier_grad"` (bytes).
     `wide`: bytes of a conv's operand or output (XLA:CPU convolves 16-bit in float32);
-    `act`: bytes of an elementwise value of the compute dtype (the swish, the SE's gate)."""
+    `act`: bytes of an elementwise value of the compute dtype (the swish, the SE's gate);
+    `tile`: the device's array tile (`DeviceProfile.tile`), which the byte terms are padded
+    to ("in" and "out" stay logical: the carry is a flat `[mb, A]` row)."""
     md = cfg.model
     specs = block_specs(
         md.variant,
@@ -198,12 +239,13 @@ def pieces(cfg: Config, wide: int = F32, act: int = F32) -> list[list[dict]]:
         depth_mult=md.depth_mult,
         block_groups=md.block_groups,
     )
+    sz = _Sizes(tile, md.norm_groups)
     hw, blocks = _size(md.image_size, 2), []
     for s in specs:
-        blocks.append(_block_piece(s, hw, wide, act))
+        blocks.append(_block_piece(s, hw, wide, act, sz))
         hw = _size(hw, s.stride)
-    stem = _stem_piece(cfg, wide, act)
-    head = _head_piece(cfg, specs[-1].out_ch, hw, wide, act)
+    stem = _stem_piece(cfg, wide, act, sz)
+    head = _head_piece(cfg, specs[-1].out_ch, hw, wide, act, sz)
     runs = split_specs(specs, md.pipeline_splits)
     out, i = [], 0
     for k, run in enumerate(runs):

@@ -7,12 +7,15 @@ weights live in. A backend's known differences from the target are explicit prop
 fitted constants: XLA:CPU computes 16-bit dtypes in float32 (`widens_16bit`), keeps bfloat16
 values between its computations in float32 buffers (`stores_in_float32`) and both memory
 kinds in one RAM, so its update reads host-resident optimizer state in place
-(`shares_host_memory`: nothing is moved in; measured in docs/memory.md).
+(`shares_host_memory`: nothing is moved in; measured in docs/memory.md). XLA:TPU pads
+every array to its tiles (`tile`: `jaxpod.planner.tiles`), which the TPU profiles name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from jaxpod.planner.tiles import Tile
 
 GB = 10**9
 GiB = 2**30
@@ -38,6 +41,9 @@ class DeviceProfile:
     # before its reduce-scatter, both alive in the layer's backward (XLA:CPU; xla_peak.py)
     transposes_scattered_grads: bool = False
     chips_per_host: int = 1  # devices sharing one host's streaming memory
+    # the tile arrays are laid out in, their two minor dimensions padded to it (XLA:TPU);
+    # None: arrays take their logical bytes
+    tile: Tile | None = None
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -92,6 +98,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "Google TPU v4: 32 GiB HBM per chip, 3-D torus; streaming = host DRAM, 407 GB per "
             "4-chip host (nominal, the TPU VM's)",
             chips_per_host=4,
+            tile=Tile(),
         ),
         DeviceProfile(
             "tpu-v5e",
@@ -100,6 +107,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "Google TPU v5e: 16 GiB HBM per chip, 2-D torus; streaming = host DRAM, 512 GiB "
             "per 8-chip host",
             chips_per_host=8,
+            tile=Tile(),
         ),
         DeviceProfile(
             "tpu-v5p",
@@ -108,6 +116,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "Google TPU v5p: 95 GiB HBM per chip, 3-D torus; streaming = host DRAM, 448 GB per "
             "4-chip host (nominal, the TPU VM's)",
             chips_per_host=4,
+            tile=Tile(),
         ),
         DeviceProfile(
             "tpu-v6e",
@@ -116,6 +125,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "Google TPU v6e (Trillium): 32 GiB HBM per chip, 2-D torus; streaming = host DRAM, "
             "1536 GiB per 8-chip host",
             chips_per_host=8,
+            tile=Tile(),
         ),
     )
 }

@@ -102,6 +102,7 @@ def _byte_rows(p: dict) -> list[tuple[str, int, str]]:
         ("widened", b["widened"], "the step's matrices in float32 for their dots"),
         ("scattered", b["scattered"], "a whole weight gradient before its RTS reduce-scatter"),
         ("inputs", b["inputs"], "batch" if p["batch_parts"] == 1 else "a part of the batch"),
+        ("input copy", b["input_copy"], "the image batch copied into the chip's tiles"),
         ("grad sum", b["grad_sum"], "the earlier parts' gradients, summed unreduced"),
     ]
 
