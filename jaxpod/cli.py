@@ -174,9 +174,9 @@ def _compile(args: argparse.Namespace) -> None:
 
     progress = None if args.json else sys.stderr  # each stage and its elapsed time
     if target is None:
-        from jaxpod.parallel.mesh import make_mesh, select_devices
+        from jaxpod.parallel.mesh import mesh_for
 
-        mesh = make_mesh(cfg.mesh, select_devices(cfg.total_devices))
+        mesh = mesh_for(cfg)
         result = compile_step(cfg, mesh, progress=progress)
     else:
         result = compile_for_target(cfg, target, progress=progress)

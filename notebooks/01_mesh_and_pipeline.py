@@ -40,9 +40,9 @@
 # %%
 import os
 
-from jaxpod.platform import use_virtual_cpu_devices  # imports no jax
+import jaxpod  # imports no jax until an entry point needs it (docs/api.md)
 
-use_virtual_cpu_devices(8)  # before importing jax: 8 devices, jaxpod's XLA flags
+jaxpod.use_virtual_cpu_devices(8)  # before importing jax: 8 devices, jaxpod's XLA flags
 os.environ["JAX_PLATFORMS"] = "cpu"  # use the 8 virtual CPU devices even on a GPU machine
 
 import sys
@@ -55,8 +55,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpod.config import load_config
-from jaxpod.parallel.mesh import LOGICAL_TO_MESH, make_mesh
+from jaxpod import load_config, mesh_for
+from jaxpod.parallel.mesh import LOGICAL_TO_MESH
 from jaxpod.optim.chains import make_optimizer
 from jaxpod.engine import build_engine
 from jaxpod.models.family import build_model
@@ -74,7 +74,7 @@ print("jax", jax.__version__, "sees", len(jax.devices()), "devices:", jax.device
 # `configs/tiny.yaml` asks for a 2 × 2 × 2 mesh: 2 replicas, 2 pipeline stages, 2 tensor shards
 # (one override: the preset warms the learning rate up from 0, which would make the first step's
 # update empty; section 4 wants a real update, so we set `optim.warmup_steps=0`).
-# `make_mesh` lays the 8 devices out as an array of shape `(replica, pipeline, tensor)`.
+# `mesh_for(cfg)` lays the 8 devices out as an array of shape `(replica, pipeline, tensor)`.
 # Devices that differ only in their `tensor` coordinate are neighbours (the innermost axis):
 # tensor parallelism talks twice per layer, so it gets the fastest links on a real pod.
 
@@ -89,7 +89,7 @@ def find_repo_root(start: Path) -> Path:
 
 ROOT = find_repo_root(Path.cwd().resolve())
 cfg = load_config(ROOT / "configs" / "tiny.yaml", ["optim.warmup_steps=0"])
-mesh = make_mesh(cfg.mesh, jax.devices()[: cfg.devices])
+mesh = mesh_for(cfg)
 R, S, TP = mesh.shape["replica"], mesh.shape["pipeline"], mesh.shape["tensor"]
 t = cfg.train
 print("mesh axes:", dict(mesh.shape))

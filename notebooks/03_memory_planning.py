@@ -31,9 +31,9 @@
 # %%
 import os
 
-from jaxpod.platform import use_virtual_cpu_devices  # imports no jax
+import jaxpod  # imports no jax until an entry point needs it (docs/api.md)
 
-use_virtual_cpu_devices(8)  # before importing jax: 8 devices, jaxpod's XLA flags
+jaxpod.use_virtual_cpu_devices(8)  # before importing jax: 8 devices, jaxpod's XLA flags
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import sys
@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 import matplotlib.pyplot as plt
 import numpy as np
 
-from jaxpod.config import load_config
-from jaxpod.planner.plan import format_bytes, format_plan, plan
+from jaxpod import format_plan, load_config, plan
+from jaxpod.planner.report import format_bytes
 
 CONFIGS = ROOT / "configs"
 
@@ -220,7 +220,6 @@ import jax
 
 from jaxpod.engine import build_engine
 from jaxpod.parallel import offload
-from jaxpod.parallel.mesh import make_mesh
 from jaxpod.run.mapping import bytes_per_device, most_on_one_device
 
 TINY = CONFIGS / "tiny.yaml"
@@ -230,7 +229,7 @@ OFFLOADED = ["memory.phases=2", "memory.offload=[params]"]
 t0 = time.perf_counter()
 cfg_plain = load_config(TINY, OVERRIDES)
 cfg = load_config(TINY, OVERRIDES + OFFLOADED)
-mesh = make_mesh(cfg.mesh)
+mesh = jaxpod.mesh_for(cfg)
 _, state_plain = build_engine(cfg_plain, mesh)
 engine, state = build_engine(cfg, mesh)
 

@@ -35,9 +35,9 @@
 # %%
 import os
 
-from jaxpod.platform import use_virtual_cpu_devices  # imports no jax
+import jaxpod  # imports no jax until an entry point needs it (docs/api.md)
 
-use_virtual_cpu_devices(8)  # before importing jax: 8 devices, jaxpod's XLA flags
+jaxpod.use_virtual_cpu_devices(8)  # before importing jax: 8 devices, jaxpod's XLA flags
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import re

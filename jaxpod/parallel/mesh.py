@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpod.config import MeshConfig
+from jaxpod.config import Config, MeshConfig
 from jaxpod.errors import ConfigError
 
 AXES = ("replica", "pipeline", "tensor")
@@ -58,6 +58,12 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
             "devices; change mesh.* or devices"
         )
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def mesh_for(cfg: Config) -> Mesh:
+    """The mesh a run of `cfg` trains on: `make_mesh` over the devices `select_devices` picks
+    for `cfg.total_devices` (what `jaxpod train` and `jaxpod compile` build)."""
+    return make_mesh(cfg.mesh, select_devices(cfg.total_devices))
 
 
 RTS_AXES = ("rts_outer", "rts_inner")

@@ -32,7 +32,7 @@ from jaxpod.data.feed import DeviceFeed
 from jaxpod.data.prefetch import Prefetcher
 from jaxpod.engine import TrainState
 from jaxpod.errors import UserError
-from jaxpod.parallel.mesh import make_mesh, select_devices
+from jaxpod.parallel.mesh import mesh_for
 from jaxpod.run.checkpoint import Checkpointer
 from jaxpod.run.distributed import is_main_process
 from jaxpod.run.hostmem import is_oom, oom_error
@@ -116,7 +116,7 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
     close the record. A resume of a finished run returns at once, writing nothing."""
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     shown = None if quiet else sys.stdout  # where a long phase shows its elapsed time
-    mesh = make_mesh(cfg.mesh, select_devices(cfg.total_devices))
+    mesh = mesh_for(cfg)
     logdir = Path(cfg.train.logdir)
     ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints)
     start = ckpt.latest_step() or 0
