@@ -824,9 +824,9 @@ def _config_imports(module: str) -> set[str]:
 
 def test_layers_import_downwards_only():
     """tables (kinds, efficientnet_specs) <- schema <- fields <- rules_<topic> <- rules <- load
-    (and safe_yaml, presets <- yaml_file <- load), with the divisibility table between fields and rules:
-    kinds <- rule_sizes <- divisibility_<topic> <- divisibility (and fields) <- rules. Each
-    imports only layers below."""
+    (and safe_yaml, presets <- yaml_file <- load), with the divisibility table between fields
+    and rules: kinds <- rule_sizes <- divisibility_<topic> <- divisibility (and fields) <-
+    rules. Each imports only layers below."""
     topics = {p.stem for p in (ROOT / "jaxpod" / "config").glob("rules_*.py")}
     tables = {"jaxpod.config.kinds", "jaxpod.config.efficientnet_specs"}
     assert _config_imports("kinds") == _config_imports("efficientnet_specs") == set()
