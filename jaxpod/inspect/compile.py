@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jaxpod.config import Config
 from jaxpod.engine import Engine, TrainState, abstract_engine
 from jaxpod.planner.backend import backend_plan
+from jaxpod.planner.report import format_bytes
 from jaxpod.run.mapping import most_on_one_device
 from jaxpod.run.progress import Phase
 from jaxpod.target.buffers import compile_with_spaces, device_memory_bytes
@@ -173,7 +174,7 @@ def read_program(compiled: jax.stages.Compiled, args: tuple, spaces: dict | None
 
 def format_compile(r: dict) -> str:
     """Human-readable summary of `compile_step`'s result."""
-    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    mib = format_bytes  # decimal units, as `jaxpod plan` prints them
     parts = r.get("batch_parts", 1)
     call = "step" if parts == 1 else "call"
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
@@ -187,16 +188,16 @@ def format_compile(r: dict) -> str:
         *([f"on the torus   {r['layout']}"] if r.get("layout") else []),
         f"lowered        in {r['lower_s']:.1f} s (engine built in {r['build_s']:.1f} s)",
         f"compiled       in {r['compile_s']:.1f} s{read_only}",
-        f"per device     state {mib(r['state_bytes_per_device'])}, arguments "
-        f"{mib(r['argument_bytes'])}, temporaries {mib(r['temp_bytes'])}"
+        f"per device     state {mib(r['state_bytes_per_device'])}; XLA's memory analysis: "
+        f"arguments {mib(r['argument_bytes'])}, temporaries {mib(r['temp_bytes'])}"
         + (f", XLA's peak {mib(r['peak_bytes'])}" if r.get("peak_bytes") else ""),
         f"host memory    arguments {mib(r['host_argument_bytes'])}, temporaries "
         f"{mib(r['host_temp_bytes'])} (planned {mib(r['planned_host_bytes'])})",
         f"{'':15}{'XLA':>14}{'planned':>14}   (planner: device profile {r['planned_profile']!r})",
-        f"{'arguments':15}{mib(r['device_argument_bytes']):>14}"
+        f"{'device args':15}{mib(r['device_argument_bytes']):>14}"
         f"{mib(r['planned_device_argument_bytes']):>14}   device-resident state + batch"
         + (" part + summed gradients" if parts > 1 else ""),
-        f"{'temporaries':15}{mib(r['device_temp_bytes']):>14}{mib(r['planned_temp_bytes']):>14}",
+        f"{'device temps':15}{mib(r['device_temp_bytes']):>14}{mib(r['planned_temp_bytes']):>14}",
         f"{'device total':15}{mib(r['device_total_bytes']):>14}"
         f"{mib(r['planned_device_total_bytes']):>14}   planned / XLA {r['planned_ratio']:.2f}",
         f"flops          {r['flops_per_device']:.3e} per device per {call} (loops counted once)",
