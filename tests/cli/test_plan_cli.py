@@ -95,6 +95,9 @@ def test_compile_shows_each_phase_as_it_begins():
         "jaxpod: compiling it with XLA:CPU ...",
     ], proc.stderr
     assert proc.stdout.startswith("mesh           8 cpu devices")
+    # plan's decimal units; XLA's all-kinds arguments and the device's share labelled apart
+    assert "MiB" not in proc.stdout and " MB" in proc.stdout
+    assert "XLA's memory analysis: arguments" in proc.stdout and "\ndevice args " in proc.stdout
 
 
 def test_train_over_the_device_budget_is_refused_before_running(tmp_path):
