@@ -151,9 +151,10 @@ def _memory_changes(cfg: Config, limit: int, params_override: int | None) -> lis
             )
         )
     if "optimizer" not in mem.offload and cfg.kind.stages == "stacked":
-        trial = _with_memory(cfg, offload=tuple(sorted({*mem.offload, "optimizer"})))
+        offload = tuple(sorted({*mem.offload, "optimizer"}))
+        trial = _with_memory(cfg, offload=offload)
         if _device_total(trial, params_override) < _device_total(cfg, params_override):
-            out.append(("memory.offload+=optimizer", trial))
+            out.append((f"memory.offload=[{','.join(offload)}]", trial))
     return out
 
 
