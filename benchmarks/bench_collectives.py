@@ -136,7 +136,7 @@ def run(name: str, processes: int, repeats: int) -> dict:
             text=True,
             env=env,
             cwd=ROOT,
-        )  # fmt: skip
+        )
         for i in range(processes)
     ]
     outs = [p.communicate(timeout=1800) for p in procs]
@@ -147,8 +147,13 @@ def run(name: str, processes: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = options(__doc__, only="1x8,2x4", only_help="processes x devices per process",
-                 repeats=10, out="collectives.json")  # fmt: skip
+    ap = options(
+        __doc__,
+        only="1x8,2x4",
+        only_help="processes x devices per process",
+        repeats=10,
+        out="collectives.json",
+    )
     args = ap.parse_args()
     if serve_worker(args, _worker):
         return
@@ -162,15 +167,32 @@ def main() -> None:
             print(f"{layout} {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             report[f"{layout} {name}"] = r
             ratio = r["permute_bytes_per_device"] / (2 * 7 / 8 * r["grad_bytes_per_device"])
-            rows.append([
-                layout, name, f"{r['step_s'] * 1e3:.0f}", f"{r['step_s_min'] * 1e3:.0f}",
-                r["asked"], r["all_reduce"], r["collective_permute"],
-                f"{r['permute_bytes_per_device'] / 1e6:.2f}", f"{ratio:.3f}", f"{r['loss']:.6f}",
-            ])  # fmt: skip
-    header = ["processes x devices", "gradient all-reduce", "step ms (median)", "min",
-              "asked (jaxpr)", "all-reduce ops", "collective-permute ops",
-              "permute MB/device", "/ (2(n-1)/n grads)",
-              f"loss, step {2 + args.repeats}"]  # fmt: skip
+            rows.append(
+                [
+                    layout,
+                    name,
+                    f"{r['step_s'] * 1e3:.0f}",
+                    f"{r['step_s_min'] * 1e3:.0f}",
+                    r["asked"],
+                    r["all_reduce"],
+                    r["collective_permute"],
+                    f"{r['permute_bytes_per_device'] / 1e6:.2f}",
+                    f"{ratio:.3f}",
+                    f"{r['loss']:.6f}",
+                ]
+            )
+    header = [
+        "processes x devices",
+        "gradient all-reduce",
+        "step ms (median)",
+        "min",
+        "asked (jaxpr)",
+        "all-reduce ops",
+        "collective-permute ops",
+        "permute MB/device",
+        "/ (2(n-1)/n grads)",
+        f"loss, step {2 + args.repeats}",
+    ]
     print(table("Gradient all-reduce on 8 replicas (mesh 8x1x1), GPT 8 x d256", header, rows))
     write_report(report, args.out)
 

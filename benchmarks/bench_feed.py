@@ -104,8 +104,10 @@ def _worker(job: dict) -> dict:
             state, seconds = _run(task, engines[m], state, m, step, job["steps"], cfg.data.prefetch)
             times[m].append(seconds)
             step += job["steps"]
-    return {m: {"step_s": min(times[m]), "step_s_all": times[m], "most_parts": most[m][0]}
-            for m in MODES}  # fmt: skip
+    return {
+        m: {"step_s": min(times[m]), "step_s_all": times[m], "most_parts": most[m][0]}
+        for m in MODES
+    }
 
 
 def bench(name: str) -> tuple[dict, str]:

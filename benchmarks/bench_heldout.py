@@ -39,8 +39,10 @@ ROW_FILES = {
 def rows(which: str) -> list[dict]:
     if which in ROW_FILES:
         return yaml.safe_load((ROOT / "benchmarks" / ROW_FILES[which]).read_text())
-    return [{"name": p.stem, "base": f"configs/{p.name}", "mesh": None, "overrides": []}
-            for p in sorted((ROOT / "configs").glob("*.yaml"))]  # fmt: skip
+    return [
+        {"name": p.stem, "base": f"configs/{p.name}", "mesh": None, "overrides": []}
+        for p in sorted((ROOT / "configs").glob("*.yaml"))
+    ]
 
 
 def _overrides(row: dict) -> list[str]:
@@ -84,17 +86,30 @@ def main() -> None:
             continue
         results[row["name"]] = r
         mb = lambda n: f"{n / 1e6:.1f}"  # noqa: E731
-        table_rows.append([
-            row["name"], devices,
-            f"{mb(r['device_argument_bytes'])} / {mb(r['planned_device_argument_bytes'])}",
-            f"{mb(r['temp_bytes'])} / {mb(r['planned_temp_bytes'])}",
-            mb(r["device_total_bytes"]), mb(r["planned_device_total_bytes"]),
-            f"{r['planned_ratio']:.2f}",
-        ])  # fmt: skip
-        print(f"  {time.perf_counter() - t0:.0f} s, planned / XLA {r['planned_ratio']:.2f}",
-              file=sys.stderr)  # fmt: skip
-    header = ["config", "devices", "args MB XLA / plan", "temps MB XLA / plan", "XLA MB",
-              "planned MB", "plan / XLA"]  # fmt: skip
+        table_rows.append(
+            [
+                row["name"],
+                devices,
+                f"{mb(r['device_argument_bytes'])} / {mb(r['planned_device_argument_bytes'])}",
+                f"{mb(r['temp_bytes'])} / {mb(r['planned_temp_bytes'])}",
+                mb(r["device_total_bytes"]),
+                mb(r["planned_device_total_bytes"]),
+                f"{r['planned_ratio']:.2f}",
+            ]
+        )
+        print(
+            f"  {time.perf_counter() - t0:.0f} s, planned / XLA {r['planned_ratio']:.2f}",
+            file=sys.stderr,
+        )
+    header = [
+        "config",
+        "devices",
+        "args MB XLA / plan",
+        "temps MB XLA / plan",
+        "XLA MB",
+        "planned MB",
+        "plan / XLA",
+    ]
     print(table(f"planner vs XLA:CPU, {args.set}", header, table_rows))
     write_report(results, args.out or RESULTS / f"{args.set}.json")
 

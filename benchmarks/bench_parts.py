@@ -110,18 +110,33 @@ def bench_memory() -> tuple[dict, str]:
             )
             results[f"{name} k={k}"] = res
             ratio = f"{res['planned'] / res['compiled']:.2f}"
-            rows.append([
-                name, k, mib(res["compiled_arguments"]), mib(res["planned_arguments"]),
-                mib(res["compiled"]), mib(res["planned"]), ratio,
-            ])  # fmt: skip
-    header = ["mesh, schedule", "k", "XLA args MiB", "planned args", "XLA total MiB", "planned",
-              "planned / XLA"]  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    k,
+                    mib(res["compiled_arguments"]),
+                    mib(res["planned_arguments"]),
+                    mib(res["compiled"]),
+                    mib(res["planned"]),
+                    ratio,
+                ]
+            )
+    header = [
+        "mesh, schedule",
+        "k",
+        "XLA args MiB",
+        "planned args",
+        "XLA total MiB",
+        "planned",
+        "planned / XLA",
+    ]
     return results, table("(memory) the updating call's device bytes", header, rows)
 
 
 def main() -> None:
-    ap = options(__doc__, only="time,memory", only_help="parts: time, memory", repeats=8,
-                 out="parts.json")  # fmt: skip
+    ap = options(
+        __doc__, only="time,memory", only_help="parts: time, memory", repeats=8, out="parts.json"
+    )
     args = ap.parse_args()
     if serve_worker(args, _worker):
         return

@@ -108,7 +108,7 @@ CASES = [  # (replica, pipeline, tensor), remat, grad_accum, extra overrides
         4,
         ["memory.rts=2", *SP_CHUNKS, *MATRIX, "memory.mlp_panels=4", *VOCAB]
         + ["memory.vocab_slices=8"],
-    ),  # fmt: skip
+    ),
 ]
 
 

@@ -125,8 +125,9 @@ def bench_flops() -> tuple[dict, str]:
     results, rows = {}, []
     mesh, stages = (1, 4, 1), 4
     for micro in (4, 8):
-        useful = run({"kind": "flops", "mesh": (1, 1, 1),
-                      "overrides": [f"train.grad_accum={micro}"]})["flops_total"]  # fmt: skip
+        useful = run(
+            {"kind": "flops", "mesh": (1, 1, 1), "overrides": [f"train.grad_accum={micro}"]}
+        )["flops_total"]
         for kind, extra in SCHEDULES.items():
             over = [*extra, f"train.grad_accum={micro}"]
             executed = run({"kind": "flops", "mesh": mesh, "overrides": over})["flops_total"]
@@ -143,8 +144,9 @@ def bench_memory() -> tuple[dict, str]:
     for kind, extra in SCHEDULES.items():
         row = [kind]
         for micro in (4, 8, 16, 32):
-            r = run({"kind": "memory", "mesh": mesh,
-                     "overrides": [*extra, f"train.grad_accum={micro}"]})  # fmt: skip
+            r = run(
+                {"kind": "memory", "mesh": mesh, "overrides": [*extra, f"train.grad_accum={micro}"]}
+            )
             results[f"{kind} M={micro}"] = r
             row.append(f"{r['compiled'] / 1e6:.1f} ({r['planned'] / 1e6:.1f})")
         rows.append(row)
@@ -163,8 +165,7 @@ def main() -> None:
     ).parse_args()
     if serve_worker(args, _worker):
         return
-    parts = {"time": lambda: bench_time(args.repeats), "flops": bench_flops,
-             "memory": bench_memory}  # fmt: skip
+    parts = {"time": lambda: bench_time(args.repeats), "flops": bench_flops, "memory": bench_memory}
     write_report(run_parts(parts, args.only), args.out)
 
 

@@ -69,13 +69,15 @@ def _worker(job: dict) -> dict:
 def _row(name: str, r: dict) -> list:
     mb = lambda n: f"{n / 1e6:,.1f}"  # noqa: E731
     return [
-        name, r["target"],
+        name,
+        r["target"],
         f"{mb(r['device_argument_bytes'])} / {mb(r['planned_device_argument_bytes'])}",
-        mb(r["device_total_bytes"]), mb(r["planned_device_total_bytes"]),
+        mb(r["device_total_bytes"]),
+        mb(r["planned_device_total_bytes"]),
         f"{r['planned_ratio']:.2f}",
         f"{mb(r['host_argument_bytes'] + r['host_temp_bytes'])} / {mb(r['planned_host_bytes'])}",
         f"{r['compile_s']:.0f}",
-    ]  # fmt: skip
+    ]
 
 
 def main() -> None:
@@ -99,10 +101,20 @@ def main() -> None:
             continue
         results[row["name"]] = r
         table_rows.append(_row(row["name"], r))
-        print(f"  {time.perf_counter() - t0:.0f} s, planned / XLA {r['planned_ratio']:.2f}",
-              file=sys.stderr)  # fmt: skip
-    header = ["config", "target", "HBM args MB XLA / plan", "XLA HBM MB", "planned MB",
-              "plan / XLA", "host MB XLA / plan", "compile s"]  # fmt: skip
+        print(
+            f"  {time.perf_counter() - t0:.0f} s, planned / XLA {r['planned_ratio']:.2f}",
+            file=sys.stderr,
+        )
+    header = [
+        "config",
+        "target",
+        "HBM args MB XLA / plan",
+        "XLA HBM MB",
+        "planned MB",
+        "plan / XLA",
+        "host MB XLA / plan",
+        "compile s",
+    ]
     print(table(f"planner vs XLA:TPU, {args.set}", header, table_rows))
     write_report(results, args.out or RESULTS / f"tpu-{args.set}.json")
 

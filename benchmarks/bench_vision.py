@@ -23,10 +23,18 @@ from common import ROOT, options, run_parts, run_worker, serve_worker, table, wr
 
 DIGITS = ROOT / "configs" / "efficientnet_digits.yaml"
 B4_POD16 = ROOT / "configs" / "efficientnet_b4_g16_pod16.yaml"
-FP32 = ["precision.params=float32", "precision.compute=float32", "precision.master=float32",
-        "precision.loss_scale=none"]  # fmt: skip
-FP16_MASTER = ["precision.params=float16", "precision.compute=float16",
-               "precision.master=same-as-params", "precision.loss_scale=dynamic"]  # fmt: skip
+FP32 = [
+    "precision.params=float32",
+    "precision.compute=float32",
+    "precision.master=float32",
+    "precision.loss_scale=none",
+]
+FP16_MASTER = [
+    "precision.params=float16",
+    "precision.compute=float16",
+    "precision.master=same-as-params",
+    "precision.loss_scale=dynamic",
+]
 
 
 def _worker(job: dict) -> dict:
@@ -80,8 +88,16 @@ def bench_a() -> tuple[dict, str]:
             r = run({"kind": "bytes", "config": str(config), "overrides": precision}, devices)
             results[f"{name} / {label}"] = r
             total = r["param_bytes"] + r["opt_bytes"]
-            rows.append([name, label, f"{r['params']:,}", mib(r["param_bytes"]),
-                         mib(r["opt_bytes"]), mib(total)])  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    label,
+                    f"{r['params']:,}",
+                    mib(r["param_bytes"]),
+                    mib(r["opt_bytes"]),
+                    mib(total),
+                ]
+            )
     for name in ("digits (8 dev)", "B4 G16 POD16"):
         a, b = (results[f"{name} / {k}"] for k in ("float32 master", "float16 master + SR"))
         ratio = (b["param_bytes"] + b["opt_bytes"]) / (a["param_bytes"] + a["opt_bytes"])
@@ -102,15 +118,22 @@ def bench_b(repeats: int) -> tuple[dict, str]:
                 "train.grad_accum=8",
             ],
             1,
-        ),  # fmt: skip
+        ),
     }
     results = {}
     for name, (overrides, devices) in jobs.items():
         job = {"kind": "step", "config": str(DIGITS), "overrides": overrides, "repeats": repeats}
         results[name] = run(job, devices)
     base = results["1 device"]["images_per_s"]
-    rows = [[n, f"{r['step_s'] * 1e3:.0f}", f"{r['images_per_s']:.1f}",
-             f"{r['images_per_s'] / base:.2f}x"] for n, r in results.items()]  # fmt: skip
+    rows = [
+        [
+            n,
+            f"{r['step_s'] * 1e3:.0f}",
+            f"{r['images_per_s']:.1f}",
+            f"{r['images_per_s'] / base:.2f}x",
+        ]
+        for n, r in results.items()
+    ]
     header = ["mesh", "ms/step", "images/s", "vs 1 device"]
     return results, table("(b) digits config, global batch 64, images/s", header, rows)
 

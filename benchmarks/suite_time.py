@@ -164,8 +164,9 @@ def run_pytest(pytest_args: list[str]) -> tuple[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as tmp:
         events = tmp.name
     env = dict(os.environ, **{EVENTS_ENV: events})
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                      env.get("PYTHONPATH")]))  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
+    )
     env["PYTEST_ADDOPTS"] = " ".join(filter(None, [env.get("PYTEST_ADDOPTS"), "-p suite_time"]))
     cmd = [sys.executable, "-m", "pytest", *pytest_args] if pytest_args else ["make", "test"]
     print(" ".join(cmd), file=sys.stderr, flush=True)
@@ -231,12 +232,24 @@ def main() -> None:
     ranked = sorted(files.items(), key=lambda kv: -kv[1].get("test_s", 0))
 
     def cells(f: dict) -> list[str]:
-        return [f"{f.get(c, 0):.0f}" if c == "compiles" or abs(f.get(c, 0)) >= 10
-                else f"{f.get(c, 0):.1f}" for c in cols]  # fmt: skip
+        return [
+            f"{f.get(c, 0):.0f}"
+            if c == "compiles" or abs(f.get(c, 0)) >= 10
+            else f"{f.get(c, 0):.1f}"
+            for c in cols
+        ]
 
     rows = [[name, *cells(f)] for name, f in ranked[: args.top]] + [["all files", *cells(total)]]
-    header = ["test file", "test s", "cpu s", "trace s", "lower s", "compile s", "compiles",
-              "cache saved s"]  # fmt: skip
+    header = [
+        "test file",
+        "test s",
+        "cpu s",
+        "trace s",
+        "lower s",
+        "compile s",
+        "compiles",
+        "cache saved s",
+    ]
     print(table(f"where the suite's time goes ({ran})", header, rows))
     if busy:
         rows = [[w, f"{b['test_s']:.0f}", f"{b['last_end_s']:.0f}"] for w, b in busy.items()]
@@ -256,10 +269,20 @@ def main() -> None:
         rows = [[when, f"{s:.2f}", f"{total['test_s'] / s:.0f}"] for when, s in sticks.items()]
         header = ["measured", "yardstick compile s", "test s per yardstick s"]
         print(table("the yardstick (module docstring)", header, rows))
-    write_report({"ran": ran, "exit": returncode, "total": total, "files": files,
-                  "workers": busy, "groups": grouped, "long_compiles": longest, "cpu": heavy,
-                  "yardstick_s": sticks},
-                 args.out)  # fmt: skip
+    write_report(
+        {
+            "ran": ran,
+            "exit": returncode,
+            "total": total,
+            "files": files,
+            "workers": busy,
+            "groups": grouped,
+            "long_compiles": longest,
+            "cpu": heavy,
+            "yardstick_s": sticks,
+        },
+        args.out,
+    )
     raise SystemExit(returncode)
 
 

@@ -77,8 +77,10 @@ def report(dump: str, top: int) -> str:
         ((values[v][0], values[v][1], v) for v, (a, b) in ranges.items() if a <= peak <= b),
         key=lambda x: (-x[0], x[1]),
     )
-    lines = [f"peak at {peak}/{steps} ({schedule.get(peak)}): "
-             f"{covered(values, ranges, peak) / 1e6:.2f} MB of temporaries live"]  # fmt: skip
+    lines = [
+        f"peak at {peak}/{steps} ({schedule.get(peak)}): "
+        f"{covered(values, ranges, peak) / 1e6:.2f} MB of temporaries live"
+    ]
     groups, seen = {}, set()
     for size, offset, name in live:
         if (offset, size) in seen:  # a loop carry and its aliases share one buffer
@@ -94,8 +96,9 @@ def report(dump: str, top: int) -> str:
         )
         groups[group] = groups.get(group, 0) + size
         if len(seen) <= top:
-            lines.append(f"  {size / 1e6:8.3f} MB  {name:40s} {values[name][2][:44]:44s} "
-                         f"{first}-{last}")  # fmt: skip
+            lines.append(
+                f"  {size / 1e6:8.3f} MB  {name:40s} {values[name][2][:44]:44s} {first}-{last}"
+            )
     lines += [f"  {group}: {size / 1e6:.2f} MB" for group, size in groups.items()]
     return "\n".join(lines)
 

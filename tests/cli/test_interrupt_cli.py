@@ -73,8 +73,11 @@ def test_lock_then_ctrl_c_saves_the_step_and_the_run_resumes(tmp_path):
     wait_for_steps(first, run, 3)
     # refused before jax starts: importing it would fail the second run
     second = jaxpod("train", TINY, *COMMON, f"train.logdir={run}", env=without_jax(tmp_path))
-    assert_user_error(second, f"train.logdir={run} is in use by another jaxpod run (pid "
-                      f"{first.pid} on host {socket.gethostname()}, since ")  # fmt: skip
+    assert_user_error(
+        second,
+        f"train.logdir={run} is in use by another jaxpod run (pid "
+        f"{first.pid} on host {socket.gethostname()}, since ",
+    )
 
     _, err = interrupt(first)
     step = checkpoints(run)[-1]
@@ -112,8 +115,9 @@ def test_ctrl_c_while_checkpoints_are_saved_exits_130_with_every_record(tmp_path
         time.sleep(0.005)  # a save in flight
     interrupt(proc)
     step = checkpoints(run)[-1]
-    assert len(checkpoints(run)) == 2 and not [p for p in (run / "checkpoints").iterdir()
-                                               if not p.name.isdigit()]  # fmt: skip
+    assert len(checkpoints(run)) == 2 and not [
+        p for p in (run / "checkpoints").iterdir() if not p.name.isdigit()
+    ]
     assert train_steps(run) == list(range(1, step + 1))
     meta = json.loads((run / "checkpoints" / str(step) / "meta" / "metadata").read_text())
     assert [r for _, r in meta["records"]] == [read_metrics(run)[-1]]

@@ -96,7 +96,7 @@ def test_ring_variants_across_two_processes():
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for c in code
     ]
     outs = [p.communicate(timeout=300) for p in procs]

@@ -103,8 +103,10 @@ def test_compile_shows_each_phase_as_it_begins():
 def test_train_over_the_device_budget_is_refused_before_running(tmp_path):
     logdir = tmp_path / "run"
     proc = jaxpod(
-        "train", str(ROOT / "configs" / "tiny.yaml"), "memory.device_budget=1MB",
+        "train",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "memory.device_budget=1MB",
         f"train.logdir={logdir}",
-    )  # fmt: skip
+    )
     assert_user_error(proc, "memory.device_budget=1MB: the plan needs", "per device", "weights")
     assert not logdir.exists()  # nothing was started, nothing written

@@ -76,10 +76,13 @@ def snapshot(logdir: Path) -> dict[str, bytes]:
 def records(logdir: Path) -> list[tuple[int, str, dict]]:
     """(step, kind, record without timings) in file order."""
     return [
-        (r["step"], "val" if "val_loss" in r else "train",
-         {k: v for k, v in r.items() if k not in TIMING})
+        (
+            r["step"],
+            "val" if "val_loss" in r else "train",
+            {k: v for k, v in r.items() if k not in TIMING},
+        )
         for r in read_metrics(logdir)
-    ]  # fmt: skip
+    ]
 
 
 def test_a_changed_schedule_is_refused_in_one_line_without_damage(reference, tmp_path):

@@ -72,14 +72,41 @@ def test_runs_table(runs_dir):
     proc = jaxpod("runs", str(runs_dir))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[0].split() == ["run", "config", "mesh", "RxPxT", "steps", "loss", "val", "loss",
-                                "speed"]  # fmt: skip
+    assert lines[0].split() == [
+        "run",
+        "config",
+        "mesh",
+        "RxPxT",
+        "steps",
+        "loss",
+        "val",
+        "loss",
+        "speed",
+    ]
     # Sorted by directory modification time (oldest first).
     assert [ln.split()[0] for ln in lines[1:]] == ["group/a-single", "b-pod", "c-empty"]
-    assert lines[1].split() == ["group/a-single", "gpt", "2x64", "1x1x1", "2/20", "4.0000",
-                                "5.1000", "1,500", "tok/s"]  # fmt: skip
-    assert lines[2].split() == ["b-pod", "gpt", "4x64", "2x2x2", "4/4", "4.2500", "4.3000",
-                                "2,500", "tok/s"]  # fmt: skip
+    assert lines[1].split() == [
+        "group/a-single",
+        "gpt",
+        "2x64",
+        "1x1x1",
+        "2/20",
+        "4.0000",
+        "5.1000",
+        "1,500",
+        "tok/s",
+    ]
+    assert lines[2].split() == [
+        "b-pod",
+        "gpt",
+        "4x64",
+        "2x2x2",
+        "4/4",
+        "4.2500",
+        "4.3000",
+        "2,500",
+        "tok/s",
+    ]
     assert lines[3].split() == ["c-empty", "gpt", "4x64", "2x2x2", "-/20", "-", "-", "-"]
 
 

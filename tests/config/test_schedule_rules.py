@@ -52,8 +52,11 @@ def test_valid_schedules_load():
             "train.grad_accum=3 micro-batches per pass is not a multiple of mesh.pipeline=2",
         ),
         (
-            ["train.pipeline_schedule=circular", "train.virtual_stages=2",
-             "train.pipeline_group=1"],
+            [
+                "train.pipeline_schedule=circular",
+                "train.virtual_stages=2",
+                "train.pipeline_group=1",
+            ],
             "train.pipeline_group=1 micro-batches per pass is not a multiple",
         ),
         (
@@ -61,22 +64,32 @@ def test_valid_schedules_load():
             "but mesh.pipeline=1; set mesh.pipeline > 1 or train.pipeline_schedule=gpipe",
         ),
         (
-            ["model.layers=8", "memory.phases=2", "memory.offload=[params]",
-             "train.pipeline_schedule=circular", "train.virtual_stages=4"],
+            [
+                "model.layers=8",
+                "memory.phases=2",
+                "memory.offload=[params]",
+                "train.pipeline_schedule=circular",
+                "train.virtual_stages=4",
+            ],
             "memory.phases=2 does not divide the 1 layers of a virtual stage",
         ),
         (["train.pipeline_schedule=zigzag"], "train.pipeline_schedule='zigzag' is not one of"),
         (["train.virtual_stages=0"], "train.virtual_stages=0 must be >= 1"),
     ],
-)  # fmt: skip
+)
 def test_bad_schedules_are_refused_in_one_line(overrides, needle):
     assert needle in refused(*overrides)
 
 
 @pytest.mark.parametrize("kind", ["circular", "interleaved-1f1b", "zb-v"])
 def test_chunked_schedules_need_stacked_layers(kind):
-    vision = ["model.name=efficientnet", "data.name=digits", "mesh.tensor=1", "mesh.replica=4",
-              "model.pipeline_splits=[4a]"]  # fmt: skip
+    vision = [
+        "model.name=efficientnet",
+        "data.name=digits",
+        "mesh.tensor=1",
+        "mesh.replica=4",
+        "model.pipeline_splits=[4a]",
+    ]
     message = refused(*vision, f"train.pipeline_schedule={kind}", "train.virtual_stages=2")
     assert "model.name=efficientnet has heterogeneous stages: use gpipe, 1f1b or zb-h1" in message
     for ok in ("1f1b", "zb-h1"):

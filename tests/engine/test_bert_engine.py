@@ -129,8 +129,12 @@ def test_bert_engine_trains(tiny_cfg, mesh_for):
         losses.append(float(metrics["loss"]))
         if k == 0:
             mu = jax.device_get(adam_state(state.opt_state).mu)  # before step 2 donates it
-    ref_norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64)))
-                           for g in jax.tree.leaves(reference(cfg, 0)[1])))  # fmt: skip
+    ref_norm = np.sqrt(
+        sum(
+            np.sum(np.square(np.asarray(g, np.float64)))
+            for g in jax.tree.leaves(reference(cfg, 0)[1])
+        )
+    )
     clip = min(1.0, cfg.optim.grad_clip / ref_norm)
     assert clip < 1.0  # the clip is exercised
     scale = (1 - cfg.optim.b1) * clip

@@ -154,8 +154,9 @@ CASES += [("gpt", (2, 2, 1), 4, "zb-v+rts"), ("bert", (1, 2, 2), 8, "zb-v+sp")]
     CASES,
     ids=[f"{m}-{'x'.join(map(str, s))}-M{n}-{k}" for m, s, n, k in CASES],
 )
-def test_schedule_matches_the_single_device_reference(tiny_cfg, mesh_for, model, mesh, micro,
-                                                      schedule):  # fmt: skip
+def test_schedule_matches_the_single_device_reference(
+    tiny_cfg, mesh_for, model, mesh, micro, schedule
+):
     cfg = schedule_cfg(tiny_cfg, model, mesh, micro, schedule)
     engine, state = abstract_engine(cfg, mesh_for(cfg), bubble_fill=float("nan"))
     params = stored(engine, plain_model(model)[1])

@@ -64,12 +64,24 @@ PLANNER_GPT = "shared:planner-small-gpt"
 # its first steps, test_packed_engine.py checks them against a plain reference on the same meshes
 # (the same programs); `model.pipeline_splits=[]` puts it on one stage.
 TINY_VISION = (
-    "model.name=efficientnet", "data.name=digits", "model.width_mult=0.25",
-    "model.depth_mult=0.2", "model.block_groups=3", "model.pipeline_splits=[3a]",
-    "model.image_size=32", "model.num_classes=10", "model.remat=none",
-    "train.micro_batch=2", "train.global_batch=16", "train.grad_accum=null", "optim.name=lars",
-    "optim.lr=0.5", "optim.weight_decay=1e-4", "optim.warmup_steps=0", "optim.lr_schedule=constant",
-)  # fmt: skip
+    "model.name=efficientnet",
+    "data.name=digits",
+    "model.width_mult=0.25",
+    "model.depth_mult=0.2",
+    "model.block_groups=3",
+    "model.pipeline_splits=[3a]",
+    "model.image_size=32",
+    "model.num_classes=10",
+    "model.remat=none",
+    "train.micro_batch=2",
+    "train.global_batch=16",
+    "train.grad_accum=null",
+    "optim.name=lars",
+    "optim.lr=0.5",
+    "optim.weight_decay=1e-4",
+    "optim.warmup_steps=0",
+    "optim.lr_schedule=constant",
+)
 
 # The tiny GPT of the pinned cases (tests/engine/test_pinned.py): 16 sequences a step.
 GPT16 = ("train.global_batch=16", "train.grad_accum=null", "optim.warmup_steps=0")
@@ -77,9 +89,13 @@ GPT16 = ("train.global_batch=16", "train.grad_accum=null", "optim.warmup_steps=0
 # The pinned cases' 16-bit recipe: float16 weights and master weights (stochastic rounding),
 # float16 compute, a dynamic loss scale, LARS.
 FP16_LARS = (
-    "precision.params=float16", "precision.compute=float16", "precision.master=same-as-params",
-    "precision.loss_scale=dynamic", "optim.name=lars", "optim.lr=0.1",
-)  # fmt: skip
+    "precision.params=float16",
+    "precision.compute=float16",
+    "precision.master=same-as-params",
+    "precision.loss_scale=dynamic",
+    "optim.name=lars",
+    "optim.lr=0.1",
+)
 
 # One xdist group for test_pinned's transformer cases and the tests elsewhere that compile one
 # of their programs (spelled as test_pinned spells it): one process, one compile each.

@@ -122,9 +122,23 @@ def test_flops_b0_matches_published():
 def test_block_names_and_scaling():
     b0 = block_specs("b0")
     assert [s.name for s in b0] == [
-        "1a", "2a", "2b", "3a", "3b", "4a", "4b", "4c", "5a", "5b", "5c",
-        "6a", "6b", "6c", "6d", "7a",
-    ]  # fmt: skip
+        "1a",
+        "2a",
+        "2b",
+        "3a",
+        "3b",
+        "4a",
+        "4b",
+        "4c",
+        "5a",
+        "5b",
+        "5c",
+        "6a",
+        "6b",
+        "6c",
+        "6d",
+        "7a",
+    ]
     assert len(block_specs("b4")) == 32
     assert stem_head_channels("b4") == (48, 1792)
     assert [s.residual for s in b0[:3]] == [False, False, True]

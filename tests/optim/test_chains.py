@@ -112,8 +112,10 @@ def test_cosine_with_warmup_matches_closed_form():
     """Linear warm-up 0 -> lr over 4 steps, then lr/2 (1 + cos(pi t / 16)) over the other 16."""
     cos = schedule(OptimConfig(lr=0.5, lr_schedule="cosine", warmup_steps=4), 20)
     steps = [0, 1, 2, 4, 6, 12, 19, 20, 30]
-    want = [0.5 * s / 4 if s < 4 else 0.25 * (1 + math.cos(math.pi * min(s - 4, 16) / 16))
-            for s in steps]  # fmt: skip
+    want = [
+        0.5 * s / 4 if s < 4 else 0.25 * (1 + math.cos(math.pi * min(s - 4, 16) / 16))
+        for s in steps
+    ]
     assert [float(cos(s)) for s in steps] == pytest.approx(want, abs=1e-7)
 
 
@@ -148,9 +150,10 @@ def test_masks_from_the_models_parameter_roles():
     assert m.panel["layers"]["ln1"] == {"bias": (), "scale": ()}
     assert all(m.panel[k] == () for k in ("wte", "wpe", "unembed"))
     stage = nnx.eval_shape(
-        lambda: build_stages("b0", num_classes=10, width_mult=0.25, depth_mult=0.2,
-                             rngs=nnx.Rngs(0))[0]
-    )  # fmt: skip
+        lambda: build_stages(
+            "b0", num_classes=10, width_mult=0.25, depth_mult=0.2, rngs=nnx.Rngs(0)
+        )[0]
+    )
     sm = masks(nnx.state(stage))
     assert not any(jax.tree.leaves(sm.stacked)) and not jax.tree.leaves(sm.panel)
     assert sm.decay["blocks"][1]["se_reduce"] == {"kernel": True, "bias": False}
@@ -383,8 +386,9 @@ def test_float32_moments_are_float32_and_the_same_math():
     np.testing.assert_array_equal(updates["w"], np.asarray(want["w"]).astype(np.float16))
     # in float16, g^2 of these gradients underflows: the plain optimizer's second moment is 0
     _, half = first(inner)(grads, params)
-    nu = next(s.nu for s in jax.tree.leaves(half, is_leaf=lambda s: hasattr(s, "nu"))
-              if hasattr(s, "nu"))  # fmt: skip
+    nu = next(
+        s.nu for s in jax.tree.leaves(half, is_leaf=lambda s: hasattr(s, "nu")) if hasattr(s, "nu")
+    )
     assert float(np.max(np.asarray(nu["w"]).astype(np.float32))) == 0.0
     cfg = dataclasses.replace(OptimConfig(name="lamb"), moments="float32")
     full, _ = make_optimizer(cfg, 10)

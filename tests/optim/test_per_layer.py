@@ -33,9 +33,12 @@ F32_ATOL = 1.2e-7
 @functools.cache  # the fp16 tests share one engine and its jitted updates (nothing donated)
 def _setup(tiny_cfg, mesh_for, name, *extra):
     cfg = tiny_cfg(
-        f"optim.name={name}", "optim.grad_clip=0.05", "optim.warmup_steps=0", *extra,
+        f"optim.name={name}",
+        "optim.grad_clip=0.05",
+        "optim.warmup_steps=0",
+        *extra,
         mesh=(1, 2, 2),
-    )  # fmt: skip
+    )
     engine, state = build_engine(cfg, mesh_for(cfg))
     params, tx = state.params, state.opt_state.tx
     grads = jax.tree.map(lambda p, g: jax.device_put(g, p.sharding), params, _draw(params))
@@ -67,9 +70,12 @@ def _updates(cfg, engine, key, min_strip=STRIP):
     (params, tx, loss_scale, info)` of the engine's optimizer."""
     stages = engine.stages
     grad_sq, apply = per_layer(
-        stages.optimizer, stages.masks.stacked, stages=cfg.mesh.pipeline, devices=cfg.devices,
+        stages.optimizer,
+        stages.masks.stacked,
+        stages=cfg.mesh.pipeline,
+        devices=cfg.devices,
         min_strip=min_strip,
-    )  # fmt: skip
+    )
     kw = dict(max_norm=cfg.optim.grad_clip)
     whole = lambda g, s, p, ls: guarded_update(  # noqa: E731
         whole_tree(stages.optimizer), g, s, p, ls, key, cfg.precision, **kw
@@ -150,9 +156,14 @@ def test_float16_lamb_update_holds_a_fraction_of_the_whole_tree_temporaries(tiny
     tensor-by-tensor update keeps one layer of one tensor in float32 (8 layers, 4 per stage),
     and in strips a fraction of that."""
     cfg = tiny_cfg(
-        *FP16, "optim.name=lamb", "model.layers=8", "model.d_model=512", "model.d_ff=2048",
-        "model.heads=4", mesh=(1, 2, 2),
-    )  # fmt: skip
+        *FP16,
+        "optim.name=lamb",
+        "model.layers=8",
+        "model.d_model=512",
+        "model.d_ff=2048",
+        "model.heads=4",
+        mesh=(1, 2, 2),
+    )
     engine, state = abstract_engine(cfg, mesh_for(cfg))
     args = (state.params, state.opt_state.tx, state.params, state.opt_state.loss_scale)
     key = jax.random.key(0)
@@ -167,8 +178,10 @@ def test_float16_lamb_update_holds_a_fraction_of_the_whole_tree_temporaries(tiny
     whole = temps(_updates(cfg, engine, key)[0])
     lean = lambda min_strip: temps(_updates(cfg, engine, key, min_strip)[1])  # noqa: E731
     in_strips, whole_layers = lean(MIN_STRIP), lean(2**62)
-    print(f"temporaries: whole {whole / 1e6:.1f} MB, layer by layer {whole_layers / 1e6:.1f} MB, "
-          f"in strips {in_strips / 1e6:.1f} MB")  # fmt: skip
+    print(
+        f"temporaries: whole {whole / 1e6:.1f} MB, layer by layer {whole_layers / 1e6:.1f} MB, "
+        f"in strips {in_strips / 1e6:.1f} MB"
+    )
     # measured: whole 82.0 MB; one layer of each tensor at a time 14.8 MB (a 16-bit copy of
     # the stacked weights for the loop carries + one layer of one tensor in float32); in
     # strips (8 of each MLP matrix's 1,048,576 values) 3.9 MB; 13 MB of float16 weights/device

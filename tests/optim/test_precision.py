@@ -241,9 +241,11 @@ def _setup(master_dtype_, name="lars"):
         "bias": np.zeros((4,), master_dtype_),
     }
     tx, _ = make_optimizer(
-        OptimConfig(name=name, lr=0.5, lr_schedule="constant", weight_decay=1e-4), 100,
-        decay_mask={"w": True, "bias": False}, clip=False,
-    )  # fmt: skip
+        OptimConfig(name=name, lr=0.5, lr_schedule="constant", weight_decay=1e-4),
+        100,
+        decay_mask={"w": True, "bias": False},
+        clip=False,
+    )
     return params, tx, tx.init(params)
 
 
@@ -259,9 +261,12 @@ def _bits_equal(a, b) -> bool:
 @pytest.mark.parametrize("name", ["lars", "adamw"])
 def test_overflow_step_is_skipped_and_scale_halves(dtype, name):
     cfg = PrecisionConfig(
-        params=jnp.dtype(dtype).name, master="same-as-params", loss_scale="dynamic",
-        loss_scale_init=1024.0, loss_scale_period=3,
-    )  # fmt: skip
+        params=jnp.dtype(dtype).name,
+        master="same-as-params",
+        loss_scale="dynamic",
+        loss_scale_init=1024.0,
+        loss_scale_period=3,
+    )
     params, tx, opt = _setup(dtype, name)
     ls = init_loss_scale(cfg)
     step = jax.jit(

@@ -181,7 +181,8 @@ def test_the_engine_step_sends_2_n_minus_1_over_n(tiny_cfg, mesh_for):
     assert "collective_permute" not in default
     everyone = str([list(range(n))]).replace(" ", "")
     reduced = [
-        mlir_bytes(t) for groups, t in MLIR_ALL_REDUCE.findall(default)
+        mlir_bytes(t)
+        for groups, t in MLIR_ALL_REDUCE.findall(default)
         if groups.replace(" ", "") == everyone
-    ]  # fmt: skip
+    ]
     assert sorted(reduced) == sorted([4] + [p.size * p.dtype.itemsize for p in leaves])

@@ -207,8 +207,10 @@ def _executor(kind: str, stages: int, micro: int, virtual: int):
         return jnp.sum((y @ p["head"] - t) ** 2) / denominator, {}
 
     def local(p, inputs, targets):
-        p = {k: jax.lax.pcast(v, ("pipeline",), to="varying") if k != "layers" else v
-             for k, v in p.items()}  # fmt: skip
+        p = {
+            k: jax.lax.pcast(v, ("pipeline",), to="varying") if k != "layers" else v
+            for k, v in p.items()
+        }
         if sched.explicit_backward and virtual > 1:
             loss, _, grads = train_chunk_ticks(
                 lambda p, x: x @ p["embed"],
@@ -224,16 +226,26 @@ def _executor(kind: str, stages: int, micro: int, virtual: int):
             )
         elif sched.explicit_backward:
             loss, _, grads = train_ticks(
-                lambda p, x: x @ p["embed"], lambda p, x: stage_of(p, x, 0), head, p, inputs,
-                targets, None, sched, scale=jnp.float32(1.0), bubble_fill=float("nan"),
-            )  # fmt: skip
+                lambda p, x: x @ p["embed"],
+                lambda p, x: stage_of(p, x, 0),
+                head,
+                p,
+                inputs,
+                targets,
+                None,
+                sched,
+                scale=jnp.float32(1.0),
+                bubble_fill=float("nan"),
+            )
         else:
 
             def loss_of(p):
                 ys = forward_ticks(
-                    lambda x, c: stage_of(p, x, c), inputs @ p["embed"], sched,
+                    lambda x, c: stage_of(p, x, c),
+                    inputs @ p["embed"],
+                    sched,
                     bubble_fill=float("nan"),
-                )  # fmt: skip
+                )
                 last = jax.lax.axis_index("pipeline") == stages - 1
                 return jnp.where(last, head(p, ys, targets, None)[0], 0.0)
 

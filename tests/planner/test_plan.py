@@ -181,8 +181,11 @@ def test_rts_and_offload_move_bytes():
         assert ph["weights"] == on["weights"] and ph["device_total"] >= on["device_total"]
         assert ph["arguments"] < on["arguments"]  # what rests on the device between steps
     # and the report says so, on the weights row
-    (row,) = [r for r in format_plan(plan(cfg_of(*base, "memory.offload=[params]"))).splitlines()
-              if r.startswith("weights ")]  # fmt: skip
+    (row,) = [
+        r
+        for r in format_plan(plan(cfg_of(*base, "memory.offload=[params]"))).splitlines()
+        if r.startswith("weights ")
+    ]
     assert "host-resident, counted on the device all step (CPU fetches no piece)" in row
     assert "host-resident" not in format_plan(plan(cfg_of(*base)))
 

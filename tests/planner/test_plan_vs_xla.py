@@ -202,8 +202,13 @@ def test_saved_layer_inputs_are_held_as_the_cpu_profile_says(tiny_cfg, mesh_for,
     if compute == "float16":
         cfg, stack = xla_case(tiny_cfg, FP16_CASE), "5,4,1,16,256"
     else:
-        cfg = tiny_cfg(*SMALL_GPT, "model.remat=full", "train.grad_accum=4",
-                       f"precision.compute={compute}", mesh=(1, 2, 1))  # fmt: skip
+        cfg = tiny_cfg(
+            *SMALL_GPT,
+            "model.remat=full",
+            "train.grad_accum=4",
+            f"precision.compute={compute}",
+            mesh=(1, 2, 1),
+        )
         stack = "5,2,2,128,128"
     assert cfg.precision.compute == compute
     hlo = compiled_step_once(cfg, mesh_for).as_text()
@@ -271,8 +276,9 @@ def test_a_widening_backend_converts_the_streamed_matrices_to_float32(tiny_cfg, 
         f"widened panels: planned {planned['device_total'] / 1e6:.2f} MB, XLA {measured / 1e6:.2f}"
     )
     assert planned["device_total"] == pytest.approx(measured, rel=0.10)
-    as_float32 = xla_case(tiny_cfg, FP16_CASE, "precision.params=float32",
-                          "precision.compute=float32")  # fmt: skip
+    as_float32 = xla_case(
+        tiny_cfg, FP16_CASE, "precision.params=float32", "precision.compute=float32"
+    )
     assert plan(as_float32)["bytes_per_device"]["widened"] == 0
 
 

@@ -140,8 +140,13 @@ def test_xla_cpu_reads_host_optimizer_state_in_place(mesh_for):
 
     results = []
     for offload in ("[]", "[optimizer]"):
-        cfg = make_tiny_cfg(*SMALL_GPT, f"memory.offload={offload}", "model.remat=full",
-                            "train.grad_accum=4", mesh=(2, 1, 1))  # fmt: skip
+        cfg = make_tiny_cfg(
+            *SMALL_GPT,
+            f"memory.offload={offload}",
+            "model.remat=full",
+            "train.grad_accum=4",
+            mesh=(2, 1, 1),
+        )
         results.append(compile_step(cfg, mesh_for(cfg)))
     kept, offloaded = results
     assert offloaded["temp_bytes"] == kept["temp_bytes"]

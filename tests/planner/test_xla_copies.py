@@ -91,8 +91,10 @@ def _copied_moments(guard: str) -> int:
             return jax.lax.cond(ok, update, lambda p, s, g: (p, s), p, s, g)
         new_p, new_s = update(p, s, g)
         if guard == "select":
-            new_p, new_s = (jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-                            for new, old in ((new_p, p), (new_s, s)))  # fmt: skip
+            new_p, new_s = (
+                jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+                for new, old in ((new_p, p), (new_s, s))
+            )
         return new_p, new_s
 
     step = jax.jit(step, donate_argnums=(0, 1))

@@ -101,9 +101,15 @@ def test_emulated_keeps_the_topology_and_recipe(emulated, full):
     e, f = preset(emulated), preset(full)
     assert (e.devices, e.mesh.shape, e.model.name) == (f.devices, f.mesh.shape, f.model.name)
     recipe = lambda c: (  # noqa: E731
-        c.precision.params, c.precision.compute, c.precision.master, c.precision.loss_scale,
-        c.optim.name, c.model.remat, c.model.norm, c.model.sequence_chunks,
-    )  # fmt: skip
+        c.precision.params,
+        c.precision.compute,
+        c.precision.master,
+        c.precision.loss_scale,
+        c.optim.name,
+        c.model.remat,
+        c.model.norm,
+        c.model.sequence_chunks,
+    )
     assert recipe(e) == recipe(f)
     assert set(e.memory.offload) == set(f.memory.offload)
     assert (e.memory.rts, e.memory.rts_optimizer) == (f.memory.rts, f.memory.rts_optimizer)

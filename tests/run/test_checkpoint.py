@@ -246,8 +246,9 @@ def test_a_long_storage_error_keeps_the_operating_systems_reason():
     except ValueError as e:
         info = (ValueError, e, e.__traceback__)
     unretrieved = "Task exception was never retrieved\nfuture: <Task coro=<.../orbax/x.py>>"
-    record = logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1, unretrieved,
-                               None, info)  # fmt: skip
+    record = logging.LogRecord(
+        "asyncio", logging.ERROR, "base_events.py", 1, unretrieved, None, info
+    )
     assert not _reraised(record)
     other = logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1, "other", None, info)
     assert _reraised(other)

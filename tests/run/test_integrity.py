@@ -84,8 +84,9 @@ def test_restore_verifies_and_returns_the_kept_record(saved, tmp_path):
 def test_zeroed_bytes_in_a_data_file_are_refused_naming_the_array(saved, tmp_path):
     engine, state, _ = saved
     run = _copy(saved, tmp_path)
-    data = max((p for p in (run / "checkpoints/1/state").rglob("*") if p.is_file()),
-               key=os.path.getsize)  # fmt: skip
+    data = max(
+        (p for p in (run / "checkpoints/1/state").rglob("*") if p.is_file()), key=os.path.getsize
+    )
     with open(data, "r+b") as f:  # 8 zero bytes in the middle: still decodes, silently wrong
         f.seek(data.stat().st_size // 2)
         f.write(b"\0" * 8)

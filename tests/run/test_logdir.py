@@ -60,8 +60,12 @@ def test_a_lock_held_by_another_process_is_refused_naming_it(tmp_path):
 
 
 def test_a_stale_lock_file_is_taken_over_with_a_note(tmp_path, capsys):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     (tmp_path / LOCK_FILE).write_text(f'{{"pid": {dead}, "host": "h"}}\n')
     with hold(tmp_path):
         fd = os.open(tmp_path / LOCK_FILE, os.O_RDWR)

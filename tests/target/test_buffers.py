@@ -37,8 +37,11 @@ Total bytes: 69900000 (66.7MiB)
 
 def test_each_space_is_read():
     assert memory_spaces(V5P) == {
-        "default": 8569888, "vmem": 3494912, "smem": 116, "color_6": 4096,
-    }  # fmt: skip
+        "default": 8569888,
+        "vmem": 3494912,
+        "smem": 116,
+        "color_6": 4096,
+    }
 
 
 def test_hbm_is_every_space_but_vmem_smem_and_the_host():
