@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import ROOT
-from helpers.cli import TINY, cli_cmd, cli_env
+from helpers.cli import TINY, cli_cmd, cli_env, later_wins
 
 from jaxpod.run.metrics import read_metrics
 
@@ -39,13 +39,13 @@ COMMON = [
 TIMING = ("step_time_s", "tokens_per_s")
 
 
-def _cmd(logdir: Path) -> list[str]:
-    return cli_cmd("train", TINY, *COMMON, f"train.logdir={logdir}")
+def _cmd(logdir: Path, *overrides: str) -> list[str]:
+    return cli_cmd("train", TINY, *later_wins(*COMMON, f"train.logdir={logdir}", *overrides))
 
 
 def jaxpod_train(logdir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*_cmd(logdir), *overrides],
+        _cmd(logdir, *overrides),
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -190,7 +190,7 @@ def test_resume_after_sigkill_mid_save(reference, tmp_path):
     for _attempt in range(3):
         shutil.rmtree(run, ignore_errors=True)
         proc = subprocess.Popen(
-            [*_cmd(run), "train.checkpoint_every=1"],
+            _cmd(run, "train.checkpoint_every=1"),
             cwd=ROOT,
             env=cli_env(),
             stdout=subprocess.DEVNULL,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT
-from helpers.cli import TINY, assert_user_error, cli_cmd, cli_env
+from helpers.cli import TINY, assert_user_error, cli_cmd, cli_env, later_wins
 
 from jaxpod.run.metrics import read_metrics
 
@@ -44,7 +44,7 @@ def train(logdir: Path, *overrides: str, limit_file_bytes: int | None = None):
     """`jaxpod train` of the tiny config; with `limit_file_bytes`, on a full disk: its writes
     past that size fail with EFBIG (bash's `ulimit -f`, in KiB, set before the exec: no Python
     code runs between fork and exec in this multithreaded process)."""
-    cmd = cli_cmd("train", TINY, *COMMON, f"train.logdir={logdir}", *overrides)
+    cmd = cli_cmd("train", TINY, *later_wins(*COMMON, f"train.logdir={logdir}", *overrides))
     env = cli_env()
     if limit_file_bytes:
         cmd = ["bash", "-c", f'ulimit -f {limit_file_bytes // 1024} && exec "$@"', "bash", *cmd]

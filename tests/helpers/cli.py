@@ -56,6 +56,15 @@ def cli_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "jaxpod.cli", *args]
 
 
+def later_wins(*items: str) -> list[str]:
+    """A test's defaults then its own overrides as one command line: a later `KEY=VALUE`
+    replaces an earlier one of the same key, in its place (`jaxpod` refuses a key twice);
+    other arguments are kept as they are."""
+    keys = [i.split("=", 1)[0] if "=" in i and not i.startswith("-") else None for i in items]
+    last = {k: n for n, k in enumerate(keys) if k is not None}
+    return [i for n, i in enumerate(items) if keys[n] is None or last[keys[n]] == n]
+
+
 def start(*args: str) -> subprocess.Popen:
     """Start `jaxpod ARGS` (from the repository root), its stdout and stderr piped."""
     return subprocess.Popen(
