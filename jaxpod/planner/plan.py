@@ -19,10 +19,8 @@ Parameter counts (D = d_model, F = d_ff, V = vocab, T = seq_len, L = layers):
 Pre- or post-LN layers have the same parameters. Per device, the layer weights split over
 `pipeline` (layers) and `tensor` (heads/MLP columns; LN and the D-sized biases are
 replicated), the vocabulary-sized tables over `tensor` only, positions and LNs are replicated
-(positions split over `tensor` along T with sequence parallelism).
-
-The byte model (what each kind of state costs per device) is `jaxpod.planner.activations` and
-`jaxpod.planner.bytes`.
+(positions split over `tensor` along T with sequence parallelism). The byte model (what each
+kind of state costs per device) is `jaxpod.planner.activations` and `jaxpod.planner.bytes`.
 """
 
 from __future__ import annotations
