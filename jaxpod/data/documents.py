@@ -65,13 +65,10 @@ def read_text(file: Path, limit: int | None = None) -> tuple[bytes, bool] | None
     """The UTF-8 bytes of `file`, at most `limit` of them: `(data, cut)`, or None for a
     binary (a NUL in its first 8 KiB, or not UTF-8) or unreadable file. A character cut in two
     at the limit is no error."""
-    try:
-        with open(file, "rb") as stream:
-            data = stream.read(-1 if limit is None else limit + 1)
-    except OSError:
+    head = _read_head(file, limit)
+    if head is None:
         return None
-    cut = limit is not None and len(data) > limit
-    data = data[:limit] if cut else data
+    data, cut = head
     if b"\0" in data[:_SNIFF]:
         return None
     try:
@@ -84,6 +81,11 @@ def read_text(file: Path, limit: int | None = None) -> tuple[bytes, bool] | None
 def read_stdlib(file: Path, limit: int | None = None) -> tuple[bytes, bool] | None:
     """The bytes of a stdlib file, at most `limit` of them: `(data, cut)`, or None if it
     cannot be read (a few are not UTF-8: decoded with replacement characters)."""
+    return _read_head(file, limit)
+
+
+def _read_head(file: Path, limit: int | None) -> tuple[bytes, bool] | None:
+    """`(the first limit bytes of file, whether it holds more)`, or None if it cannot be read."""
     try:
         with open(file, "rb") as stream:
             data = stream.read(-1 if limit is None else limit + 1)
