@@ -126,6 +126,7 @@ def compile_for_target(cfg: Config, target: Target, progress: TextIO | None = No
         shape = (cfg.mesh.replica, cfg.mesh.pipeline, cfg.mesh.tensor)
         mesh = torus_mesh(shape, target_devices(target))
     # no client can load a compile-only program back: a cache entry would only warn when read
+    # (jax decides once per process, so this holds where nothing compiled before: the CLI)
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
