@@ -2,7 +2,8 @@
 accept (`jaxpod.config.divisibility` and the section checks) builds its engine and lowers its
 train step and its eval step on the virtual CPU devices, from abstract inputs; every config
 they refuse gets one line naming its fields. The fast lane draws `FAST` transformer configs,
-the slow lane `SLOW` more and `VISION` EfficientNets, from one seed.
+the slow lane `SLOW` more and `VISION` EfficientNets, from one seed; there the first `RUN`
+accepted fast draws also run a step and an evaluation on real arrays.
 
 A draw starts from a mapping that mostly divides (a mesh of at most 8 devices, shapes that
 split over it, a schedule with the virtual stages it takes) and then sets 0 to 3 fields to
@@ -201,3 +202,50 @@ def test_the_fast_draws_cover_both_sides():
     assert accepted >= FAST // 3 and refused >= 2, (accepted, refused)
     kinds = {o.split("=")[1] for d in DRAWS[:FAST] for o in d if "pipeline_schedule=" in o}
     assert kinds == set(KINDS)
+
+
+RUN = 12  # the accepted draws of the fast lane's that also run a step (slow lane)
+
+
+def _accepted_fast_draws() -> list[int]:
+    out = []
+    for i in range(FAST):
+        try:
+            make_tiny_cfg(*DRAWS[i])
+        except ConfigError:
+            continue
+        out.append(i)
+    return out[:RUN]
+
+
+def _concrete(abstract: tuple, shardings: tuple, seed: int) -> tuple:
+    """A batch of `abstract`'s shapes in its shardings: token ids and labels 0 or 1 (valid for
+    any vocabulary and class count), image bytes 0..255."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    high = lambda x: 256 if x.dtype == np.uint8 else 2  # noqa: E731
+    values = [rng.integers(0, high(x), x.shape).astype(x.dtype) for x in abstract]
+    return tuple(jax.device_put(v, s) for v, s in zip(values, shardings, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _accepted_fast_draws())
+def test_what_validation_accepts_runs_a_step(case):
+    """Accepted draws run: the engine's own initial state, one optimizer step over the
+    batch's parts and an evaluation, each loss finite."""
+    import math
+
+    from jaxpod.engine import build_engine
+    from jaxpod.inspect.compile import abstract_inputs
+
+    cfg = make_tiny_cfg(*DRAWS[case])
+    mesh = mesh_for(cfg)
+    _, _, abstract = abstract_inputs(cfg, mesh)
+    engine, state = build_engine(cfg, mesh)
+    parts = [_concrete(abstract, engine.batch_sharding, k) for k in range(cfg.train.batch_parts)]
+    state, metrics = engine.run_step(state, parts)
+    assert math.isfinite(float(metrics["loss"])), DRAWS[case]
+    out = engine.eval_step(state.params, parts[0])
+    assert all(math.isfinite(float(v)) for v in out.values()), DRAWS[case]
