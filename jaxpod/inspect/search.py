@@ -168,7 +168,7 @@ def format_alternatives(ranked: list[dict], cfg: Config) -> str:
     lines = [head]
     for m in ranked:
         total = m["plan_bytes"]["device_total"] / 1e9
-        shown = [o for o in m["overrides"] if not o.endswith(("=null", "_optimizer=1"))]
+        shown = _shown(m["overrides"])
         step = _time(m["estimate"]["step_time_s"])
         lines.append(f"  {' '.join(shown)} ({total:.2f} GB, {step}/step)")
     return "\n".join(lines)
@@ -193,6 +193,12 @@ def reason(a: dict, b: dict) -> str:
     return f"{TERMS[key]}: {_time(gain)} less"
 
 
+def _shown(overrides: list[str]) -> list[str]:
+    """A mapping's overrides as printed: without the unset batch and the optimizer's RTS when
+    it is the weights' (1)."""
+    return [o for o in overrides if not o.endswith(("=null", "_optimizer=1"))]
+
+
 def _time(seconds: float) -> str:
     return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
@@ -209,7 +215,7 @@ def format_search(result: dict, top: int, target: str) -> str:
     for i, m in enumerate(ranked[:top], 1):
         e = m["estimate"]
         total = m["plan_bytes"]["device_total"] / 1e9
-        shown = [o for o in m["overrides"] if not o.endswith(("=null", "_optimizer=1"))]
+        shown = _shown(m["overrides"])
         lines.append(
             f"{i}. {_time(e['step_time_s'])}/step, {e['tokens_per_s']:,.0f} tokens/s, MFU "
             f"{e['mfu']:.1%}, {total:.2f} GB/device: {' '.join(shown)}"

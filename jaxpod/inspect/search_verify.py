@@ -11,6 +11,9 @@ from typing import TextIO
 from jaxpod.errors import UserError
 from jaxpod.inspect.search import mapping_maker
 
+# what each compiled mapping reports (`jaxpod.inspect.compile.compile_step`'s keys)
+KEYS = ("device_total_bytes", "planned_device_total_bytes", "planned_ratio", "compile_s")
+
 
 def verify(
     config: str,
@@ -33,8 +36,7 @@ def verify(
         if progress is not None:
             print(f"jaxpod: verifying mapping {i} of {len(ranked)}", file=progress, flush=True)
         r = compile_for_target(make(entry["overrides"]), target, progress)
-        keys = ("device_total_bytes", "planned_device_total_bytes", "planned_ratio", "compile_s")
-        out.append({k: r[k] for k in keys})
+        out.append({k: r[k] for k in KEYS})
     return out
 
 
