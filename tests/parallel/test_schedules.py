@@ -211,23 +211,11 @@ def _executor(kind: str, stages: int, micro: int, virtual: int):
             k: jax.lax.pcast(v, ("pipeline",), to="varying") if k != "layers" else v
             for k, v in p.items()
         }
-        if sched.explicit_backward and virtual > 1:
-            loss, _, grads = train_chunk_ticks(
+        if sched.explicit_backward:  # over chunks, or stage by stage on one chunk each
+            run, stage = (train_chunk_ticks, stage_of) if virtual > 1 else (train_ticks, None)
+            loss, _, grads = run(
                 lambda p, x: x @ p["embed"],
-                stage_of,
-                head,
-                p,
-                inputs,
-                targets,
-                None,
-                sched,
-                scale=jnp.float32(1.0),
-                bubble_fill=float("nan"),
-            )
-        elif sched.explicit_backward:
-            loss, _, grads = train_ticks(
-                lambda p, x: x @ p["embed"],
-                lambda p, x: stage_of(p, x, 0),
+                stage or (lambda p, x: stage_of(p, x, 0)),
                 head,
                 p,
                 inputs,
