@@ -24,15 +24,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, options, run_worker, serve_worker, table, write_report  # noqa: E402
 
-# The full-size TPU presets and the slice each is meant for (their comments say the same).
-PRESETS = {
-    "bert_large_tpu_v5p": "tpu-v5p:2x2x4",
-    "efficientnet_b4_g16_tpu_v5e16": "tpu-v5e:4x4",
-    "efficientnet_b4_g16_tpu_v5e256": "tpu-v5e:16x16",
-    "gpt3_175b_tpu_v5p": "tpu-v5p:8x8x4",
-    "llama3_8b_tpu_v5p": "tpu-v5p:4x4x4",
-}
-
+from jaxpod.config.presets import TPU_SLICES as PRESETS  # noqa: E402
 
 ROW_FILES = {"heldout": "heldout_tpu.yaml", "calibration": "calibration_tpu.yaml"}
 

@@ -67,10 +67,12 @@ CONFIGS = ROOT / "configs"
 # resident state (weights, optimizer, RTS-gathered copy, batch) plus the larger of two peaks: the
 # backward pass (gradients + activations) or the optimizer update (the update's working set and
 # the gradients it reads). The bars stack the resident parts and the parts of whichever peak is
-# larger (`jaxpod.figures.memory`, the chart `jaxpod plan --chart` draws); the hatched bar beside
-# each is XLA:CPU's compiled device total of the same step (`jaxpod compile --json`, cached in
-# `docs/figures/data/compiled.json`: full-size presets take minutes to compile). Below the chart,
-# the host (streaming) memory each plan uses.
+# larger (`jaxpod.figures.memory`, the chart `jaxpod plan --chart` draws). On the left, the
+# TPU presets: each plan for its `tpu-*` profile, and hatched beside it XLA:TPU's compiled HBM
+# per chip of the same step (`jaxpod compile PRESET --target SLICE --json`, cached in
+# `docs/figures/data/compiled_tpu.json`: full-size presets take minutes to compile). On the
+# right, the GC200 presets, the planner's alone: no XLA backend compiles for an IPU. Below the
+# chart, the host (streaming) memory each GC200 plan uses.
 
 # %%
 from jaxpod.figures.build import presets_figure

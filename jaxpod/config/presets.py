@@ -15,6 +15,15 @@ from pathlib import Path
 from jaxpod.config.fields import fail
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs"
+# The full-size TPU presets and the slice each is meant for (their comments say the same):
+# `--target` for `jaxpod compile`, the figures and benchmarks/bench_tpu.py.
+TPU_SLICES = {
+    "bert_large_tpu_v5p": "tpu-v5p:2x2x4",
+    "efficientnet_b4_g16_tpu_v5e16": "tpu-v5e:4x4",
+    "efficientnet_b4_g16_tpu_v5e256": "tpu-v5e:16x16",
+    "gpt3_175b_tpu_v5p": "tpu-v5p:8x8x4",
+    "llama3_8b_tpu_v5p": "tpu-v5p:4x4x4",
+}
 _SUFFIXES = (".yaml", ".yml")
 
 

@@ -25,10 +25,18 @@ PRESET_LABELS = {
     "bert_large_pod16": "BERT-L POD16\n4x4x1",
     "bert_large_pod16_pipeline8": "BERT-L POD16\n2x8x1, seq 512",
     "gpt3_175b_pod256": "GPT-3 POD256\n4x8x8",
-    "efficientnet_b4_g16_pod16": "EffNet-B4 POD16\n8x2x1",
-    "efficientnet_b4_g16_pod64": "EffNet-B4 POD64\n32x2x1",
-    "efficientnet_b4_g16_pod128": "EffNet-B4 POD128\n64x2x1",
-    "efficientnet_b4_g16_pod256": "EffNet-B4 POD256\n128x2x1",
+    "efficientnet_b4_g16_pod16": "EffNet-B4\nPOD16 8x2x1",
+    "efficientnet_b4_g16_pod64": "EffNet-B4\nPOD64 32x2x1",
+    "efficientnet_b4_g16_pod128": "EffNet-B4\nPOD128 64x2x1",
+    "efficientnet_b4_g16_pod256": "EffNet-B4\nPOD256 128x2x1",
+}
+XLA_TPU = "XLA:TPU compiled total"
+TPU_LABELS = {
+    "bert_large_tpu_v5p": "BERT-L\nv5p 2x2x4",
+    "efficientnet_b4_g16_tpu_v5e16": "EffNet-B4\nv5e 4x4",
+    "efficientnet_b4_g16_tpu_v5e256": "EffNet-B4\nv5e 16x16",
+    "gpt3_175b_tpu_v5p": "GPT-3\nv5p 8x8x4",
+    "llama3_8b_tpu_v5p": "Llama-3 8B\nv5p 4x4x4",
 }
 
 
@@ -45,34 +53,68 @@ def schedules_figure(stages: int = 4, micro: int = 8):
 
 
 def presets_figure(compiled: dict | None = None):
-    """The planner's stacked bytes per device of each full-size preset, XLA's beside it."""
+    """Bytes per device of each full-size preset, like beside like: the TPU presets'
+    planned bytes (their `tpu-*` profile) beside XLA:TPU's compiled HBM per chip; apart, the
+    GC200 presets' planned bytes alone (no XLA backend compiles for an IPU)."""
     import matplotlib.pyplot as plt
 
-    from jaxpod.config import load_config
-    from jaxpod.figures.memory import draw_bytes
-    from jaxpod.planner.plan import plan
+    from jaxpod.config.presets import TPU_SLICES
+    from jaxpod.figures.memory import draw_bytes, legend_entries
 
-    compiled = data.load("compiled.json") if compiled is None else compiled
-    plans, xla, stale = {}, {}, []
-    for name in data.PRESETS:
-        label = PRESET_LABELS[name]
-        plans[label] = plan(load_config(data.ROOT / "configs" / f"{name}.yaml"))
+    compiled = data.load("compiled_tpu.json") if compiled is None else compiled
+    tpu_plans, xla, stale = _plans(TPU_SLICES, TPU_LABELS, memory=True), {}, set()
+    for name, label in zip(TPU_SLICES, tpu_plans, strict=True):
         entry = (compiled or {}).get(name)
         if entry and entry.get("preset_digest") == data.preset_digest(name):
             xla[label] = entry["device_total_bytes"]
         else:
-            stale.append(name)
+            stale.add(name)
+    _say_missing(stale)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [5, 7]})
+    when = f", {compiled['date']}" if xla else ""
+    draw_bytes(
+        left,
+        tpu_plans,
+        xla,
+        beside_label=XLA_TPU,
+        title=f"TPU presets: planner (tpu-* profile) and XLA:TPU's program{when}",
+        legend=False,
+        limits=False,  # 16 to 95 GiB of HBM: every bar is far below it (in the labels)
+    )
+    draw_bytes(
+        right,
+        _plans(data.PRESETS, PRESET_LABELS),
+        title="GC200 presets: planner only (ipu-gc200; no XLA backend for an IPU)",
+        legend=False,
+    )
+    fig.legend(
+        *legend_entries([left, right], XLA_TPU), loc="center right", fontsize=7, frameon=False
+    )
+    fig.tight_layout(rect=(0, 0, 0.9, 1))
+    return fig
+
+
+def _plans(names, labels: dict[str, str], memory: bool = False) -> dict[str, dict]:
+    """The planner's report of each preset in `names`, by its bar label (with the device's
+    memory under it if `memory`)."""
+    from jaxpod.config import load_config
+    from jaxpod.planner.plan import plan
+    from jaxpod.planner.report import format_bytes
+
+    plans = {n: plan(load_config(data.ROOT / "configs" / f"{n}.yaml")) for n in names}
+    return {
+        labels[n] + (f"\n{format_bytes(p['device_memory_bytes'])} HBM" if memory else ""): p
+        for n, p in plans.items()
+    }
+
+
+def _say_missing(stale: set[str]) -> None:
     if stale:
         print(
-            f"no XLA bar for {', '.join(stale)}: compiled.json does not hold this preset "
-            "(`python -m jaxpod.figures --refresh compiled`)",
+            f"no XLA bar for {', '.join(sorted(stale))}: compiled_tpu.json does not hold this "
+            "preset (`python -m jaxpod.figures --refresh compiled-tpu`)",
             file=sys.stderr,
         )
-    fig, ax = plt.subplots(figsize=(12, 4.6))
-    note = f", XLA:CPU compiled {compiled['date']} ({compiled['commit']})" if xla else ""
-    draw_bytes(ax, plans, xla, title=f"bytes per device of each preset: planner{note}")
-    fig.tight_layout()
-    return fig
 
 
 def mesh_losses_figure():

@@ -1,10 +1,12 @@
 """The slow inputs of the figures, computed once and committed under `docs/figures/data/`.
 
-    python -m jaxpod.figures --refresh compiled,meshes,digits   # minutes to tens of minutes
+    python -m jaxpod.figures --refresh compiled,compiled-tpu,meshes,digits   # up to an hour
 
 - `compiled.json`: `jaxpod compile PRESET --json` of each full-size preset (XLA:CPU's
   per-device arguments, temporaries and device total), one subprocess per preset, with a
   digest of the preset it compiled (a changed preset's bar is left out until refreshed).
+- `compiled_tpu.json`: `jaxpod compile PRESET --target SLICE --json` of each TPU preset
+  (XLA:TPU's HBM bytes per chip, libtpu with no TPU attached), digested the same way.
 - `demo_meshes.json`: `jaxpod train configs/demo.yaml` for `MESH_STEPS` steps on each mesh
   of `MESHES` (the same global batch of 32 sequences everywhere), its `metrics.jsonl` kept.
 - `digits_1device.json`: `jaxpod train configs/efficientnet_digits.yaml` on one device (same
@@ -107,6 +109,23 @@ def refresh_compiled() -> Path:
     return path
 
 
+def refresh_compiled_tpu() -> Path:
+    """XLA:TPU's compiled bytes per chip of every TPU preset on its slice (`TPU_SLICES`)."""
+    from jaxpod.config.presets import TPU_SLICES
+
+    keep = ("device_argument_bytes", "device_temp_bytes", "device_total_bytes", "compile_s")
+    keep += ("host_argument_bytes", "host_temp_bytes")
+    out = _provenance("jaxpod compile configs/PRESET.yaml --target SLICE --json")
+    for name, target in TPU_SLICES.items():
+        result = json.loads(
+            _jaxpod("compile", f"configs/{name}.yaml", "--target", target, "--json")
+        )
+        entry = {"target": target, "preset_digest": preset_digest(name)}
+        out[name] = {**entry, **{k: result[k] for k in keep}}
+        path = _write("compiled_tpu.json", out)
+    return path
+
+
 def _train(config: str, overrides: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="jaxpod-figures-") as logdir:
         _jaxpod("train", config, *overrides, f"train.logdir={logdir}")
@@ -157,7 +176,12 @@ def refresh_digits() -> Path:
     return _write("digits_1device.json", {**_provenance(command), "records": _curve(records, keys)})
 
 
-REFRESH = {"compiled": refresh_compiled, "meshes": refresh_meshes, "digits": refresh_digits}
+REFRESH = {
+    "compiled": refresh_compiled,
+    "compiled-tpu": refresh_compiled_tpu,
+    "meshes": refresh_meshes,
+    "digits": refresh_digits,
+}
 
 
 def load(name: str) -> dict | None:

@@ -48,10 +48,15 @@ def draw_bytes(
     beside: dict[str, int] | None = None,
     beside_label: str = XLA_LABEL,
     title: str = "",
+    *,
+    legend: bool = True,
+    limits: bool = True,
 ) -> None:
     """One stacked bar per plan (labels are `plans`' keys), each plan's device limit as a red
-    tick, and a grey bar beside it where `beside` has that label: XLA's compiled device total
-    (the default `beside_label`), or e.g. the plan's bytes in host memory."""
+    tick (`limits`; off where the memory dwarfs the bars), and a grey bar beside it where
+    `beside` has that label: XLA's compiled device total (the default `beside_label`), or
+    e.g. the plan's bytes in host memory. `legend=False` leaves it to the caller
+    (`legend_entries`)."""
     beside = beside or {}
     width = 0.38 if beside else 0.6
     shift = width / 2 if beside else 0.0
@@ -59,9 +64,10 @@ def draw_bytes(
     tops = []
     for i, (name, p) in enumerate(plans.items()):
         bottom = _draw_stack(ax, i - shift, width, p, seen)
-        limit = p["device_memory_bytes"]
-        _draw_limit(ax, i, limit, len(plans) == 1, seen)
-        tops += [bottom, limit]
+        tops.append(bottom)
+        if limits:
+            _draw_limit(ax, i, p["device_memory_bytes"], len(plans) == 1, seen)
+            tops.append(p["device_memory_bytes"])
         if name in beside:
             _draw_beside(ax, i + shift, width, beside[name], beside_label, seen)
             tops.append(beside[name])
@@ -69,7 +75,8 @@ def draw_bytes(
     ax.set(ylabel="GB per device", ylim=(0, 1.12 * max(tops) / 1e9), xlim=(-0.6, len(plans) - 0.4))
     if title:
         ax.set_title(title, fontsize=10)
-    _legend(ax, beside_label)
+    if legend:
+        ax.legend(*legend_entries([ax], beside_label), **LEGEND)
 
 
 def _draw_stack(ax, x: float, width: float, plan: dict, seen: set[str]) -> int:
@@ -126,20 +133,20 @@ def _draw_beside(ax, x: float, width: float, other: int, label: str, seen: set[s
     ax.text(x, other / 1e9, f"{other / 1e9:.2f}", ha="center", va="bottom", fontsize=7, color="0.3")
 
 
-def _legend(ax, beside_label: str) -> None:
-    """The legend outside the axes, on the right, in a fixed order (kinds from the bottom of
-    the stack up, then the limit, then the bar beside) whatever order the bars came in."""
-    handles, labels = ax.get_legend_handles_labels()
+LEGEND = dict(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+
+
+def legend_entries(axes, beside_label: str = XLA_LABEL) -> tuple[list, list[str]]:
+    """The handles and labels of `axes`' bars, each label once, in a fixed order (kinds from
+    the bottom of the stack up, then the limit, then the bar beside) whatever order the bars
+    came in."""
+    found: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            found.setdefault(label, handle)
     order = [LABELS.get(k, k) for k in KINDS] + ["device memory", beside_label]
-    pairs = sorted(zip(labels, handles, strict=True), key=lambda lh: order.index(lh[0]))
-    ax.legend(
-        [h for _, h in pairs],
-        [lab for lab, _ in pairs],
-        fontsize=7,
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0),
-        frameon=False,
-    )
+    labels = sorted(found, key=order.index)
+    return [found[lab] for lab in labels], labels
 
 
 def plan_label(plan: dict, name: str = "") -> str:

@@ -78,3 +78,30 @@ def test_plan_chart_names_a_picture(capsys, in_process_cli):
         cli.main(["plan", str(ROOT / "configs" / "tiny.yaml"), "--chart", "plan.txt"])
     assert exit_.value.code == 2
     assert "name a .png, .svg or .pdf file" in capsys.readouterr().err
+
+
+def test_presets_figure_puts_xla_beside_the_plan_for_its_backend():
+    """The TPU presets' planned bars stand beside XLA:TPU's bytes for the same preset (a
+    changed preset's are left out); the GC200 presets have none beside them (no backend
+    compiles for them); no title carries a commit hash."""
+    import re
+
+    import matplotlib.pyplot as plt
+
+    from jaxpod.figures import data
+    from jaxpod.figures.build import presets_figure
+
+    name, stale = "bert_large_tpu_v5p", "llama3_8b_tpu_v5p"
+    compiled = {
+        "date": "2026-12-06",
+        name: {"preset_digest": data.preset_digest(name), "device_total_bytes": 1_234_567_890},
+        stale: {"preset_digest": "0" * 16, "device_total_bytes": 5_000_000_000},
+    }
+    fig = presets_figure(compiled)
+    left, right = fig.axes
+    beside = [b for b in left.patches if b.get_hatch() == "//"]
+    assert [round(b.get_height() * 1e9) for b in beside] == [1_234_567_890]
+    assert not [b for b in right.patches if b.get_hatch()]
+    titles = " ".join(ax.get_title() for ax in fig.axes)
+    assert not re.search(r"\b[0-9a-f]{7,}\b", titles) and "XLA:TPU" in left.get_title()
+    plt.close(fig)
