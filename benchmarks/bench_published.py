@@ -83,7 +83,8 @@ def workload(row: dict) -> Workload | None:
         c=c,
         virtual=int(row["vpp"] or 1),
         kv_heads=kv,
-        gated=row["source"].startswith(("MXT", "DGXC-L")),
+        gated=row["source"].startswith(("MXT", "DGXC-L")),  # Llama-family: SwiGLU, RoPE
+        rope=row["source"].startswith(("MXT", "DGXC-L")),
         recompute="full" if "full" in rec else ("selective" if "selective" in rec else "none"),
         sequence_parallel=row["seq_parallel"] == "yes",
         sharding=sharding,

@@ -60,6 +60,7 @@ def workload_of(cfg: Config) -> Workload:
         ffn=md.d_ff,
         kv_heads=md.kv_head_count,
         gated=md.mlp == "swiglu",
+        rope=md.positions == "rope",
         global_batch=t.micro_batch * t.grad_accum * replica,
         micro_batch=t.micro_batch,
         t=m.tensor,

@@ -29,6 +29,9 @@ HALF_WIDTH = 256
 # writes of the norms, residual adds, biases, the MLP activation): counted from the layer
 ELEMENTWISE_PER_HIDDEN = 24
 ELEMENTWISE_PER_FFN = 6
+# rotary position embedding: each query and key element read and written once in 16 bits
+# (the cos/sin tables, [seq, head width], stay in cache)
+ROPE_PER_QK = 4
 # the optimizer update reads and writes each parameter's master, two moments and gradient
 UPDATE_BYTES_PER_PARAM = 32
 LINK_EFFICIENCY = 0.7  # the fraction of a link's nominal bandwidth a ring collective reaches
@@ -37,7 +40,8 @@ LINK_EFFICIENCY = 0.7  # the fraction of a link's nominal bandwidth a ring colle
 @dataclass(frozen=True)
 class Workload:
     """A transformer training step and its mapping. `kv_heads` (grouped-query attention),
-    `gated` (a three-matrix MLP); `sharding`: "dp" (gradients all-reduced), "zero1"
+    `gated` (a three-matrix MLP), `rope` (rotary positions: queries and keys rotated in
+    every layer, memory-bound); `sharding`: "dp" (gradients all-reduced), "zero1"
     (optimizer sharded: reduce-scatter + all-gather), "zero2", "zero3" (FSDP: weights
     gathered before use); `overlap`: data-parallel and tensor collectives hidden under
     compute; `flash`: attention computes the causal half only, its softmax fused."""
@@ -57,6 +61,7 @@ class Workload:
     virtual: int = 1
     kv_heads: int | None = None
     gated: bool = False
+    rope: bool = False
     recompute: str = "none"  # none | selective | full
     sequence_parallel: bool = False
     sharding: str = "dp"
@@ -103,6 +108,9 @@ def compute_seconds(w: Workload, speed: Speed) -> dict:
     eff = speed.compute_efficiency * local / (local + HALF_WIDTH)
     matmul = flops / (speed.flops[w.dtype] * eff)
     elem = ELEMENTWISE_PER_HIDDEN * w.hidden + ELEMENTWISE_PER_FFN * w.ffn / w.t
+    if w.rope:
+        kv = (w.kv_heads or w.heads) / w.heads * w.hidden
+        elem += ROPE_PER_QK * (w.hidden + kv) / w.t
     if not w.flash:  # the softmax's [heads, seq] scores read and written, fwd and bwd
         elem += 8 * w.heads / w.t * w.seq
     passes = 3 + (1 if w.recompute == "full" else 0)

@@ -10,12 +10,13 @@ import pytest
 from helpers import make_tiny_cfg
 
 from jaxpod.cli import main
-from jaxpod.inspect.estimate import estimate_config, parse_estimate_target
+from jaxpod.inspect.estimate import estimate_config, parse_estimate_target, workload_of
 from jaxpod.parallel.schedule_time import lockstep_time, mpmd_time, work
 from jaxpod.parallel.schedules import make_schedule
 from jaxpod.planner.speed import get_speed
 from jaxpod.planner.step_time import (
     LINK_EFFICIENCY,
+    ROPE_PER_QK,
     Workload,
     bubble_factor,
     compute_seconds,
@@ -71,6 +72,24 @@ def test_compute_follows_the_tokens_and_full_recompute_adds_a_forward():
     layers = GPT.layers * (weights + attention)
     head = 6 * GPT.hidden * GPT.vocab
     assert full / one == pytest.approx((4 * layers + head) / (3 * layers + head))
+
+
+def test_rotary_positions_add_memory_bound_work_on_queries_and_keys():
+    """RoPE rotates each query and key element of every token and layer once a pass (forward,
+    backward's two): with grouped-query attention the keys are narrower, and the matmuls are
+    unchanged."""
+    w = dataclasses.replace(GPT, t=2, kv_heads=4)
+    plain, rope = compute_seconds(w, A100), compute_seconds(dataclasses.replace(w, rope=True), A100)
+    assert rope["matmul"] == plain["matmul"]
+    tokens = GPT.global_batch * GPT.seq
+    qk = GPT.hidden + GPT.hidden * 4 // GPT.heads  # queries, and 4 of 16 heads' keys
+    extra = tokens * GPT.layers * ROPE_PER_QK * qk / 2 * 3 / A100.hbm_bandwidth
+    assert rope["memory"] - plain["memory"] == pytest.approx(extra)
+
+
+def test_a_config_with_rotary_positions_is_estimated_with_them():
+    rope = make_tiny_cfg("model.positions=rope")
+    assert workload_of(rope).rope and not workload_of(make_tiny_cfg()).rope
 
 
 def test_the_bubble_is_the_schedules_own_table():
