@@ -1,12 +1,13 @@
 """The planner against XLA on mappings it was never tuned on, and on every preset.
 
-    python benchmarks/bench_heldout.py [--set heldout|heldout2|heldout3|heldout-llama|presets|
-                                             calibration-efficientnet] [--only TEXT] [--out FILE]
+    python benchmarks/bench_heldout.py [--set heldout|heldout2|heldout3|heldout4|heldout-llama|
+                                        presets|calibration-efficientnet] [--only TEXT] [--out FILE]
 
 (heldout) the rows of benchmarks/heldout.yaml, fixed in a commit before any fitting; (heldout2)
 benchmarks/heldout2.yaml, a second set fixed in a commit before it was first compiled;
 (heldout3) benchmarks/heldout3.yaml, a third, fixed the same way before the guard's update
-became a `lax.cond`; (heldout-llama) benchmarks/heldout_llama.yaml, GPT's grouped-query
+became a `lax.cond`; (heldout4) benchmarks/heldout4.yaml, 16-bit weights beside float32
+optimizer state or masters, fixed before it was first compiled; (heldout-llama) benchmarks/heldout_llama.yaml, GPT's grouped-query
 attention, SwiGLU and RoPE, fixed before the planner counted their activations;
 (presets) every config in configs/, at its real size; (calibration-efficientnet) the rows of
 benchmarks/calibration_efficientnet.yaml, the configs EfficientNet's byte model was read off.
@@ -31,6 +32,7 @@ ROW_FILES = {
     "heldout": "heldout.yaml",
     "heldout2": "heldout2.yaml",
     "heldout3": "heldout3.yaml",
+    "heldout4": "heldout4.yaml",
     "heldout-llama": "heldout_llama.yaml",
     "calibration-efficientnet": "calibration_efficientnet.yaml",
 }
