@@ -7,8 +7,9 @@
 benchmarks/heldout2.yaml, a second set fixed in a commit before it was first compiled;
 (heldout3) benchmarks/heldout3.yaml, a third, fixed the same way before the guard's update
 became a `lax.cond`; (heldout4) benchmarks/heldout4.yaml, 16-bit weights beside float32
-optimizer state or masters, fixed before it was first compiled; (heldout-llama) benchmarks/heldout_llama.yaml, GPT's grouped-query
-attention, SwiGLU and RoPE, fixed before the planner counted their activations;
+optimizer state or masters, fixed before it was first compiled; (heldout-llama)
+benchmarks/heldout_llama.yaml, GPT's grouped-query attention, SwiGLU and RoPE, fixed before
+the planner counted their activations;
 (presets) every config in configs/, at its real size; (calibration-efficientnet) the rows of
 benchmarks/calibration_efficientnet.yaml, the configs EfficientNet's byte model was read off.
 Each row is compiled in a fresh subprocess with its own virtual device count
