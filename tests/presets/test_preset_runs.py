@@ -95,26 +95,39 @@ ONE_DEVICE = (
     "mesh.replica=1",
     "mesh.pipeline=1",
     "mesh.tensor=1",
-    "train.grad_accum=16",  # the preset's global batch: 1 x 4 micro-batches x 4 replicas
     "memory.rts=1",
     "memory.rts_optimizer=1",
     "memory.offload=[]",
 )
+AS_ONE = {  # preset -> (overrides of both runs, the one device's: the preset's global batch)
+    # 1 sequence x 4 micro-batches x 4 replicas; its 4 steps as they are
+    "bert_large_pod16_emulated": ((), ("train.grad_accum=16",)),
+    # 1 x 8 x 4; two steps, warm-up off: the second step's loss shows the first update
+    "gpt3_175b_pod256_emulated": (
+        ("train.steps=2", "optim.warmup_steps=0"),
+        ("train.grad_accum=32", "memory.phases=1"),
+    ),
+}
 
 
 @pytest.mark.xdist_group("emulated-training")
-def test_emulated_bert_pod16_trains_as_one_device(tmp_path):
-    """The BERT POD16 mapping (pipeline 4 x replica 4, RTS 4, LAMB state in host memory) in
-    float32 trains its 4 steps as the same model, batch and optimizer on one device does:
-    every example's rows and masks are drawn per (seed, step, row), whatever the mesh, so only
-    the order of the sums differs."""
-    config = str(CONFIGS / "bert_large_pod16_emulated.yaml")
+@pytest.mark.parametrize("name", list(AS_ONE))
+def test_emulated_preset_trains_as_one_device(name, tmp_path):
+    """The POD16 mapping (pipeline 4 x replica 4, RTS 4, LAMB state in host memory) and the
+    POD256 one (pipeline 8 x tensor 8 x replica 4, RTS 4, layers and LAMB state on the host
+    in phases, sequence parallel in 16 chunks, matrix streaming, vocab slices) in float32
+    train as the same model, batch and optimizer on one device does: every example is drawn
+    per (seed, step, row), whatever the mesh, so only the order of the sums differs. The
+    losses and the held-out losses before the first step and after the last are compared."""
+    config = str(CONFIGS / f"{name}.yaml")
+    both, one = AS_ONE[name]
     losses = {}
-    for name, more in (("pod", ()), ("one", ONE_DEVICE)):
-        logdir = tmp_path / name
-        proc = jaxpod("train", config, *FLOAT32, *more, f"train.logdir={logdir}")
+    for run, more in (("pod", ()), ("one", (*ONE_DEVICE, *one))):
+        logdir = tmp_path / run
+        proc = jaxpod("train", config, *FLOAT32, *both, *more, f"train.logdir={logdir}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = (logdir / "metrics.jsonl").read_text().splitlines()
-        losses[name] = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
-    assert len(losses["pod"]) == 4
+        records = [json.loads(line) for line in lines]
+        losses[run] = [r.get("loss", r.get("val_loss")) for r in records]
+    assert None not in losses["pod"] and len(losses["pod"]) == (4 if name.startswith("gpt3") else 6)
     np.testing.assert_allclose(losses["pod"], losses["one"], rtol=1e-6, atol=0)
