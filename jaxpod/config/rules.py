@@ -19,7 +19,12 @@ import dataclasses
 
 from jaxpod.config.divisibility import enforce, sizes
 from jaxpod.config.fields import _check_fields, fail, get
-from jaxpod.config.rules_data import BYTE_VOCAB, PATH_DATA, check_data  # noqa: F401
+from jaxpod.config.rules_data import (  # noqa: F401
+    BYTE_VOCAB,
+    PATH_DATA,
+    check_data,
+    resolve_mask_id,
+)
 from jaxpod.config.rules_memory import check_memory, parse_bytes  # noqa: F401  (re-exported)
 from jaxpod.config.rules_model import check_blocks
 from jaxpod.config.rules_parallel import check_parallel
@@ -240,4 +245,5 @@ def validate_and_resolve(cfg: Config, max_devices: int = MAX_DEVICES) -> Config:
         cfg,
         mesh=dataclasses.replace(cfg.mesh, replica=replica),
         train=dataclasses.replace(cfg.train, grad_accum=grad_accum, global_batch=global_batch),
+        model=dataclasses.replace(cfg.model, mask_id=resolve_mask_id(cfg)),
     )

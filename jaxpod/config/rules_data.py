@@ -27,6 +27,7 @@ def check_data(cfg: Config) -> None:
             f"data.path={d.path!r} is only used by data.name=text-files or image-folder; "
             "set data.path=null"
         )
+    _check_mask_id(cfg)
     if d.tokenizer != "bytes":
         _check_tokenizer(cfg)
     if cfg.kind.data == "images":
@@ -57,6 +58,30 @@ def check_data(cfg: Config) -> None:
         )
 
 
+BPE_MASK_ID = 1  # the BPE jaxpod trains for BERT: <|endoftext|> is id 0, [MASK] id 1
+
+
+def resolve_mask_id(cfg: Config) -> int | None:
+    """BERT's [MASK] id: `model.mask_id`, else the tokenizer's (`BYTE_VOCAB` after the bytes,
+    `BPE_MASK_ID` in jaxpod's BPE); None for the other models."""
+    md = cfg.model
+    if md.name != "bert":
+        return md.mask_id
+    if md.mask_id is not None:
+        return md.mask_id
+    return BPE_MASK_ID if cfg.data.tokenizer == "bpe" else BYTE_VOCAB
+
+
+def _check_mask_id(cfg: Config) -> None:
+    md = cfg.model
+    if md.mask_id is None:
+        return
+    if md.name != "bert":
+        fail(f"model.mask_id={md.mask_id} is BERT's [MASK] id; set model.mask_id=null")
+    if not 0 <= md.mask_id < md.vocab:
+        fail(f"model.mask_id={md.mask_id} is not an id of model.vocab={md.vocab}")
+
+
 def _check_tokenizer(cfg: Config) -> None:
     """`data.tokenizer` other than bytes: a text corpus, a model that reads any ids, and for
     `bpe` a vocabulary with room for merges after the 256 bytes and the end-of-text id."""
@@ -68,10 +93,10 @@ def _check_tokenizer(cfg: Config) -> None:
             f"data.tokenizer={d.tokenizer} reads text files, not data.name={d.name}; "
             f"use data.name one of {', '.join(TOKENIZED_DATA)}, or data.tokenizer=bytes"
         )
-    if md.name == "bert":
+    if md.name == "bert" and d.tokenizer != "bpe" and md.mask_id is None:
         fail(
-            f"data.tokenizer={d.tokenizer}: model.name=bert masks bytes ([MASK] is id "
-            f"{BYTE_VOCAB}); set data.tokenizer=bytes"
+            f"data.tokenizer={d.tokenizer}: model.name=bert needs its [MASK] id; set "
+            "model.mask_id to the tokenizer's id for [MASK]"
         )
     if d.tokenizer == "bpe" and md.vocab <= BYTE_VOCAB + 1:
         fail(

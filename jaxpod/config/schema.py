@@ -77,7 +77,8 @@ class MeshConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Model hyperparameters: transformers (gpt, bert) use layers..norm, gpt also
-    kv_heads..rope_base; efficientnet uses variant..pipeline_splits (and remat)."""
+    kv_heads..rope_base, bert mask_id; efficientnet uses variant..pipeline_splits (and
+    remat)."""
 
     name: ModelName = "gpt"
     layers: int = 4
@@ -95,6 +96,9 @@ class ModelConfig:
     mlp: MlpKind = "gelu"  # gpt: gelu (W_in, W_out) or swiglu (gate and up of width d_ff)
     positions: Positions = "learned"  # gpt: a learned table, or rope (rotary q and k)
     rope_base: float = 10000.0  # positions=rope: the rotary base (Llama 3: 500000)
+    # bert: the [MASK] token's id; null: the tokenizer's (256, after the byte values, with
+    # data.tokenizer=bytes; 1 in the BPE jaxpod trains; set it for a tokenizer.json)
+    mask_id: int | None = None
     variant: Variant = "b0"  # efficientnet compound-scaling preset
     g16: bool = False  # grouped (16 channels/group) instead of depthwise convs, expansion 4
     norm_groups: int = 4  # GroupNorm groups

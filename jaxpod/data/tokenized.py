@@ -3,17 +3,19 @@ tokenizer, and the corpus's token files are written once into the user's cache, 
 memory-mapped by every run that reads the same corpus the same way.
 
 `bpe` trains a byte-level BPE of `model.vocab` ids on the training corpus itself (the
-stdlib, or the files under `data.path`); a path loads the user's tokenizer, whose ids must fit
-in `model.vocab` (a larger `model.vocab` pads the table, as GPT-2's 50,257 ids in 50,304 rows).
+stdlib, or the files under `data.path`; for BERT with `[MASK]` as id 1); a path loads the
+user's tokenizer, whose ids must fit in `model.vocab` (a larger `model.vocab` pads the
+table, as GPT-2's 50,257 ids in 50,304 rows).
 Nothing is downloaded. Every file is read, one chunk of documents at a time: no size cap.
 
 The cache: `$XDG_CACHE_HOME/jaxpod/tokens/<key>/` (`~/.cache/jaxpod/tokens/<key>/` when
 `XDG_CACHE_HOME` is unset), holding `train.tokens`, `val.tokens`, `meta.json` and the
 `tokenizer.json` they were encoded with. `<key>` hashes the corpus's files (relative path,
-size, modification time), the tokenizer (`bpe` and `model.vocab`, or the bytes of the user's
-file) and `data.val_fraction`: an edited corpus or another tokenizer gets a new directory, and a
-directory is complete or absent (`jaxpod.data.tokens.write_token_files`). Every process builds
-or finds it on its own host; the rows a step reads do not depend on which process wrote it.
+size, modification time), the tokenizer (`bpe`, `model.vocab` and its special ids, or the
+bytes of the user's file) and `data.val_fraction`: an edited corpus or another tokenizer gets
+a new directory, and a directory is complete or absent
+(`jaxpod.data.tokens.write_token_files`). Every process builds or finds it on its own host;
+the rows a step reads do not depend on which process wrote it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from jaxpod.data.documents import read_stdlib, read_text, stdlib_files, stdlib_root, text_files
 from jaxpod.data.tokens import (
+    END_OF_TEXT,
     META,
     TokenFileDataset,
     load_tokenizer,
@@ -67,13 +70,16 @@ def _texts(files: list[Path], read: Callable) -> Iterator[str]:
             yield got[0].decode("utf-8", "replace")
 
 
-def _key(files: list[Path], root: Path, tokenizer: str, vocab: int, vf: float) -> str:
+def _key(
+    files: list[Path], root: Path, tokenizer: str, vocab: int, vf: float, specials: tuple
+) -> str:
     """The cache key of a corpus read with a tokenizer (see the module docstring)."""
     h = hashlib.blake2b(digest_size=12)
     for f in files:
         st = f.stat()
         h.update(f"{f.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    spec = f"{BPE}:{vocab}".encode() if tokenizer == BPE else Path(tokenizer).read_bytes()
+    extra = "" if specials == (END_OF_TEXT,) else ":" + ",".join(specials)
+    spec = f"{BPE}:{vocab}{extra}".encode() if tokenizer == BPE else Path(tokenizer).read_bytes()
     h.update(b"\0tokenizer\0" + spec + f"\0val_fraction\0{vf!r}".encode())
     return h.hexdigest()
 
@@ -107,17 +113,19 @@ def load_tokens(
     seed: int,
     path: str | None = None,
     val_fraction: float = 0.05,
+    specials: tuple[str, ...] = (END_OF_TEXT,),
 ) -> TokenFileDataset:
     """Dataset `name` ('stdlib-code' or 'text-files') tokenized by `tokenizer` (`bpe` or a
-    tokenizer.json path) as windows of `seq_len + 1` ids, built into `cache_dir()` once."""
+    tokenizer.json path) as windows of `seq_len + 1` ids, built into `cache_dir()` once;
+    `specials`: a trained BPE's first ids (BERT's holds `[MASK]`)."""
     files, root, read, source = _corpus(name, path)
     tokenizer = tokenizer if tokenizer == BPE else os.path.expanduser(tokenizer)
     user = None if tokenizer == BPE else load_tokenizer(tokenizer)  # one line if missing
     if user is not None:
         _check_vocab(user.get_vocab_size(), vocab, tokenizer)
-    directory = cache_dir() / _key(files, root, tokenizer, vocab, val_fraction)
+    directory = cache_dir() / _key(files, root, tokenizer, vocab, val_fraction, specials)
     if not (directory / META).is_file():
-        tok = user if user is not None else train_bpe(_texts(files, read), vocab)
+        tok = user if user is not None else train_bpe(_texts(files, read), vocab, specials)
         write_token_files(_texts(files, read), tok, directory, val_fraction)
     ids = json.loads((directory / META).read_text())["vocab"]
     _check_vocab(ids, vocab, tokenizer)

@@ -29,6 +29,7 @@ from jaxpod.data.text import Windows, epoch_rows, global_indices
 from jaxpod.errors import DataError
 
 END_OF_TEXT = "<|endoftext|>"  # id 0: closes every document
+MASK = "[MASK]"  # id 1 of the BPE trained for BERT (`jaxpod.config.rules_data.BPE_MASK_ID`)
 META = "meta.json"
 TOKENIZER = "tokenizer.json"  # the tokenizer the files were encoded with, kept beside them
 CHUNK = 256  # documents encoded (and held) at a time
@@ -45,16 +46,17 @@ def require_tokenizers():
     return tokenizers
 
 
-def train_bpe(texts: Iterable[str], vocab: int):
-    """A byte-level BPE of `vocab` ids trained on `texts` (id 0: `END_OF_TEXT`); the same
-    texts in the same order give the same tokenizer."""
+def train_bpe(texts: Iterable[str], vocab: int, specials: tuple[str, ...] = (END_OF_TEXT,)):
+    """A byte-level BPE of `vocab` ids trained on `texts`, `specials` its first ids (id 0:
+    `END_OF_TEXT`; BERT's adds `MASK`, id 1); the same texts in the same order give the same
+    tokenizer."""
     tk = require_tokenizers()
     tokenizer = tk.Tokenizer(tk.models.BPE())
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
         vocab_size=vocab,
-        special_tokens=[END_OF_TEXT],
+        special_tokens=list(specials),
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -18,7 +18,7 @@ from jaxpod.config import ModelConfig
 from jaxpod.config.kinds import KINDS
 from jaxpod.models.family import Family
 from jaxpod.models.layers import Layer, LayerNorm, apply_layers
-from jaxpod.models.mlm import check_vocab, mask_tokens
+from jaxpod.models.mlm import MASK_ID, check_vocab, mask_tokens, random_ids
 from jaxpod.models.params import INIT_STD, NO_DECAY, TABLE, param
 from jaxpod.parallel.tensor import (
     column_dense,
@@ -38,7 +38,9 @@ class BERT(nnx.Module):
     masked = True  # the loss is on masked positions only (weights from inputs_and_targets)
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        check_vocab(cfg.vocab)
+        self.mask_id = MASK_ID if cfg.mask_id is None else cfg.mask_id
+        check_vocab(cfg.vocab, self.mask_id)
+        self.replace_ids = random_ids(cfg.vocab, self.mask_id)
         d, v = cfg.d_model, cfg.vocab
         normal = lambda shape: INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
         self.wte = param(normal((v, d)), ("vocab", "embed"), TABLE)
@@ -68,9 +70,9 @@ class BERT(nnx.Module):
         )
 
     def inputs_and_targets(self, tokens: jax.Array, keys: jax.Array):
-        """`tokens[B, T+1]` byte windows, `keys[B]` -> `(inputs[B, T], targets[B, T],
-        weights f32[B, T])`: the first T bytes, masked (`jaxpod.models.mlm.mask_tokens`)."""
-        return mask_tokens(tokens[..., :-1], keys)
+        """`tokens[B, T+1]` id windows, `keys[B]` -> `(inputs[B, T], targets[B, T],
+        weights f32[B, T])`: the first T ids, masked (`jaxpod.models.mlm.mask_tokens`)."""
+        return mask_tokens(tokens[..., :-1], keys, self.mask_id, self.replace_ids)
 
     def embed(self, tokens: jax.Array, tp: str | None = None) -> jax.Array:
         """`tokens[..., T] -> x[..., T, D]`: LayerNorm(token + position + token type 0)."""

@@ -105,6 +105,7 @@ def load_data(cfg: Config):
         )
     if cfg.data.tokenizer != "bytes":
         from jaxpod.data.tokenized import load_tokens
+        from jaxpod.data.tokens import END_OF_TEXT, MASK
 
         return load_tokens(
             cfg.data.name,
@@ -114,6 +115,7 @@ def load_data(cfg: Config):
             seed=cfg.train.seed,
             path=cfg.data.path,
             val_fraction=cfg.data.val_fraction,
+            specials=(END_OF_TEXT, MASK) if cfg.model.name == "bert" else (END_OF_TEXT,),
         )
     from jaxpod.data.text import load_dataset
 

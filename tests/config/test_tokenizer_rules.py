@@ -32,9 +32,17 @@ def test_the_default_is_bytes_and_a_path_expands_home(monkeypatch):
             "of stdlib-code, text-files, or data.tokenizer=bytes",
         ),
         (
-            ["data.tokenizer=bpe", "model.name=bert", "model.vocab=512"],
-            "data.tokenizer=bpe: model.name=bert masks bytes ([MASK] is id 256); set "
-            "data.tokenizer=bytes",
+            [*TEXT, "data.tokenizer=/t/tokenizer.json", "model.name=bert", "model.vocab=512"],
+            "data.tokenizer=/t/tokenizer.json: model.name=bert needs its [MASK] id; set "
+            "model.mask_id to the tokenizer's id for [MASK]",
+        ),
+        (
+            ["model.mask_id=3"],
+            "model.mask_id=3 is BERT's [MASK] id; set model.mask_id=null",
+        ),
+        (
+            ["model.name=bert", "model.vocab=264", "model.mask_id=264"],
+            "model.mask_id=264 is not an id of model.vocab=264",
         ),
         (
             ["data.tokenizer=bpe", "model.vocab=256"],
@@ -53,9 +61,20 @@ def test_the_default_is_bytes_and_a_path_expands_home(monkeypatch):
             "data.tokenizer=bpe reads text files, not data.name=digits",
         ),
     ],
-    ids=["typo", "synthetic", "bert", "small-vocab", "images"],
+    ids=["typo", "synthetic", "bert-json", "gpt-mask", "mask-range", "small-vocab", "images"],
 )
 def test_a_tokenizer_the_config_cannot_use_is_one_line(overrides, message):
     with pytest.raises(ConfigError) as exc:
         load_config(TINY_YAML, overrides)
     assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
+
+
+def test_berts_mask_id_is_the_tokenizers():
+    """After the bytes (256) with the byte tokenizer, id 1 of the BPE jaxpod trains for BERT,
+    the user's own for a tokenizer.json; GPT has none."""
+    bert = ("model.name=bert", "model.vocab=512")
+    assert load_config(TINY_YAML, bert).model.mask_id == 256
+    assert load_config(TINY_YAML, [*bert, "data.tokenizer=bpe"]).model.mask_id == 1
+    json = [*TEXT, "data.tokenizer=/t/tokenizer.json", "model.mask_id=4"]
+    assert load_config(TINY_YAML, [*bert, *json]).model.mask_id == 4
+    assert load_config(TINY_YAML, ["data.tokenizer=bpe", "model.vocab=512"]).model.mask_id is None

@@ -90,3 +90,14 @@ def test_too_little_text_is_one_line(bpe, tmp_path):
     out = write_token_files(documents(6), bpe, tmp_path / "tok", val_fraction=0.2)
     with pytest.raises(DataError, match="too few for model.seq_len=4096"):
         open_token_files(out, name="bpe-test", seq_len=4096, seed=0)
+
+
+def test_berts_bpe_holds_mask_as_its_second_id():
+    """The BPE trained for BERT (`specials` with `MASK`) has `[MASK]` at the id the config
+    resolves for it, and encodes `[MASK]` in text as that one id."""
+    from jaxpod.config.rules_data import BPE_MASK_ID
+    from jaxpod.data.tokens import MASK
+
+    tok = train_bpe(documents(), vocab=300, specials=(END_OF_TEXT, MASK))
+    assert tok.token_to_id(END_OF_TEXT) == 0 and tok.token_to_id(MASK) == BPE_MASK_ID
+    assert BPE_MASK_ID in tok.encode("a [MASK] b").ids

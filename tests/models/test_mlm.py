@@ -42,3 +42,21 @@ def test_masking_rule():
 def test_vocab_without_mask_id_is_refused(tiny_cfg):
     with pytest.raises(ConfigError, match=r"model.vocab=256: BERT .*\[MASK\]"):
         tiny_cfg("model.name=bert", mesh=(1, 1, 1))  # refused when the config is loaded
+
+
+def test_a_tokenizers_mask_and_random_ids():
+    """With a BPE's `[MASK]` (id 1) the masked positions hold 1 and the random ones draw from
+    the whole vocabulary; with the bytes' (256) only bytes: `random_ids` decides."""
+    vocab, t, rows = 1024, 64, 2048
+    tokens = np.random.default_rng(1).integers(2, vocab, (rows, t), np.int32)
+    keys = row_keys(0, 3, jnp.arange(rows))
+    replace = mlm.random_ids(vocab, 1)
+    inputs, _, weights = map(
+        np.asarray, jax.jit(mlm.mask_tokens, static_argnums=(2, 3))(tokens, keys, 1, replace)
+    )
+    chosen = weights > 0
+    masked = chosen & (inputs == 1)
+    assert replace == vocab and 0.75 < masked.sum() / chosen.sum() < 0.85
+    randomized = chosen & ~masked & (inputs != tokens)
+    assert inputs[randomized].max() >= 256  # drawn beyond the bytes
+    assert mlm.random_ids(vocab, mlm.MASK_ID) == 256
