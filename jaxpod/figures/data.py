@@ -82,11 +82,13 @@ def _provenance(command: str) -> dict:
 
 
 def preset_digest(name: str) -> str:
-    """A digest of a preset's YAML content (not its comments): a compile is only shown
-    beside the planner while the preset is the one that was compiled."""
+    """A digest of a preset's YAML content but its comments and its `data` section (where the
+    examples come from: the step's shapes are the model's and the batch's): a compile is
+    only shown beside the planner while the preset is the one that was compiled."""
     import yaml
 
     content = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
+    content.pop("data", None)
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
