@@ -109,7 +109,6 @@ class RemoteLogdir:
         me = {"pid": os.getpid(), "host": socket.gethostname()}
         me["started"] = time.strftime("%Y-%m-%d %H:%M:%S")
         path, data = self._remote(LOCK_FILE), (json.dumps(me) + "\n").encode()
-        self.fs.makedirs(self.root, exist_ok=True)
         try:
             with self.fs.open(path, "xb") as f:
                 f.write(data)
