@@ -90,13 +90,15 @@ NAME_MAX, PATH_MAX = 255, 4095  # bytes of one name in a path, and of a whole pa
 
 def _check_path(key: str, path: str) -> None:
     """One-line `ConfigError` for a path no filesystem takes: a NUL byte, a name over 255
-    bytes, a path over 4095; and for a URL (`gs://...`), which would be a local folder."""
+    bytes, a path over 4095; and a URL (`gs://...`) anywhere but `train.logdir`."""
     if "\0" in path:
         fail(f"{key}={_shown(path)} holds a NUL byte, which no path can; remove it")
     if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", path):
+        if key == "train.logdir":
+            return  # a run directory in an object store (jaxpod.run.remote): checked there
         fail(
-            f"{key}={_shown(path)} is a URL; jaxpod reads and writes local paths only (a "
-            "cloud bucket mounted as a folder, e.g. by gcsfuse, is a local path)"
+            f"{key}={_shown(path)} is a URL; jaxpod reads it from local paths only (copy it, "
+            "or mount the bucket as a folder, e.g. by gcsfuse)"
         )
     names = path.encode("utf-8", "surrogateescape").split(b"/")
     if max(map(len, names)) > NAME_MAX or len(path.encode("utf-8", "surrogateescape")) > PATH_MAX:
@@ -231,7 +233,7 @@ def _typed(d: dict[str, Any], processes: int) -> Config:
         section, sub = key.split(".")
         if isinstance(d[section].get(sub), str):
             _check_path(key, d[section][sub])
-            if d[section][sub].startswith("~"):
+            if d[section][sub].startswith("~"):  # never a URL's
                 d[section][sub] = os.path.expanduser(d[section][sub])
     sections = {
         name: cls(

@@ -30,7 +30,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -99,8 +99,10 @@ _WHOLE_SHARDS = False  # registered in this process
 class Checkpointer:
     """Save and restore `TrainState`s in `<logdir>/checkpoints/` (keeps the newest `keep`)."""
 
-    def __init__(self, logdir: str | Path, keep: int):
-        self.directory = Path(logdir).absolute() / CHECKPOINTS
+    def __init__(self, logdir: str | Path, keep: int, on_commit: Callable[[], None] | None = None):
+        self.logdir = Path(logdir)  # the run directory these checkpoints are kept in
+        self.directory = self.logdir.absolute() / CHECKPOINTS
+        self._on_commit = on_commit  # called once the saves so far are committed (and rotated)
         self.shown = Path(logdir) / CHECKPOINTS  # as the user spelled it, for messages
         self.saved_step: int | None = None  # the newest step this checkpointer saved
         options = ocp.CheckpointManagerOptions(
@@ -152,6 +154,8 @@ class Checkpointer:
                 try:
                     self._manager.wait_until_finished()  # the last save's rotation included
                     self._remove_rotated()
+                    if self._on_commit is not None:
+                        self._on_commit()
                     self._manager.save(
                         step,
                         args=ocp.args.Composite(
@@ -163,6 +167,8 @@ class Checkpointer:
                 except Exception:
                     mute.keep()
                     raise
+        except UserError:  # `on_commit`'s own, already one line
+            raise
         except Exception as exc:
             raise self._save_error(exc) from None
         self.saved_step = step

@@ -49,6 +49,7 @@ from jaxpod.run.preflight import Cleared, preflight
 from jaxpod.run.profiling import StepProfiler
 from jaxpod.run.progress import Phase
 from jaxpod.run.record import RecordWriteError, write_atomic
+from jaxpod.run.remote import is_url
 from jaxpod.run.resume import (
     check_changes,
     check_saved_config,
@@ -104,21 +105,25 @@ def run_training(
     main = is_main_process()
     with cleared:  # releases the run directory's lock
         try:
-            return _run(cfg, quiet or not main, main, allow_changes)
+            return _run(cfg, quiet or not main, main, allow_changes, cleared)
         except Exception as exc:
             if is_oom(exc) and not isinstance(exc, UserError):  # a full disk is no OOM
                 raise oom_error(exc, cfg) from None
             raise
 
 
-def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -> RunResult:
+def _run(
+    cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str], cleared: Cleared
+) -> RunResult:
     """The run top to bottom: build, open the record (resume or fresh start), compile, train,
-    close the record. A resume of a finished run returns at once, writing nothing."""
+    close the record. A resume of a finished run returns at once, writing nothing. The record
+    goes to `cleared.logdir` (a URL's local copy, pushed to the store as checkpoints commit)."""
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     shown = None if quiet else sys.stdout  # where a long phase shows its elapsed time
     mesh = mesh_for(cfg)
-    logdir = Path(cfg.train.logdir)
-    ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints)
+    logdir = cleared.logdir
+    pushed = cleared.remote.push if cleared.remote is not None and main else None
+    ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints, on_commit=pushed)
     start = ckpt.latest_step() or 0
     with Phase("building       the model, its state and the data", shown):
         task, state = _build(cfg, mesh, ckpt, start)
@@ -134,7 +139,7 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
             say(f"complete       {ckpt.shown / str(start)} is at step {start}; nothing to do")
             if main and (logdir / METRICS_FILE).is_file() and not (logdir / EVAL_FILE).exists():
                 write_eval_record(logdir, cfg, task.unit)  # its writing failed at the end
-            _say_where(say, logdir)
+            _say_where(say, cfg.train.logdir)
             return RunResult(logdir, state, [], {}, mapping)
         _resume_record(logdir, start, changes, ckpt, say, main)
     shared = (start_fresh(logdir, say) if not start else is_shared(logdir)) if main else False
@@ -163,7 +168,7 @@ def _run(cfg: Config, quiet: bool, main: bool, allow_changes: Collection[str]) -
         finally:
             profiler.stop()  # an interrupted run still leaves a readable trace
     _close_record(cfg, task, state, ckpt, profiler, stop, say, main)
-    _say_where(say, logdir)
+    _say_where(say, cfg.train.logdir)
     return RunResult(logdir, state, losses, val_losses, mapping, profiler.trace)
 
 
@@ -231,7 +236,7 @@ def _write_header(writer: _Recorder, cfg: Config, mapping: dict, lost: list) -> 
 def _close_record(cfg: Config, task: Task, state, ckpt, profiler, stop, say, main) -> None:
     """After the steps: the evaluation record, the trace's name, and `Interrupted` if a stop
     was requested (its step is saved by then)."""
-    logdir = Path(cfg.train.logdir)
+    logdir = ckpt.logdir
     step = int(state.step)
     if stop.failure is not None:
         raise stop.failure.stopped(step, ckpt.shown / str(step))
@@ -324,11 +329,12 @@ class _Recorder:
         return getattr(self.writer, name)
 
 
-def _say_where(say, logdir: Path) -> None:
+def _say_where(say, logdir: str) -> None:
+    parent = logdir.rstrip("/").rpartition("/")[0] if is_url(logdir) else Path(logdir).parent
     say(f"logs           {logdir}/ ({METRICS_FILE}, {EVAL_FILE}, TensorBoard events, config.yaml)")
     say(
-        f"tensorboard    make tensorboard LOGDIR={logdir.parent}   "
-        f"(or: .venv/bin/jaxpod tensorboard {logdir.parent})"
+        f"tensorboard    make tensorboard LOGDIR={parent}   "
+        f"(or: .venv/bin/jaxpod tensorboard {parent})"
     )
 
 

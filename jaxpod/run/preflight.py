@@ -5,7 +5,9 @@
 missing or whose ids do not fit in `model.vocab`; a mapping whose planned bytes per device
 exceed `memory.device_budget` (the planner's `check_budget`); more host RAM than this host has
 for its virtual CPU devices (`jaxpod.run.hostmem`, one process); a run directory that cannot
-be claimed (`jaxpod.run.logdir`). Then it holds the directory's lock (process 0's). The CLI
+be claimed (`jaxpod.run.logdir`); a URL for one (`jaxpod.run.remote`) with several processes.
+Then it holds the directory's lock (process 0's; for a URL, the store's lock and that of its
+local copy, which the run writes into and `Cleared` pushes to the store at its end). The CLI
 runs it before jax starts (one process); the loop runs it for any other caller. jax-free; the
 planner is imported only when these checks ask it (the budget, the host's RAM), never by the
 loop.
@@ -13,12 +15,16 @@ loop.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from jaxpod.config import Config
+from jaxpod.errors import UserError
 from jaxpod.run.hostmem import check_host_ram
 from jaxpod.run.logdir import LogdirLock, hold
 from jaxpod.run.profiling import check_profile_steps
+from jaxpod.run.remote import RemoteLogdir, is_url
 
 
 @dataclass(frozen=True)
@@ -28,13 +34,34 @@ class Cleared:
 
     cfg: Config
     lock: LogdirLock | None
+    remote: RemoteLogdir | None = None
+
+    @property
+    def logdir(self) -> Path:
+        """Where the run writes its record: `train.logdir`, or the local copy of a URL's."""
+        return self.remote.local if self.remote is not None else Path(self.cfg.train.logdir)
 
     def __enter__(self) -> Cleared:
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self.lock is not None:
-            self.lock.release()
+    def __exit__(self, kind, value, tb) -> None:
+        try:
+            if self.remote is not None:
+                self._push(failing=kind is not None)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+            if self.remote is not None:
+                self.remote.release()
+
+    def _push(self, failing: bool) -> None:
+        """The record to the store; a failed upload during another error is a note."""
+        try:
+            self.remote.push()
+        except UserError as exc:
+            if not failing:
+                raise
+            print(f"jaxpod: note: {exc}", file=sys.stderr, flush=True)
 
 
 def preflight(
@@ -53,7 +80,20 @@ def preflight(
     check_budget(cfg)
     if processes == 1:
         check_host_ram(cfg)
-    return Cleared(cfg, hold(cfg.train.logdir, foreign_ok) if main else None)
+    if not is_url(cfg.train.logdir):
+        return Cleared(cfg, hold(cfg.train.logdir, foreign_ok) if main else None)
+    if processes > 1:
+        raise UserError(
+            f"train.logdir={cfg.train.logdir} is a URL, which one process only writes to (each "
+            "process saves its own shards); use a directory every host mounts, e.g. by gcsfuse"
+        )
+    remote = RemoteLogdir(cfg.train.logdir, cfg.train.keep_checkpoints)
+    remote.claim()
+    try:
+        return Cleared(cfg, hold(remote.local, foreign_ok), remote)
+    except BaseException:
+        remote.release()
+        raise
 
 
 def check_budget(cfg: Config) -> None:

@@ -122,11 +122,17 @@ def profile_overrides(config: str, overrides: list[str], steps: int, warmup: int
     import shutil
 
     from jaxpod.run.logdir import CHECKPOINTS
+    from jaxpod.run.remote import is_url
 
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps {steps} must be >= 1 and --warmup {warmup} >= 0")
     user_logdir = any(i.partition("=")[0].strip() == "train.logdir" for i in overrides)
     logdir = _configured_logdir(config, overrides)
+    if is_url(logdir):
+        raise ConfigError(
+            f"train.logdir={logdir} is a URL; jaxpod profile writes to a local directory: "
+            "pass train.logdir=DIR"
+        )
     if user_logdir:
         if (Path(logdir) / CHECKPOINTS).is_dir():
             raise ConfigError(

@@ -38,17 +38,24 @@ def test_a_logdir_no_filesystem_takes_is_one_line(tmp_path, logdir, needle):
     assert_user_error(proc, "train.logdir=", needle)
 
 
-@pytest.mark.parametrize("key", ["train.logdir", "data.path"])
-def test_a_url_is_refused_not_made_a_local_folder(tmp_path, key):
-    """`gs://bucket/x` would be the local folder `./gs:/bucket/x`: refused in one line, and
-    nothing is made where the command runs."""
+@pytest.mark.parametrize(
+    ("key", "url", "needle"),
+    [
+        ("data.path", "gs://bucket/runs/x", "data.path='gs://bucket/runs/x' is a URL"),
+        ("train.logdir", "nosuchfs://b/x", "no fsspec filesystem knows nosuchfs://"),
+    ],
+)
+def test_a_url_is_refused_not_made_a_local_folder(tmp_path, key, url, needle):
+    """`gs://bucket/x` would be the local folder `./gs:/bucket/x`: a URL jaxpod cannot read
+    (data.path) or whose protocol no filesystem serves is refused in one line, and nothing is
+    made where the command runs."""
     more = ["data.name=text-files"] if key == "data.path" else []
-    on = [*more, f"{key}=gs://bucket/runs/x"]
+    on = [*more, f"{key}={url}"]
     if key == "data.path":
         on.append(f"train.logdir={tmp_path}/run")
     proc = jaxpod("train", TINY, *SMALL, *on, env=without_jax(tmp_path), cwd=tmp_path)
-    assert_user_error(proc, f"{key}='gs://bucket/runs/x' is a URL")
-    assert not (tmp_path / "gs:").exists() and not (tmp_path / "run").exists()
+    assert_user_error(proc, needle)
+    assert not (tmp_path / url.split("/")[0]).exists() and not (tmp_path / "run").exists()
 
 
 def test_a_long_data_path_is_one_line(tmp_path):

@@ -48,7 +48,8 @@ def without_jax(tmp_path: Path) -> dict[str, str]:
     shim = tmp_path / "no-jax" / "jax"
     shim.mkdir(parents=True, exist_ok=True)
     (shim / "__init__.py").write_text('raise ImportError("jax was imported (the no-jax shim)")\n')
-    return cli_env(PYTHONPATH=str(shim.parent))
+    path = [str(shim.parent), *filter(None, [os.environ.get("PYTHONPATH")])]  # the caller's kept
+    return cli_env(PYTHONPATH=os.pathsep.join(path))
 
 
 def cli_cmd(*args: str) -> list[str]:

@@ -1,0 +1,229 @@
+"""A run directory behind a URL (`train.logdir=gs://bucket/run`, any fsspec filesystem).
+
+The run writes into a local copy of it, `$XDG_CACHE_HOME/jaxpod/logdirs/<name>-<hash>/`, with
+the same code, checks and atomic writes as a local run; `RemoteLogdir` moves the files between
+the copy and the store through fsspec. `claim()` takes the store's lock (`.jaxpod.lock`, created
+with fsspec's exclusive mode `xb`), empties the copy, and pulls the record's files and the
+newest complete checkpoint. `push()` uploads what changed: record files whole (an object store
+cannot append), each complete checkpoint (every file, then `commit_success.txt` last, the mark
+a pull requires), and it removes from the store what the run removed from the copy (a rotated
+checkpoint, a record cut back for a resume), never a file it did not pull or push. The loop
+pushes after each checkpoint commits and when the run ends, also in an error; `release()`
+removes the lock. Nothing here treats the URL as a local path. jax-free.
+
+The lock's limits: only GCS (gcsfs, `ifGenerationMatch=0`) creates it atomically; on other
+stores `xb` may be checked before the write, leaving a short window in which two runs both
+take it. A killed run leaves it behind: the same host takes over a lock whose process is gone;
+a lock of another host is refused until it is deleted (docs/runs.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from jaxpod.errors import UserError
+
+URL = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://")
+LOCK_FILE = ".jaxpod.lock"
+CHECKPOINTS = "checkpoints"
+COMMITTED = "commit_success.txt"  # written last into a pushed checkpoint (orbax's GCS mark)
+
+
+def is_url(path: object) -> bool:
+    """True if `path` is a string naming a URL (`gs://...`, `s3://...`, `memory://...`)."""
+    return isinstance(path, str) and URL.match(path) is not None
+
+
+def filesystem(key: str, url: str):
+    """`(fsspec filesystem, path in it)` of `url`; one-line `UserError` naming `key` if no
+    installed fsspec implementation knows its protocol (e.g. gs:// without gcsfs)."""
+    import fsspec
+
+    protocol = URL.match(url).group(1)
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as exc:
+        why = str(exc).splitlines()[0] if str(exc) else "its package is not installed"
+        raise UserError(f"{key}={url}: {protocol}:// needs a filesystem package ({why})") from None
+    except ValueError:
+        raise UserError(
+            f"{key}={url}: no fsspec filesystem knows {protocol}://; use gs:// (gcsfs), s3:// "
+            "(s3fs), another fsspec URL, or a local path"
+        ) from None
+
+
+def local_copy(url: str) -> Path:
+    """Where the run keeps its local copy of the run directory at `url` (see the module)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", url.split("://", 1)[1]).strip("-.")[-60:] or "run"
+    digest = hashlib.sha256(url.encode()).hexdigest()[:12]
+    return base / "jaxpod" / "logdirs" / f"{name}-{digest}"
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # not ours to judge: keep it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class RemoteLogdir:
+    """The run directory at `url` and its local copy `local` (see the module)."""
+
+    def __init__(self, url: str, keep: int):
+        self.url, self.keep = url.rstrip("/"), keep
+        self.fs, self.root = filesystem("train.logdir", self.url)
+        self.root = self.root.rstrip("/")
+        self.local = local_copy(self.url)
+        self._known: dict[str, tuple[int, int] | None] = {}  # path -> (size, mtime) sent
+        self._locked = False
+
+    def _remote(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def claim(self) -> None:
+        """Take the store's lock, then make the local copy hold the record and the newest
+        complete checkpoint of the store's run directory (empty if it has none)."""
+        self._lock()
+        shutil.rmtree(self.local, ignore_errors=True)
+        self.local.mkdir(parents=True)
+        try:
+            self._pull()
+        except OSError as exc:
+            self.release()
+            raise UserError(f"train.logdir={self.url} cannot be read ({exc})") from None
+
+    def _lock(self) -> None:
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        me["started"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        path, data = self._remote(LOCK_FILE), (json.dumps(me) + "\n").encode()
+        try:
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            holder = self._holder(path)
+            if holder.get("host") != me["host"] or _alive(holder.get("pid")):
+                pid, host = holder.get("pid", "?"), holder.get("host", "?")
+                raise UserError(
+                    f"train.logdir={self.url} is in use by another jaxpod run (pid {pid} on host "
+                    f"{host}, since {holder.get('started', '?')}); wait for it, or if it is no "
+                    f"longer running delete {self.url}/{LOCK_FILE}"
+                ) from None
+            self.fs.pipe_file(path, data)  # its process is gone: taken over
+        self._locked = True
+
+    def _holder(self, path: str) -> dict:
+        try:
+            holder = json.loads(self.fs.cat_file(path).decode("utf-8", "replace") or "{}")
+        except (OSError, ValueError):
+            return {}
+        return holder if isinstance(holder, dict) else {}
+
+    def _pull(self) -> None:
+        if not self.fs.isdir(self.root):
+            return
+        newest = self._remote_steps(committed=True)[-1:]
+        for path in self.fs.find(self.root):
+            rel = path[len(self.root) + 1 :]
+            parts = rel.split("/")
+            if rel == LOCK_FILE or (parts[0] == CHECKPOINTS and parts[1:2] != newest):
+                continue
+            target = self.local / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(path, str(target))
+            key = "/".join(parts[:2]) if parts[0] == CHECKPOINTS else rel
+            self._known[key] = None if parts[0] == CHECKPOINTS else _stamp(target)
+
+    def _remote_steps(self, committed: bool) -> list[str]:
+        """The step names under the store's `checkpoints/` (only those whose push completed,
+        if `committed`), oldest first."""
+        saves = self._remote(CHECKPOINTS)
+        if not self.fs.isdir(saves):
+            return []
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(saves, detail=False)]
+        steps = sorted((n for n in names if n.isdigit()), key=int)
+        if committed:
+            steps = [s for s in steps if self.fs.exists(f"{saves}/{s}/{COMMITTED}")]
+        return steps
+
+    def push(self) -> None:
+        """Upload the local copy's changes to the store (see the module); `UserError` naming
+        the URL if the store refuses."""
+        try:
+            self._push()
+        except OSError as exc:
+            raise UserError(
+                f"train.logdir={self.url}: cannot upload the run record ({exc}); the local "
+                f"copy {self.local} holds it: copy it there, or run again to resume"
+            ) from None
+
+    def _push(self) -> None:
+        present: set[str] = set()
+        steps = set(self._remote_steps(committed=True))
+        for path in sorted(p for p in self.local.rglob("*") if p.is_file()):
+            rel = path.relative_to(self.local).as_posix()
+            parts = rel.split("/")
+            if rel == LOCK_FILE or rel.endswith(".tmp"):
+                continue
+            if parts[0] == CHECKPOINTS:
+                if len(parts) < 3 or not parts[1].isdigit():
+                    continue  # orbax's temporary or rotated-out directories
+                present.add(f"{CHECKPOINTS}/{parts[1]}")
+                continue
+            present.add(rel)
+            if self._known.get(rel) != _stamp(path):
+                self.fs.put_file(str(path), self._remote(rel))
+                self._known[rel] = _stamp(path)
+        local_steps = {p.name for p in (self.local / CHECKPOINTS).glob("*") if p.name.isdigit()}
+        for step in sorted(local_steps - steps, key=int):
+            self._push_step(step)
+        self._forget(present)
+        for step in self._remote_steps(committed=True)[: -self.keep]:  # the newest `keep` stay
+            self.fs.rm(self._remote(f"{CHECKPOINTS}/{step}"), recursive=True)
+
+    def _push_step(self, step: str) -> None:
+        """Upload checkpoint `step` file by file (a leftover of a cut upload removed first),
+        then its commit mark."""
+        rel = f"{CHECKPOINTS}/{step}"
+        if self.fs.exists(self._remote(rel)):
+            self.fs.rm(self._remote(rel), recursive=True)
+        source = self.local / rel
+        for path in sorted(p for p in source.rglob("*") if p.is_file()):
+            inside = path.relative_to(source).as_posix()
+            self.fs.put_file(str(path), self._remote(f"{rel}/{inside}"))
+        self.fs.pipe_file(self._remote(f"{rel}/{COMMITTED}"), b"")
+        self._known[rel] = None
+
+    def _forget(self, present: set[str]) -> None:
+        """Remove from the store what was pulled or pushed and is gone from the copy."""
+        for rel in sorted(set(self._known) - present):
+            remote = self._remote(rel)
+            if self.fs.exists(remote):
+                self.fs.rm(remote, recursive=rel.startswith(CHECKPOINTS))
+            del self._known[rel]
+
+    def release(self) -> None:
+        """Remove the store's lock (if this run holds it)."""
+        if self._locked:
+            self._locked = False
+            try:
+                self.fs.rm_file(self._remote(LOCK_FILE))
+            except OSError:  # noqa: S110 - a lock left behind is reported by the next run
+                pass
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
