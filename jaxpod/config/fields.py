@@ -29,7 +29,7 @@ _AT_LEAST_1 = (
     "model.vocab train.steps train.micro_batch train.grad_accum train.global_batch "
     "train.batch_parts train.pipeline_group train.virtual_stages "
     "train.log_every train.eval_batches train.keep_checkpoints model.norm_groups "
-    "model.image_size model.num_classes precision.loss_scale_period memory.rts "
+    "model.image_size model.num_classes data.workers precision.loss_scale_period memory.rts "
     "memory.rts_optimizer memory.phases memory.mlp_panels memory.vocab_slices"
 ).split()
 _AT_LEAST_0 = (

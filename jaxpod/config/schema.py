@@ -181,6 +181,7 @@ class DataConfig:
     tokenizer: str = "bytes"
     val_fraction: float = 0.05
     prefetch: int = 3  # batches (parts) read ahead into host memory by a thread (0: synchronous)
+    workers: int = 4  # image-folder: threads that decode a batch's images (per process)
 
 
 @dataclass(frozen=True)

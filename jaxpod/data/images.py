@@ -7,28 +7,25 @@ turns them into floats on the device. Row ``i`` of training step ``k`` is global
 image_size, seed, global_batch), never on the mesh or the number of processes: every process
 reads exactly its own slice and a resumed run sees exactly the rows it would have seen.
 
-Datasets: ``digits`` (scikit-learn's bundled 8x8 handwritten digits, upscaled, no download),
-``synthetic-imagenet`` (random images for throughput tests) and ``image-folder`` (a directory
-with one subdirectory per class). Host-side only: numpy + standard library at import (Pillow
-and scikit-learn are imported by the loaders that need them), no jax.
+Datasets: ``digits`` (scikit-learn's bundled 8x8 handwritten digits, upscaled, held in
+memory, no download), ``synthetic-imagenet`` (random images for throughput tests) and
+``image-folder`` (a directory with one subdirectory per class, indexed and decoded batch by
+batch: `jaxpod.data.image_folder`). Host-side only: numpy + standard library at import
+(Pillow and scikit-learn are imported by the loaders that need them), no jax.
 `jaxpod.data.prefetch.Prefetcher` reads the next few batches in a background thread.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 
-from jaxpod.data.text import epoch_permutation, global_indices
+from jaxpod.data.text import epoch_positions, global_indices
 from jaxpod.errors import DataError
 
 NAMES = ("digits", "synthetic-imagenet", "image-folder")
-IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif"})
 SYNTHETIC_POOL = 64  # distinct synthetic images; examples pick one by a hash of their index
 SYNTHETIC_CLASSES = 1000
 SYNTHETIC_TRAIN_SIZE = 1_281_167  # nominal sizes, those of ImageNet-1k
@@ -36,11 +33,42 @@ SYNTHETIC_VAL_SIZE = 50_000
 _SPLIT_IDS = {"train": 0, "val": 1}
 _M64 = (1 << 64) - 1
 
-T = TypeVar("T")
+
+class ImageBatches:
+    """What every image dataset shares: a batch is `(images uint8[G, S, S, 3], labels
+    int32[G])`, read by `train_batch` / `val_batch`; validation covers the val set once."""
+
+    image_size: int
+    val_size: int
+    unit = "images"  # what a step's throughput counts
+
+    def per_example(self) -> int:
+        """Units (images) one example trains on: 1."""
+        return 1
+
+    def shapes(self, global_batch: int) -> tuple[tuple[int, ...], ...]:
+        """The global shape of each batch array: images `(G, H, W, 3)`, labels `(G,)`."""
+        s = self.image_size
+        return ((global_batch, s, s, 3), (global_batch,))
+
+    def read(self, split: str, step: int, start: int, stop: int, global_batch: int) -> tuple:
+        """Rows [start, stop) of train step / val batch `step`: `(images, labels)`."""
+        rows = self.train_batch if split == "train" else self.val_batch
+        return rows(step, start, stop, global_batch)
+
+    def val_batches(self, global_batch: int) -> int:
+        """Full batches of `global_batch` covering every val image once (>= 1).
+
+        The last batch wraps around to the start of the val set when `global_batch` does not
+        divide `val_size`, so a few images are counted twice in the average.
+        """
+        if global_batch < 1:
+            raise ValueError(f"global_batch={global_batch} must be >= 1")
+        return max(1, -(-self.val_size // global_batch))
 
 
 @dataclass(frozen=True)
-class ImageDataset:
+class ImageDataset(ImageBatches):
     """Labelled uint8 RGB images split into train/val (or synthetic, generated per index).
 
     `_images` holds every image once (uint8[N, H, W, C], C = 1 for grey images, replicated to
@@ -71,13 +99,7 @@ class ImageDataset:
         if self._images is None:
             return self._synthetic(g, "train")
         assert self._train_idx is not None
-        n = self.train_size
-        epochs = g // n
-        pos = np.empty_like(g)
-        for epoch in np.unique(epochs):
-            sel = epochs == epoch
-            pos[sel] = epoch_permutation(self.seed, int(epoch), n)[g[sel] % n]
-        return self._gather(self._train_idx[pos])
+        return self._gather(self._train_idx[epoch_positions(self.seed, self.train_size, g)])
 
     def val_batch(
         self, index: int, start: int, stop: int, global_batch: int
@@ -91,32 +113,6 @@ class ImageDataset:
             return self._synthetic(g, "val")
         assert self._val_idx is not None
         return self._gather(self._val_idx[g])
-
-    unit = "images"  # what a step's throughput counts
-
-    def per_example(self) -> int:
-        """Units (images) one example trains on: 1."""
-        return 1
-
-    def shapes(self, global_batch: int) -> tuple[tuple[int, ...], ...]:
-        """The global shape of each batch array: images `(G, H, W, 3)`, labels `(G,)`."""
-        s = self.image_size
-        return ((global_batch, s, s, 3), (global_batch,))
-
-    def read(self, split: str, step: int, start: int, stop: int, global_batch: int) -> tuple:
-        """Rows [start, stop) of train step / val batch `step`: `(images, labels)`."""
-        rows = self.train_batch if split == "train" else self.val_batch
-        return rows(step, start, stop, global_batch)
-
-    def val_batches(self, global_batch: int) -> int:
-        """Full batches of `global_batch` covering every val image once (>= 1).
-
-        The last batch wraps around to the start of the val set when `global_batch` does not
-        divide `val_size`, so a few images are counted twice in the average.
-        """
-        if global_batch < 1:
-            raise ValueError(f"global_batch={global_batch} must be >= 1")
-        return max(1, -(-self.val_size // global_batch))
 
     def describe(self) -> str:
         """One line: source, classes, split sizes and image shape."""
@@ -171,7 +167,7 @@ def _synthetic_pool(seed: int, image_size: int) -> np.ndarray:
     return pool
 
 
-def _stratified_split(
+def stratified_split(
     labels: np.ndarray, val_fraction: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Seeded split of rows 0..N-1 keeping class proportions: (train int64[n], val int64[m]).
@@ -213,96 +209,9 @@ def _digits(image_size: int) -> tuple[np.ndarray, np.ndarray]:
     return out, labels
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
     """An exception's message collapsed onto one line."""
     return " ".join(str(err).split()) or type(err).__name__
-
-
-def _image_files(root: Path, path: str) -> tuple[list[str], list[list[Path]]]:
-    """Class names (sorted subdirectories, hidden skipped) and each class's image files."""
-    layout = "data.path/<class>/<image>.png"
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if not classes:
-        raise DataError(
-            f"data.path={path!r} has no class subdirectories; put each class's images in its "
-            f"own subdirectory ({layout})"
-        )
-    files: list[list[Path]] = []
-    for c in classes:
-        found: list[Path] = []
-        for dirpath, dirnames, filenames in os.walk(root / c):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            found += [
-                Path(dirpath, f)
-                for f in filenames
-                if not f.startswith(".") and Path(f).suffix.lower() in IMAGE_SUFFIXES
-            ]
-        files.append(sorted(found, key=lambda f: f.relative_to(root).parts))
-    exts = "/".join(sorted(s[1:] for s in IMAGE_SUFFIXES))
-    if not any(files):
-        raise DataError(
-            f"data.path={path!r} holds no images ({exts}) in its {len(classes)} class "
-            f"subdirectories; add images as {layout}"
-        )
-    for c, f in zip(classes, files, strict=True):
-        if not f:
-            raise DataError(
-                f"data.path={path!r}: class directory {c!r} holds no images ({exts}); add "
-                "images to it or remove it"
-            )
-    return classes, files
-
-
-def _image_folder(path: str, image_size: int) -> tuple[np.ndarray, np.ndarray, list[str], str]:
-    """Decode every image under `path`: (uint8[N, S, S, 3], int32[N], classes, original WxH).
-
-    All images must have the same size (checked, never silently mixed); each is converted to
-    RGB (GIFs: first frame) and resized, bilinearly, to image_size x image_size.
-    """
-    from PIL import Image
-
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        what = "is not a directory" if root.exists() else "does not exist"
-        raise DataError(
-            f"data.path={path!r} {what}; point data.path at a directory with one subdirectory "
-            "of images per class"
-        )
-    classes, files = _image_files(root, path)
-    n = sum(len(f) for f in files)
-    images = np.empty((n, image_size, image_size, 3), dtype=np.uint8)
-    labels = np.empty(n, dtype=np.int32)
-    first: tuple[str, tuple[int, int]] | None = None
-    i = 0
-    for label, class_files in enumerate(files):
-        for f in class_files:
-            rel = f.relative_to(root).as_posix()
-            try:
-                with Image.open(f) as img:
-                    img.load()
-                    size = img.size
-                    rgb = img.convert("RGB")
-            except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, ...
-                raise DataError(
-                    f"data.path={path!r}: cannot decode image {rel!r} ({_one_line(e)}); fix or "
-                    "remove the file"
-                ) from e
-            if first is None:
-                first = (rel, size)
-            elif size != first[1]:
-                (w0, h0), (w1, h1) = first[1], size
-                raise DataError(
-                    f"data.path={path!r}: images have different sizes ({first[0]!r} is {w0}x{h0}, "
-                    f"{rel!r} is {w1}x{h1}); all images must have the same size: resize them "
-                    "to one size first"
-                )
-            if rgb.size != (image_size, image_size):
-                rgb = rgb.resize((image_size, image_size), Image.Resampling.BILINEAR)
-            images[i] = np.asarray(rgb)
-            labels[i] = label
-            i += 1
-    assert first is not None
-    return images, labels, classes, f"{first[1][0]}x{first[1][1]}"
 
 
 def _synthetic_dataset(image_size: int, seed: int, num_classes: int | None) -> ImageDataset:
@@ -321,28 +230,13 @@ def _synthetic_dataset(image_size: int, seed: int, num_classes: int | None) -> I
     )
 
 
-def _stored_images(
-    name: str, image_size: int, path: str | None
-) -> tuple[np.ndarray, np.ndarray, int, str]:
-    """The images of `digits` or `image-folder`, decoded into memory: (uint8[N, S, S, C],
-    int32[N], classes found, a line saying where they came from). A folder must hold at least
-    2 images, one for each split."""
-    if name == "digits":
-        images, labels = _digits(image_size)
-        source = f"scikit-learn handwritten digits, 8x8 grey upscaled to {image_size}x{image_size}"
-        return images, labels, 10, source
-    if path is None:
+def _check_classes(num_classes: int | None, found: int, where: str) -> None:
+    """`model.num_classes`, if set, equals the classes the data has."""
+    if num_classes is not None and num_classes != found:
         raise DataError(
-            "data.path is not set; data.name='image-folder' needs data.path pointing at a "
-            "directory with one subdirectory of images per class"
+            f"model.num_classes={num_classes} but {where} has {found} classes; set "
+            f"model.num_classes={found} or leave it unset"
         )
-    images, labels, class_names, original = _image_folder(path, image_size)
-    source = f"{images.shape[0]:,} {original} images from {path}"
-    if images.shape[0] < 2:
-        raise DataError(
-            f"data.path={path!r} holds 1 image; need at least 2 (1 train + 1 val): add images"
-        )
-    return images, labels, len(class_names), source
 
 
 def load_images(
@@ -353,12 +247,15 @@ def load_images(
     path: str | None = None,
     val_fraction: float = 0.1,
     num_classes: int | None = None,
-) -> ImageDataset:
+    workers: int = 4,
+) -> ImageBatches:
     """Load image dataset `name` ('digits', 'synthetic-imagenet' or 'image-folder').
 
     Images come out as uint8[image_size, image_size, 3]. `num_classes`: for synthetic-imagenet
     the number of label values (default 1000); for the others, if set, it must equal the
     number of classes found. The train/val split is stratified and seeded by `seed`.
+    `image-folder` is indexed here and decoded per batch by `workers` threads
+    (`jaxpod.data.image_folder`); `digits` is held in memory.
     """
     if name not in NAMES:
         raise DataError(f"data.name={name!r} is unknown; use one of: {', '.join(NAMES)}")
@@ -370,18 +267,27 @@ def load_images(
         return _synthetic_dataset(image_size, seed, num_classes)
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be in (0, 1); e.g. 0.1")
-    images, labels, found, source = _stored_images(name, image_size, path)
-    if num_classes is not None and num_classes != found:
-        where = "digits" if name == "digits" else f"data.path={path!r}"
-        raise DataError(
-            f"model.num_classes={num_classes} but {where} has {found} classes; set "
-            f"model.num_classes={found} or leave it unset"
+    if name == "image-folder":
+        if path is None:
+            raise DataError(
+                "data.path is not set; data.name='image-folder' needs data.path pointing at a "
+                "directory with one subdirectory of images per class"
+            )
+        from jaxpod.data.image_folder import open_folder
+
+        folder = open_folder(
+            path, image_size=image_size, seed=seed, val_fraction=val_fraction, workers=workers
         )
-    train_idx, val_idx = _stratified_split(labels, val_fraction, seed)
+        _check_classes(num_classes, folder.num_classes, f"data.path={path!r}")
+        return folder
+    images, labels = _digits(image_size)
+    _check_classes(num_classes, 10, "digits")
+    train_idx, val_idx = stratified_split(labels, val_fraction, seed)
+    source = f"scikit-learn handwritten digits, 8x8 grey upscaled to {image_size}x{image_size}"
     return ImageDataset(
         name,
         image_size,
-        found,
+        10,
         seed,
         int(train_idx.shape[0]),
         int(val_idx.shape[0]),

@@ -64,16 +64,22 @@ class Windows:
         return None
 
 
+def epoch_positions(seed: int, n: int, g: np.ndarray) -> np.ndarray:
+    """Positions among `n` training examples of global examples `g` (int64[B]): each epoch
+    of n consecutive global examples is the permutation seeded by (seed, epoch). int64[B]
+    (shared by the text and image datasets)."""
+    epochs = g // n
+    pos = np.empty_like(g)
+    for epoch in np.unique(epochs):
+        sel = epochs == epoch
+        pos[sel] = epoch_permutation(seed, int(epoch), n)[g[sel] % n]
+    return pos
+
+
 def epoch_rows(windows: np.ndarray, seed: int, g: np.ndarray) -> np.ndarray:
     """Train windows of global example indices `g` as int32: each epoch visits `windows` in a
     permutation seeded by (seed, epoch)."""
-    n = windows.shape[0]
-    epochs = g // n
-    idx = np.empty_like(g)
-    for epoch in np.unique(epochs):
-        sel = epochs == epoch
-        idx[sel] = epoch_permutation(seed, int(epoch), n)[g[sel] % n]
-    return windows[idx].astype(np.int32)
+    return windows[epoch_positions(seed, windows.shape[0], g)].astype(np.int32)
 
 
 @dataclass(frozen=True)

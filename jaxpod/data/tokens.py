@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxpod.data.documents import is_validation
-from jaxpod.data.text import Windows, epoch_rows, global_indices
+from jaxpod.data.ledger import Ledger
+from jaxpod.data.text import Windows, epoch_positions, global_indices
 from jaxpod.errors import DataError
 
 END_OF_TEXT = "<|endoftext|>"  # id 0: closes every document
@@ -131,13 +132,33 @@ def write_token_files(
 @dataclass(frozen=True)
 class TokenFileDataset(Windows):
     """Windows of `seq_len + 1` token ids from the token files in `directory` (memory-mapped);
-    the same interface as `jaxpod.data.text.TokenDataset`."""
+    the same interface as `jaxpod.data.text.TokenDataset`.
+
+    `ledger` counts the bytes the reader holds (`jaxpod.data.ledger`): one epoch's visiting
+    order (`index_bytes`), the rows it copies out of the map for a batch and the int32 batch
+    it returns while alive. The mapped pages are the kernel's page cache, dropped under
+    pressure, and not counted.
+    """
 
     name: str
     seq_len: int
     seed: int
     directory: Path
     _source: str = field(default="", repr=False)
+    ledger: Ledger = field(default_factory=Ledger, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.ledger.hold(self.index_bytes)
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of one epoch's visiting order of the train windows (int64 each)."""
+        return 8 * self.num_train_windows
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes the reader has held at once (`ledger`)."""
+        return self.ledger.peak
 
     @property
     def meta(self) -> dict:
@@ -164,13 +185,20 @@ class TokenFileDataset(Windows):
         """Rows [start, stop) of training step `step`: int32[stop-start, seq_len+1]; each
         epoch visits the train windows in a permutation seeded by (seed, epoch)."""
         g = global_indices(step, start, stop, global_batch)
-        return epoch_rows(self._map("train"), self.seed, g)
+        windows = self._map("train")
+        return self._copy(windows, epoch_positions(self.seed, windows.shape[0], g))
 
     def val_rows(self, batch: int, start: int, stop: int, global_batch: int) -> np.ndarray:
         """Rows [start, stop) of validation batch `batch`, in order (wrapping around)."""
         windows = self._map("val")
         g = global_indices(batch, start, stop, global_batch)
-        return windows[g % windows.shape[0]].astype(np.int32)
+        return self._copy(windows, g % windows.shape[0])
+
+    def _copy(self, windows: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Windows `rows` (int64[B]) copied out of the map as int32[B, window], counted."""
+        picked = windows[rows]
+        with self.ledger.scratch(picked.nbytes):
+            return self.ledger.track(picked.astype(np.int32))
 
     def describe(self) -> str:
         m = self.meta

@@ -53,6 +53,7 @@ FREE = (
     "train.keep_checkpoints",
     "train.profile_steps",
     "data.prefetch",
+    "data.workers",
 )  # keys (or prefixes ending in '.') that may change on resume without --allow-changes
 EVENTS_GLOB = "events.out.tfevents.*"
 

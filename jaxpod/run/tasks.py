@@ -23,9 +23,9 @@ from jaxpod.engine import Engine, TrainState, abstract_engine, build_engine
 
 @dataclass
 class Task:
-    """A dataset (`TokenDataset`, `TokenFileDataset` or `ImageDataset`) bound to an engine:
-    a task in the learning sense (the data and the model and loss that learn from it), not a
-    cluster's (a process)."""
+    """A dataset (`TokenDataset`, `TokenFileDataset`, `ImageDataset` or `FolderImages`) bound
+    to an engine: a task in the learning sense (the data and the model and loss that learn
+    from it), not a cluster's (a process)."""
 
     cfg: Config
     dataset: Any
@@ -102,6 +102,7 @@ def load_data(cfg: Config):
             path=cfg.data.path,
             val_fraction=cfg.data.val_fraction,
             num_classes=cfg.model.num_classes,
+            workers=cfg.data.workers,
         )
     if cfg.data.tokenizer != "bytes":
         from jaxpod.data.tokenized import load_tokens

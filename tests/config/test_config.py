@@ -351,7 +351,7 @@ BAD_OVERRIDES = [
             "mesh.pipeline mesh.tensor model.layers model.d_model model.heads model.d_ff "
             "model.seq_len model.vocab train.steps train.micro_batch train.grad_accum "
             "train.global_batch train.log_every train.eval_batches train.keep_checkpoints "
-            "train.pipeline_group"
+            "train.pipeline_group data.workers"
         ).split()
     ],
     (["train.seed=-1"], ("train.seed=-1 must be in [0, 2**32)",)),
