@@ -56,21 +56,32 @@ def _largest_matrix(cfg: Config) -> float:
     return max(qkv * d, d * f_in) / cfg.mesh.tensor
 
 
-def _state_bytes(cfg: Config, layout: dict) -> dict:
+def row_padding(cfg: Config, profile: DeviceProfile, itemsize: int) -> int:
+    """How many rows a packed family's state row `[1, n]` of `itemsize`-byte elements takes
+    once tiled (`DeviceProfile.tile`): 2 for 16-bit rows on XLA:TPU (`T(2,128)(2,1)`: one
+    32-bit word's rows), 1 for float32 rows or an untiled device; stacked layers' state is
+    never one row."""
+    if profile.tile is None or cfg.kind.stages != "packed":
+        return 1
+    return profile.tile.rows_of(1, itemsize)
+
+
+def _state_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> dict:
     """Bytes per device of the whole state, wherever it rests: `master` (the master weights),
     `weights` (with a 16-bit working copy: the forward's cast, a temporary of the step made on
     the device, alive from the forward to the backward), `optimizer`, the gradients as the
     stage holds them (`grads`: two copies when `accumulated`, summed over micro-batches or
     passes, or carried by 1f1b) and as the update reads them (`grads_update`), the update's
-    `updates`."""
+    `updates`. A packed family's stored rows take their tiled rows (`row_padding`)."""
     mem, prec = cfg.memory, cfg.precision
     rts = mem.rts
     rts_opt = mem.rts_optimizer or rts
     pb = DTYPE_BYTES[prec.params]
     mb = 4 if prec.master == "float32" else pb
     local = layout["local"]
-    master_all = local / rts * mb
+    master_all = local / rts * mb * row_padding(cfg, profile, mb)
     moment_bytes = 4 if cfg.optim.moments == "float32" else mb
+    moment_bytes *= row_padding(cfg, profile, moment_bytes)
     accumulated = cfg.part_micro > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
     accumulated |= cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule in STEPWISE  # carried
     return {
@@ -249,7 +260,7 @@ def device_bytes(
     docstring); `profile` (default `memory.device`) is the device the step runs on. Three
     moments compete for the peak: the layers' backward, the loss head and the update."""
     profile = profile or get_profile(cfg.memory.device)
-    s = _state_bytes(cfg, layout)
+    s = _state_bytes(cfg, layout, profile)
     host_weights = _host_weights(cfg, layout, s["master"])
     weights, optimizer, moved_in = _on_device(cfg, s, host_weights, profile)
     gathered, gathered_layer, widened = _gathered_bytes(cfg, layout, profile)

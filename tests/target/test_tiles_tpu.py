@@ -106,3 +106,22 @@ def _is_batch_copy(shape: str, images: int, hw: int) -> bool:
 def _input_copy(cfg) -> int:
     acts = activation_bytes(cfg, PROFILE)
     return device_bytes(cfg, param_layout(cfg), acts, PROFILE)["input_copy"]
+
+
+def test_16bit_state_rows_take_two_rows_as_the_planner_counts(program):
+    """The packed stages' state rows `f16[1, n]` (the weights' and the moments') are laid
+    out `T(2,128)(2,1)`: one 32-bit word's rows, twice their logical bytes in HBM; the
+    planner's weights and optimizer state for the TPU profile are those padded bytes
+    (`jaxpod.planner.bytes.row_padding`), within the rows' lane padding."""
+    cfg, module = program
+    entry = module.computations[module.entry]
+    rows = [
+        i.type
+        for i in entry.instructions
+        if i.opcode == "parameter" and i.type.startswith("f16[1,")
+    ]
+    assert len(rows) == 2 and all("T(2,128)(2,1)" in t for t in rows), rows
+    padded = sum(shape_bytes(t, padded=True) for t in rows)
+    assert padded == pytest.approx(2 * sum(shape_bytes(t) for t in rows), rel=1e-3)
+    planned = device_bytes(cfg, param_layout(cfg), activation_bytes(cfg, PROFILE), PROFILE)
+    assert planned["weights"] + planned["optimizer"] == pytest.approx(padded, rel=1e-3)
