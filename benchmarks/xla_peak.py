@@ -24,47 +24,9 @@ import tempfile
 from pathlib import Path
 
 from jaxpod.platform import virtual_cpu_flags  # jax-free
+from jaxpod.target.live_ranges import covered, temporaries  # jax-free
 
 ROOT = Path(__file__).resolve().parents[1]
-VALUE = re.compile(r"value: <\d+ (\S+?)(?: \(phi\))? @0> \(size=(\d+),offset=(\d+)\): (\S+)")
-
-
-def temporaries(dump: str) -> tuple[dict, dict, dict]:
-    """`(values, live ranges, schedule)` of the train step's preallocated temporaries:
-    name -> (size, offset, shape), name -> (first, last) position, position -> name."""
-    assignment = glob.glob(f"{dump}/*jit_train_step*buffer-assignment.txt")[0]
-    live_range = glob.glob(f"{dump}/*jit_train_step*live-range.txt")[0]
-    values, in_temp = {}, False
-    for line in open(assignment):
-        if line.startswith("allocation"):
-            in_temp = "preallocated-temp" in line
-        m = VALUE.search(line)
-        if m and in_temp:
-            values[m.group(1)] = (int(m.group(2)), int(m.group(3)), m.group(4))
-    ranges, schedule, part = {}, {}, None
-    for line in open(live_range):
-        part = "seq" if "InstructionSequence" in line else part
-        part = "ranges" if "BufferLiveRange" in line else part
-        part = None if "Live ranges at" in line else part
-        if part == "seq" and (m := re.match(r"\s+(\d+):(\S+)", line)):
-            schedule[int(m.group(1))] = m.group(2)
-        elif part == "ranges" and (m := re.match(r"\s+(\S+):(\d+)-(\d+)", line)):
-            name = m.group(1).removesuffix("{}")
-            if name in values:
-                ranges[name] = (int(m.group(2)), int(m.group(3)))
-    return values, ranges, schedule
-
-
-def covered(values: dict, ranges: dict, t: int) -> int:
-    """Bytes of the temp allocation covered by values live at `t` (aliases counted once)."""
-    spans = sorted(
-        (values[v][1], values[v][1] + values[v][0]) for v, (a, b) in ranges.items() if a <= t <= b
-    )
-    total, end = 0, -1
-    for start, stop in spans:
-        if stop > end:
-            total, end = total + stop - max(start, end), stop
-    return total
 
 
 def report(dump: str, top: int) -> str:

@@ -181,6 +181,26 @@ def _on_device(cfg: Config, s: dict, host_weights: float, profile: DeviceProfile
     return weights, optimizer, moved_in
 
 
+def _matrix_copies(cfg: Config, profile: DeviceProfile) -> float:
+    """Bytes of the bfloat16 copies of the stage's stacked layer matrices (W_qkv, W_o, W_in,
+    W_out: the device's shards, [L/p, D, (D + 2 KVD)/t] ...) that a backend multiplying
+    float32 at default precision makes once and holds all step
+    (`DeviceProfile.converts_matrices`); 0 where the step's matmuls are not float32 or the
+    stack is not read whole from the device."""
+    prec, mem = cfg.precision, cfg.memory
+    if not profile.converts_matrices or cfg.kind.stages != "stacked":
+        return 0
+    if prec.params != "float32" or prec.compute != "float32":
+        return 0
+    # read on device-resident, unsharded stacks only: RTS, host-resident layers and matrix
+    # streams fetch or gather pieces of them, whose conversion no program read has shown
+    if mem.rts > 1 or "params" in mem.offload or mem.phases > 1 or mem.stream == "matrix":
+        return 0
+    d, f, qkv, f_in = _widths(cfg)
+    layers = cfg.model.layers // cfg.mesh.pipeline
+    return layers * d * (qkv + d + f_in + f) / cfg.mesh.tensor * 2
+
+
 def _inputs(cfg: Config) -> int:
     """Bytes of a call's batch (with `train.batch_parts`, a part of it): token ids, or uint8
     images."""
@@ -263,6 +283,7 @@ def device_bytes(
     s = _state_bytes(cfg, layout, profile)
     host_weights = _host_weights(cfg, layout, s["master"])
     weights, optimizer, moved_in = _on_device(cfg, s, host_weights, profile)
+    weights += _matrix_copies(cfg, profile)
     gathered, gathered_layer, widened = _gathered_bytes(cfg, layout, profile)
     scattered = _scattered_bytes(cfg, profile)
     copies = (gathered, gathered_layer, widened, scattered)

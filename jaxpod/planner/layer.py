@@ -134,11 +134,33 @@ def _backward_work(cfg: Config, r: _Rows, cb: int, kept: int) -> int:
     return work
 
 
-def layer_sets(cfg: Config, cb: int, sb: int) -> dict:
+def _fused_work(cfg: Config, r: _Rows, cb: int, kept: int) -> int | None:
+    """Bytes of a recomputed layer's backward working set on a backend that fuses the
+    recomputation into the backward's matmuls (`DeviceProfile.fuses_recomputation`), or None
+    where that program was not read (policies other than full and attention, float16
+    compute, sequence chunks, matrix streaming).
+
+    XLA:TPU holds at the peak the recomputed probabilities [b, H/t, T, T] and hidden units
+    [b, T, F/t] in the compute dtype, a bfloat16 copy of the hidden units for W_out's
+    matmul, and three residual rows [b, T, D] in the compute dtype and a bfloat16 one (the
+    layer's input, the cotangent, a psum's output or queries' and keys' copies), less what the
+    policy keeps (tests/target/test_fusion_tpu.py)."""
+    md = cfg.model
+    if md.remat not in ("full", "attention") or cfg.precision.compute == "float16":
+        return None  # the programs read: these policies, float32 and bfloat16 compute
+    if md.sequence_chunks > 1 or cfg.memory.stream == "matrix":
+        return None
+    hidden = (2 if r.gated else 1) * r.btf
+    rows = (3 * cb + 2) * r.res + cb * r.gathered // 2
+    return max(cb * r.kept_scores + (cb + 2) * hidden + rows - kept, 0)
+
+
+def layer_sets(cfg: Config, cb: int, sb: int, fused: bool = False) -> dict:
     """Bytes of one layer's residuals for one micro-batch on one device (`cb` bytes a scalar):
     `all` (what autodiff saves without remat), `saved` (what the remat policy keeps, layer
-    input included), `work` (one layer's backward working set) and `btd` (one [b, T, D] row
-    of the residual stream, as stored)."""
+    input included), `work` (one layer's backward working set; `fused`: the backend fuses a
+    recomputed layer into its backward, `_fused_work`) and `btd` (one [b, T, D] row of the
+    residual stream, as stored)."""
     r = _layer_rows(cfg)
     every = _autodiff_saved(cfg, r, cb)
     remat = cfg.model.remat
@@ -151,5 +173,6 @@ def layer_sets(cfg: Config, cb: int, sb: int) -> dict:
     else:
         scalars = _policy_scalars(cfg, r)[remat]
         saved, kept = scalars * sb, (scalars - r.res) * cb
-    work = _backward_work(cfg, r, cb, kept)
+    fused_work = _fused_work(cfg, r, cb, kept) if fused else None
+    work = _backward_work(cfg, r, cb, kept) if fused_work is None else fused_work
     return {"all": every, "saved": saved, "work": work, "btd": r.res * sb}

@@ -8,7 +8,10 @@ fitted constants: XLA:CPU computes 16-bit dtypes in float32 (`widens_16bit`), ke
 values between its computations in float32 buffers (`stores_in_float32`) and both memory
 kinds in one RAM, so its update reads host-resident optimizer state in place
 (`shares_host_memory`: nothing is moved in; measured in docs/memory.md). XLA:TPU pads
-every array to its tiles (`tile`: `jaxpod.planner.tiles`), which the TPU profiles name.
+every array to its tiles (`tile`: `jaxpod.planner.tiles`), converts float32 layer matrices
+to bfloat16 for its matmuls (`converts_matrices`) and fuses a recomputed layer into its
+backward's matmuls (`fuses_recomputation`), which the TPU profiles name
+(tests/target/test_fusion_tpu.py finds both in compiled programs).
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ class DeviceProfile:
     # the tile arrays are laid out in, their two minor dimensions padded to it (XLA:TPU);
     # None: arrays take their logical bytes
     tile: Tile | None = None
+    # float32 matmuls at default precision take one bfloat16 pass: the stacked layer matrices
+    # (W_qkv, W_o, W_in, W_out) are converted to bfloat16 once, whole, before the layer loops,
+    # and the copies held through the step (XLA:TPU, float32 params and compute)
+    converts_matrices: bool = False
+    # a recomputed layer's backward holds the recomputed probabilities and hidden units (and a
+    # bfloat16 copy of those) beside three residual rows, not autodiff's whole saved set
+    # (XLA:TPU fuses the recomputation into the matmuls: `jaxpod.planner.layer`)
+    fuses_recomputation: bool = False
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -99,6 +110,8 @@ PROFILES: dict[str, DeviceProfile] = {
             "4-chip host (nominal, the TPU VM's)",
             chips_per_host=4,
             tile=Tile(),
+            converts_matrices=True,
+            fuses_recomputation=True,
         ),
         DeviceProfile(
             "tpu-v5e",
@@ -108,6 +121,8 @@ PROFILES: dict[str, DeviceProfile] = {
             "per 8-chip host",
             chips_per_host=8,
             tile=Tile(),
+            converts_matrices=True,
+            fuses_recomputation=True,
         ),
         DeviceProfile(
             "tpu-v5p",
@@ -117,6 +132,8 @@ PROFILES: dict[str, DeviceProfile] = {
             "4-chip host (nominal, the TPU VM's)",
             chips_per_host=4,
             tile=Tile(),
+            converts_matrices=True,
+            fuses_recomputation=True,
         ),
         DeviceProfile(
             "tpu-v6e",
@@ -126,6 +143,8 @@ PROFILES: dict[str, DeviceProfile] = {
             "1536 GiB per 8-chip host",
             chips_per_host=8,
             tile=Tile(),
+            converts_matrices=True,
+            fuses_recomputation=True,
         ),
     )
 }
