@@ -8,7 +8,9 @@ fitted constants: XLA:CPU computes 16-bit dtypes in float32 (`widens_16bit`), ke
 values between its computations in float32 buffers (`stores_in_float32`) and both memory
 kinds in one RAM, so its update reads host-resident optimizer state in place
 (`shares_host_memory`: nothing is moved in; measured in docs/memory.md). XLA:TPU pads
-every array to its tiles (`tile`: `jaxpod.planner.tiles`), which the TPU profiles name.
+every array to its tiles (`tile`: `jaxpod.planner.tiles`), which the TPU profiles name,
+and places the values a remat policy saves in host memory when `memory.offload` names
+activations (`offloads_activations`; XLA:CPU ignores the placement).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class DeviceProfile:
     # the tile arrays are laid out in, their two minor dimensions padded to it (XLA:TPU);
     # None: arrays take their logical bytes
     tile: Tile | None = None
+    # the remat policy's saved values live in host memory with memory.offload=[activations]
+    # (XLA:TPU's host temporaries, tests/target/test_offload_tpu.py). XLA:CPU drops the
+    # placement; jax lowers it for GPU too, but no XLA:GPU program is read here: False
+    offloads_activations: bool = False
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -99,6 +105,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "4-chip host (nominal, the TPU VM's)",
             chips_per_host=4,
             tile=Tile(),
+            offloads_activations=True,
         ),
         DeviceProfile(
             "tpu-v5e",
@@ -108,6 +115,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "per 8-chip host",
             chips_per_host=8,
             tile=Tile(),
+            offloads_activations=True,
         ),
         DeviceProfile(
             "tpu-v5p",
@@ -117,6 +125,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "4-chip host (nominal, the TPU VM's)",
             chips_per_host=4,
             tile=Tile(),
+            offloads_activations=True,
         ),
         DeviceProfile(
             "tpu-v6e",
@@ -126,6 +135,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "1536 GiB per 8-chip host",
             chips_per_host=8,
             tile=Tile(),
+            offloads_activations=True,
         ),
     )
 }
