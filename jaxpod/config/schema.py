@@ -308,8 +308,9 @@ class Config:
         if "activations" in self.memory.offload:
             out.append(
                 "memory.offload includes activations: the TPU/GPU program places the saved "
-                "activations on the host, the CPU one does not, and the planner counts them on "
-                "the device for every profile (tests/planner/test_transfers.py)"
+                "activations on the host, the CPU one does not; the planner counts them on the "
+                "host for the TPU profiles without a pipeline, else on the device "
+                "(`jaxpod plan` says why)"
             )
         return out
 

@@ -8,8 +8,9 @@ With `memory.offload` containing `activations`, the values a policy saves are *o
 instead: written to `pinned_host` memory in the forward pass and read back in the backward
 pass (`OFFLOAD_POLICIES`, built from `save_and_offload_only_these_names` /
 `offload_dot_with_no_batch_dims`); what is recomputed does not change. The TPU/GPU lowering
-places them on the host; the CPU lowering has no such placement (`jaxpod.parallel.offload`),
-and the planner counts them on the device (tests/planner/test_transfers.py).
+places them on the host; the CPU lowering has no such placement (`jaxpod.parallel.offload`).
+The planner counts them on the host where the device profile's backend places them there
+(`DeviceProfile.offloads_activations`: XLA:TPU, tests/target/test_offload_tpu.py).
 """
 
 from __future__ import annotations

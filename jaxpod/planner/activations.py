@@ -189,6 +189,26 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int) -> dict:
     }
 
 
+def offloaded_per_layer(cfg: Config, profile: DeviceProfile, sets: dict) -> tuple[int, str]:
+    """`(bytes, why)`: bytes of one layer's saved values that live in host memory with
+    `memory.offload=[activations]` (the remat policy's values, not the layer's input, which
+    stays on the device as the layer scan's residual; `sets`: `layer_sets`), and, where
+    that is 0 though activations are offloaded, why (else "")."""
+    md = cfg.model
+    if "activations" not in cfg.memory.offload:
+        return 0, ""
+    if not profile.offloads_activations:
+        return 0, f"{profile.name}: the backend's program keeps saved values on the device"
+    if cfg.mesh.pipeline > 1:  # tests/target/test_offload_tpu.py, the xfail
+        return 0, "pipelined: XLA:TPU rejects the program that offloads the saved values"
+    if md.remat not in ("minimal", "attention", "comms"):
+        why = {"full": "remat full saves only layer inputs, which are never offloaded"}
+        return 0, why.get(md.remat, f"remat {md.remat} with offload: not modelled")
+    if cfg.memory.stream == "matrix":
+        return 0, "memory.stream=matrix with offload: not modelled"
+    return sets["saved"] - sets["btd"], ""
+
+
 def _head_logits(cfg: Config, tokens: int, cb: int) -> tuple[int, int]:
     """`(head, chunks)`: bytes of the loss head at its peak over `tokens` tokens, in `chunks`
     chunks (`sequence_chunks`, as the engine divides the head's tokens): float32 logits over
@@ -226,11 +246,11 @@ def _head_peak(cfg: Config, tokens: int, head: int, chunks: int) -> int:
     return head
 
 
-def _head_moment(cfg: Config, pipe: dict, btd: int, head_peak: int) -> int:
+def _head_moment(cfg: Config, pipe: dict, saved: int, btd: int, head_peak: int) -> int:
     """Bytes of activations alive at the loss head (end of the forward pass): the saved
-    residuals, the forward's rows (`btd` bytes each), the head (`head_peak`)."""
+    residuals on the device (`saved`), the forward's rows (`btd` bytes each), the head
+    (`head_peak`)."""
     tr = cfg.train
-    saved = pipe["saved"]
     if cfg.mesh.pipeline > 1 and tr.pipeline_schedule not in STEPWISE:
         # the embedded micro-batches (BERT: and its LN's rows)
         micro = cfg.pipeline_group
@@ -250,9 +270,13 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     - `head_kept`: the head's operands for its weight gradients, alive through the layers'
       backward (`_head_kept`).
     - `layer_work`: one layer's backward working set (recomputation under remat).
-    Two moments: `head_moment` (saved, the forward's embedded rows, the head; a head in chunks
-    also its table gradient) and `backward_moment` (saved + pipeline_buffers + tick_grads +
-    head_kept + layer_work); `total` is the larger; `device_bytes` adds to each moment what
+    - `host`: the saved values in host memory (`offloaded_per_layer`, for each layer of the
+      micro-batch in flight; `host_why` says why none where activations are offloaded);
+      `saved_on_device` the rest of `saved`.
+    Two moments: `head_moment` (saved on the device, the forward's embedded rows, the head; a
+    head in chunks also its table gradient) and `backward_moment` (saved on the device, one
+    layer's offloaded values read back, pipeline_buffers + tick_grads + head_kept +
+    layer_work); `total` is the larger; `device_bytes` adds to each moment what
     else is alive then (1f1b runs its head inside the backward ticks). `head_table` is the
     head's table copy.
     """
@@ -265,13 +289,15 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     pipe = _pipeline_terms(cfg, sets, sb)
     tokens = pipe["head_tokens"]
     head, head_chunks = _head_logits(cfg, tokens, cb)
-    # memory.offload=activations earns nothing: the CPU lowering places no saved value on the
-    # host (the TPU/GPU one does, uncredited: tests/planner/test_transfers.py)
-    saved = on_device_saved = pipe["saved"]
-    backward = on_device_saved + pipe["pipeline_buffers"] + pipe["tick_grads"]
+    per_layer, why = offloaded_per_layer(cfg, profile, sets)
+    saved = pipe["saved"]
+    host = pipe["layers_per_stage"] * per_layer  # no pipeline: one micro-batch's layers
+    on_device_saved = saved - host
+    # a layer's backward reads its offloaded values back: one layer's are on the device then
+    backward = on_device_saved + per_layer + pipe["pipeline_buffers"] + pipe["tick_grads"]
     backward += pipe["head_kept"] + sets["work"]
     head_peak = _head_peak(cfg, tokens, head, head_chunks)
-    head_moment = _head_moment(cfg, pipe, sets["btd"], head_peak)
+    head_moment = _head_moment(cfg, pipe, on_device_saved, sets["btd"], head_peak)
     return {
         "saved": saved,
         "saved_on_device": on_device_saved,
@@ -287,7 +313,8 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         "ticks": pipe["ticks"],
         "layers_per_stage": pipe["layers_per_stage"],
         "total": max(backward, head_moment),
-        "host": saved - on_device_saved,
+        "host": host,
+        "host_why": why,
         "estimated": False,
     }
 

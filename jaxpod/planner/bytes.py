@@ -11,9 +11,10 @@ the whole step (the CPU lowering fetches no piece of them; the TPU/GPU lowering'
 and per-matrix fetches are not credited: tests/planner/test_transfers.py), the optimizer
 state moved in whole for the update. Where host memory is device memory (`shares_host_memory`,
 XLA:CPU) the optimizer state, and the weights outside phases, are read in place instead.
-Saved activations never leave the device (the lowered step has no such placement); nothing
-is prefetched. The device profile's flags say how the backend computes and lays out values
-(`widens_16bit`, `transposes_scattered_grads`, ...).
+Saved activations stay on the device unless the profile's backend places the remat policy's
+values in host memory (`offloads_activations`, `jaxpod.planner.activations`: the host
+total); nothing is prefetched. The device profile's flags say how the backend computes and
+lays out values (`widens_16bit`, `transposes_scattered_grads`, ...).
 """
 
 from __future__ import annotations

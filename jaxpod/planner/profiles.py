@@ -9,9 +9,11 @@ values between its computations in float32 buffers (`stores_in_float32`) and bot
 kinds in one RAM, so its update reads host-resident optimizer state in place
 (`shares_host_memory`: nothing is moved in; measured in docs/memory.md). XLA:TPU pads
 every array to its tiles (`tile`: `jaxpod.planner.tiles`), converts float32 layer matrices
-to bfloat16 for its matmuls (`converts_matrices`) and fuses a recomputed layer into its
+to bfloat16 for its matmuls (`converts_matrices`), fuses a recomputed layer into its
 backward's matmuls (`fuses_recomputation`), which the TPU profiles name
-(tests/target/test_fusion_tpu.py finds both in compiled programs).
+(tests/target/test_fusion_tpu.py finds both in compiled programs), and places the values a
+remat policy saves in host memory when `memory.offload` names activations
+(`offloads_activations`; XLA:CPU ignores the placement).
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class DeviceProfile:
     # bfloat16 copy of those) beside three residual rows, not autodiff's whole saved set
     # (XLA:TPU fuses the recomputation into the matmuls: `jaxpod.planner.layer`)
     fuses_recomputation: bool = False
+    # the remat policy's saved values live in host memory with memory.offload=[activations]
+    # (XLA:TPU's host temporaries, tests/target/test_offload_tpu.py). XLA:CPU drops the
+    # placement; jax lowers it for GPU too, but no XLA:GPU program is read here: False
+    offloads_activations: bool = False
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -112,6 +118,7 @@ PROFILES: dict[str, DeviceProfile] = {
             tile=Tile(),
             converts_matrices=True,
             fuses_recomputation=True,
+            offloads_activations=True,
         ),
         DeviceProfile(
             "tpu-v5e",
@@ -123,6 +130,7 @@ PROFILES: dict[str, DeviceProfile] = {
             tile=Tile(),
             converts_matrices=True,
             fuses_recomputation=True,
+            offloads_activations=True,
         ),
         DeviceProfile(
             "tpu-v5p",
@@ -134,6 +142,7 @@ PROFILES: dict[str, DeviceProfile] = {
             tile=Tile(),
             converts_matrices=True,
             fuses_recomputation=True,
+            offloads_activations=True,
         ),
         DeviceProfile(
             "tpu-v6e",
@@ -145,6 +154,7 @@ PROFILES: dict[str, DeviceProfile] = {
             tile=Tile(),
             converts_matrices=True,
             fuses_recomputation=True,
+            offloads_activations=True,
         ),
     )
 }

@@ -91,12 +91,17 @@ def _byte_rows(p: dict) -> list[tuple[str, int, str]]:
     weights = "master (+16-bit working copy)"
     if "params" in p["offload"]:  # docs/memory.md, "Which program the planner counts"
         weights += "; host-resident, counted on the device all step (CPU fetches no piece)"
+    acts, remat = p["activations_breakdown"], f"remat {p['remat']}"
+    if acts.get("host"):
+        remat += f"; the saved values, {format_bytes(acts['host'])}, in host memory"
+    elif acts.get("host_why"):
+        remat += f"; saved values not offloaded ({acts['host_why']})"
     return [
         ("weights", b["weights"], weights),
         ("grads", b["grads"], "peak during backward"),
         ("optimizer", b["optimizer"], p["optimizer"]),
         ("moved in", b["moved_in"], "host-resident state moved to the device for the update"),
-        ("activations", b["activations"], f"remat {p['remat']}"),
+        ("activations", b["activations"], remat),
         ("updates", b["updates"], "optimizer update working set"),
         ("gathered", b["gathered"], "RTS all-gathered weights"),
         ("widened", b["widened"], "the step's matrices in float32 for their dots"),

@@ -11,10 +11,12 @@ lowering, the program XLA:CPU compiles here, has no transfer inside the step: it
 host-resident state in place (one RAM), fetches no piece of it, and places no saved
 activation on the host. The TPU/GPU lowering (`lowering_platforms`, no such device needed)
 moves the optimizer state in whole for the update and back, fetches the layers phase by phase
-or matrix by matrix, and offloads the saved activations. The planner counts the layers and
-the activations on the device (what the CPU program's lack of pieces implies) and, for
-profiles that do not share host memory, the optimizer state moved in whole (what the TPU/GPU
-program does). Also here: the token table and the MLP gathered a block at a time.
+or matrix by matrix, and offloads the saved activations. The planner counts the layers on
+the device (what the CPU program's lack of pieces implies), the saved activations on the
+device for the CPU profile (for the TPU profiles on the host:
+tests/planner/test_activation_offload.py) and, for profiles that do not share host memory,
+the optimizer state moved in whole (what the TPU/GPU program does). Also here: the token
+table and the MLP gathered a block at a time.
 """
 
 from __future__ import annotations

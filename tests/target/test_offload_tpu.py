@@ -12,12 +12,14 @@ abstract state's shard shapes (per chip, elements x dtype size), never written d
 - `memory.stream=matrix` with the layers on the host compiles, each step reading one
   layer's matrix of the whole stack (`jaxpod.parallel.weights_ready.read_layer`);
 - `memory.offload=[activations]`: what the remat policy saves lives in host memory
-  (XLA's host temporaries), on a mesh without a pipeline.
+  (XLA's host temporaries, the planner's host activations), on a mesh without a pipeline.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from collections import Counter
 from typing import NamedTuple
 
@@ -28,7 +30,7 @@ from helpers import make_tiny_cfg
 from jaxpod.target.buffers import compile_with_spaces, device_memory_bytes
 from jaxpod.target.hlo import async_overlap, transfers
 from jaxpod.target.hlo_runs import runs
-from jaxpod.target.hlo_text import parse
+from jaxpod.target.hlo_text import parse, shape_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -262,24 +264,47 @@ def test_matrix_streaming_with_host_layers_compiles(tpu, overrides, mesh):
             assert looped[whole] == 0, path
 
 
-def saved_collectives(cfg) -> int:
-    """Bytes per chip of what remat `comms` saves: the two all-reduced sums of each layer
-    (attention's output, the MLP's), float32 `[micro-batch, T, D]`."""
-    return cfg.model.layers * 2 * cfg.train.micro_batch * cfg.model.seq_len * cfg.model.d_model * 4
+def planned(cfg) -> dict:
+    """The plan of `cfg` for the target's device profile."""
+    from jaxpod.planner.plan import plan
+    from jaxpod.target.spec import parse_target
+
+    profile = parse_target(TARGET).profile
+    return plan(dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, device=profile)))
+
+
+def host_arrays(text: str) -> set[str]:
+    """The array shapes (layout dropped) that the program places in host memory (`S(5)`)."""
+    return set(re.findall(r"(\w+\[[\d,]*\])\{[^}]*S\(5\)\}", text))
+
+
+# the saved activations outweigh the state: 256 positions, 4 sequences a micro-batch
+ACTIVE = (*UNPADDED, "model.seq_len=256", "train.micro_batch=4")
 
 
 @pytest.mark.parametrize("remat", ["minimal", "attention", "comms"])
 def test_offloaded_activations_live_in_host_memory(tpu, remat):
-    """`memory.offload=[activations]` without a pipeline: the values the policy saves are
-    host temporaries (under `comms` exactly the saved sums of every layer), each written to
-    the host in the forward pass and read back in the backward pass."""
-    program = tpu("memory.offload=[activations]", f"model.remat={remat}")
-    host = program.memory.host_temp_size_in_bytes
-    assert host > 0
-    if remat == "comms":
-        assert host == saved_collectives(program.cfg)
+    """`memory.offload=[activations]` without a pipeline: the values the policy saves (each
+    layer's, less its input) are XLA:TPU's host temporaries, exactly the planner's host
+    activations: arrays stacked over the layers in host memory, each written there in the
+    forward pass and read back in the backward pass. The planner's device total falls by
+    all but one layer's of them (the layer in its backward holds its own again)."""
+    program = tpu(*ACTIVE, "memory.offload=[activations]", f"model.remat={remat}")
+    kept = planned(make_tiny_cfg(*ACTIVE, f"model.remat={remat}", mesh=FLAT))["bytes_per_device"]
+    offloaded = planned(program.cfg)
+    host, layers = offloaded["activations_breakdown"]["host"], program.cfg.model.layers
+    assert host > 0 and host % layers == 0
+    assert program.memory.host_temp_size_in_bytes == host
+    stacked = host_arrays(program.text)
+    assert {int(shape.split("[")[1].split(",")[0]) for shape in stacked} == {layers}
+    assert sum(shape_bytes(shape) for shape in stacked) == host
+    b = offloaded["bytes_per_device"]
+    assert (b["peak"], kept["peak"]) == ("backward", "backward")
+    assert kept["device_total"] - b["device_total"] == host - host // layers
+    assert b["host_total"] - kept["host_total"] == host
     moved = transfers(program.text)
     assert moved["to_host"]["executed_bytes"] == moved["to_device"]["executed_bytes"] > 0
+    print(remat, f"XLA:TPU HBM {device_memory_bytes(program.spaces)}", f"planned {b}")
 
 
 def test_full_remat_saves_nothing_to_offload(tpu):

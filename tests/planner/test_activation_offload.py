@@ -1,0 +1,80 @@
+"""The planner's credit for `memory.offload=[activations]`: on a profile whose backend places
+the remat policy's saved values in host memory (`DeviceProfile.offloads_activations`, the
+TPU profiles), each layer's saved values less its input move from the device total to the
+host total; nowhere else. The bytes are checked against the shapes the policies save here,
+against XLA:TPU's compiled program in tests/target/test_offload_tpu.py (instant)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import make_tiny_cfg
+
+from jaxpod.planner.plan import format_plan, plan
+
+# the saved activations outweigh the state (as tests/target/test_offload_tpu.py's ACTIVE)
+ACTIVE = ("model.d_model=256", "model.heads=2", "model.d_ff=1024", "model.seq_len=256")
+ACTIVE += ("train.micro_batch=4",)
+FLAT = (4, 1, 2)
+OFFLOAD = "memory.offload=[activations]"
+
+
+def _plan(*overrides: str, device: str = "tpu-v5p", mesh=FLAT) -> dict:
+    return plan(make_tiny_cfg(*ACTIVE, *overrides, f"memory.device={device}", mesh=mesh))
+
+
+def saved_per_layer(cfg, remat: str) -> int:
+    """Bytes of what `remat`'s policy saves of one layer besides its input, float32, from the
+    shapes the layer makes on one of t tensor devices: `minimal` the weight matmuls' outputs
+    (q, k, v; W_o's [b, T, D]; W_in's [b, T, F/t]), `attention` q, k, v and the attention
+    output, `comms` the attention's all-reduced sum (the MLP's is no residual)."""
+    md, t = cfg.model, cfg.mesh.tensor
+    rows = cfg.train.micro_batch * md.seq_len
+    qkv = (md.d_model + 2 * md.kv_head_count * (md.d_model // md.heads)) // t
+    columns = {
+        "minimal": qkv + md.d_model + md.d_ff // t,
+        "attention": qkv + md.d_model // t,
+        "comms": md.d_model,
+    }[remat]
+    return rows * columns * 4
+
+
+@pytest.mark.parametrize("remat", ["minimal", "attention", "comms"])
+def test_saved_values_move_to_the_host(remat):
+    """Without a pipeline one micro-batch's layers are in flight: the host holds every
+    layer's saved values; the device total (peak at the layers' backward) falls by all but
+    the one layer whose backward reads its own back."""
+    kept, offloaded = _plan(f"model.remat={remat}"), _plan(OFFLOAD, f"model.remat={remat}")
+    cfg = make_tiny_cfg(*ACTIVE, mesh=FLAT)
+    per_layer = saved_per_layer(cfg, remat)
+    host = cfg.model.layers * per_layer
+    acts = offloaded["activations_breakdown"]
+    assert (acts["host"], acts["host_why"]) == (host, "")
+    assert acts["saved"] - acts["saved_on_device"] == host
+    b, k = offloaded["bytes_per_device"], kept["bytes_per_device"]
+    assert b["peak"] == k["peak"] == "backward"
+    assert k["device_total"] - b["device_total"] == host - per_layer
+    assert b["host_total"] - k["host_total"] == host
+    assert "in host memory" in format_plan(offloaded)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "device", "mesh", "why"),
+    [
+        (["model.remat=minimal"], "cpu", FLAT, "cpu"),
+        (["model.remat=minimal"], "a100-80gb", FLAT, "a100-80gb"),
+        (["model.remat=minimal"], "tpu-v5p", (2, 2, 2), "pipelined"),
+        (["model.remat=full"], "tpu-v5p", FLAT, "remat full"),
+    ],
+    ids=["cpu", "gpu", "pipelined", "full"],
+)
+def test_no_credit_where_the_program_keeps_them(overrides, device, mesh, why):
+    """No credit where the backend keeps the saved values on the device (XLA:CPU drops the
+    placement; no XLA:GPU program is read), where XLA:TPU rejects the program (pipelined)
+    or where nothing offloadable is saved (remat full): the plan is the plan without the
+    offload, and says why."""
+    kept = _plan(*overrides, device=device, mesh=mesh)
+    offloaded = _plan(OFFLOAD, *overrides, device=device, mesh=mesh)
+    assert offloaded["bytes_per_device"] == kept["bytes_per_device"]
+    assert offloaded["activations_breakdown"]["host"] == 0
+    assert why in offloaded["activations_breakdown"]["host_why"]
+    assert "not offloaded" in format_plan(offloaded)
