@@ -1,13 +1,18 @@
 """The step-time model against published runs (`../shared/published/throughput_calibration.csv`).
 
-Each row becomes a `jaxpod.planner.step_time.Workload` and a measured step time (converted
-by the source's own FLOP count where it reports TFLOP/s); the model estimates it on the
-row's hardware (`jaxpod.planner.speed`). `--fit` fits each chip's `compute_efficiency` on
-the training rows only (every row not named in benchmarks/published_heldout.yaml) and
-prints the figures to put in speed.py; without it the table reports every row, the
-training and the held-out errors apart. Prints a table, writes JSON.
+Each row becomes a jaxpod config (`published_configs.py`: `configs/tiny.yaml` and overrides)
+whose step-time workload is `jaxpod estimate`'s, with what a config cannot carry (fused
+attention, overlap, MPMD pipelines, the gradient width) set from the run; a row jaxpod
+cannot express (context parallelism) keeps a `Workload` written from the file, and says so.
+With a measured step time (converted by the source's own FLOP count where it reports
+TFLOP/s), the model estimates it on the row's hardware (`jaxpod.planner.speed`). `--fit`
+fits each chip's `compute_efficiency` on the training rows only (every row not named in
+benchmarks/published_heldout.yaml) and prints the figures to put in speed.py; without it
+the table reports every row, the training and the held-out errors apart, and how each row
+was modelled. Prints a table, writes JSON.
 
     .venv/bin/python benchmarks/bench_published.py [--fit] [--out results/published.json]
+    .venv/bin/python benchmarks/bench_published.py --command LINE  # its `jaxpod estimate`
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -22,6 +28,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from published_configs import config_overrides, config_workload, differences
 
 from jaxpod.planner.speed import get_speed
 from jaxpod.planner.step_time import Workload, estimate
@@ -82,7 +89,8 @@ def workload(row: dict) -> Workload | None:
         d=d,
         c=c,
         virtual=int(row["vpp"] or 1),
-        kv_heads=kv,
+        schedule="interleaved-1f1b" if int(row["vpp"] or 1) > 1 else "1f1b",
+        kv_heads=kv or heads,  # multi-head attention: a key/value head per query head
         gated=row["source"].startswith(("MXT", "DGXC-L")),  # Llama-family: SwiGLU, RoPE
         rope=row["source"].startswith(("MXT", "DGXC-L")),
         recompute="full" if "full" in rec else ("selective" if "selective" in rec else "none"),
@@ -128,14 +136,40 @@ def rows() -> list[tuple[int, dict]]:
     return [(i + 2, r) for i, r in enumerate(table)], {h["line"] for h in held}
 
 
-def evaluate(efficiency: dict | None = None) -> list[dict]:
-    """One record per modelled row: measured and predicted seconds, the split it is in."""
+@functools.cache
+def modelled() -> tuple[dict, ...]:
+    """Each row with a workload: the line, the row, the split, the workload priced (its
+    config's, `published_configs.config_workload`; the direct one where the row is no
+    config) and how it was modelled."""
     table, held = rows()
     out = []
     for line, row in table:
-        w = workload(row)
-        if w is None:
+        direct = workload(row)
+        if direct is None:
             continue
+        config = config_workload(row, direct)
+        expressible = not isinstance(config, str)
+        out.append(
+            {
+                "line": line,
+                "row": row,
+                "split": "heldout" if line in held else "train",
+                "workload": config if expressible else direct,
+                "modelled_as": "config" if expressible else "workload",
+                "not_config": None if expressible else config,
+                "overrides": config_overrides(row) if expressible else None,
+                "differences": differences(config, direct) if expressible else {},
+            }
+        )
+    return tuple(out)
+
+
+def evaluate(efficiency: dict | None = None) -> list[dict]:
+    """One record per modelled row: measured and predicted seconds, the split it is in, how
+    it was modelled."""
+    out = []
+    for m in modelled():
+        row, w = m["row"], m["workload"]
         speed = get_speed(chip_of(row))
         if efficiency and speed.name in efficiency:
             speed = dataclasses.replace(speed, compute_efficiency=efficiency[speed.name])
@@ -143,13 +177,14 @@ def evaluate(efficiency: dict | None = None) -> list[dict]:
         meas = measured_seconds(row, w)
         out.append(
             {
-                "line": line,
+                "line": m["line"],
                 "source": row["source"],
                 "model": row["model"],
                 "chip": speed.name,
                 "devices": int(row["n_devices"]),
                 "mapping": f"t{w.t} p{w.p} d{w.d} c{w.c} v{w.virtual}",
-                "split": "heldout" if line in held else "train",
+                **{k: m[k] for k in ("modelled_as", "not_config", "overrides", "differences")},
+                "split": m["split"],
                 "measured_s": meas,
                 "predicted_s": est["step_s"],
                 "ratio": est["step_s"] / meas,
@@ -192,32 +227,60 @@ def summary(recs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def report(recs: list[dict]) -> None:
+    """Print the table, the rows not modelled or modelled without a config (and why), the
+    config fields that differ from the row's, and the summary."""
+    print(
+        "| line | source | model | chip | N | mapping | as | split | measured s | model s | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in recs:
+        print(
+            f"| {r['line']} | {r['source']} | {r['model']} | {r['chip']} | {r['devices']} | "
+            f"{r['mapping']} | {r['modelled_as']} | {r['split']} | {r['measured_s']:.3g} | "
+            f"{r['predicted_s']:.3g} | {r['ratio']:.2f} |"
+        )
+    for line, row in rows()[0]:
+        if workload(row) is None:
+            print(f"not modelled: line {line} {row['source']} {row['model']}: ", end="")
+            print(config_overrides(row))
+    for r in recs:
+        if r["not_config"]:
+            print(f"no config (its workload written directly): line {r['line']} ", end="")
+            print(f"{r['source']} {r['model']}: {r['not_config']}")
+        for name, why in r["differences"].items():
+            print(f"config differs: line {r['line']} {r['source']} {r['model']}: {name}: {why}")
+    print()
+    print(summary(recs))
+
+
+def command(line: int) -> str:
+    """The `jaxpod estimate` command of the CSV line's config on its hardware (the target
+    sets `devices`)."""
+    row = dict(rows()[0])[line]
+    overrides = config_overrides(row)
+    if isinstance(overrides, str):
+        print(f"--command {line}: the row is no jaxpod config: {overrides}", file=sys.stderr)
+        sys.exit(2)
+    words = [o for o in overrides if not o.startswith("devices=")]
+    target = f"{chip_of(row)}:{row['n_devices']}"
+    return " ".join(["jaxpod estimate configs/tiny.yaml", *words, f"--target {target}"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fit", action="store_true", help="fit each chip's efficiency (train rows)")
+    ap.add_argument("--command", type=int, metavar="LINE", help="the CSV line's estimate command")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/published.json")
     args = ap.parse_args()
+    if args.command:
+        print(command(args.command))
+        return
     if args.fit:
         print("compute_efficiency fitted on the training rows:", fit())
         return
     recs = evaluate()
-    print("| line | source | model | chip | N | mapping | split | measured s | model s | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in recs:
-        print(
-            f"| {r['line']} | {r['source']} | {r['model']} | {r['chip']} | {r['devices']} | "
-            f"{r['mapping']} | {r['split']} | {r['measured_s']:.3g} | {r['predicted_s']:.3g} | "
-            f"{r['ratio']:.2f} |"
-        )
-    table, _ = rows()
-    for line, row in table:
-        if workload(row) is None:
-            print(
-                f"not modelled: line {line} {row['source']} {row['model']}: the source "
-                "gives no micro-batch or global batch"
-            )
-    print()
-    print(summary(recs))
+    report(recs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(recs, indent=1))
     print(f"\nJSON: {args.out}")
