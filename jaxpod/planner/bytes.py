@@ -202,6 +202,23 @@ def _matrix_copies(cfg: Config, profile: DeviceProfile) -> float:
     return layers * d * (qkv + d + f_in + f) / cfg.mesh.tensor * 2
 
 
+def _widened_matrices(cfg: Config, profile: DeviceProfile) -> float:
+    """Bytes of the float32 copies of the stage's bfloat16 stacked layer matrices (the
+    device's shards, RTS's included) that a backend storing bfloat16 in float32
+    (`DeviceProfile.stores_in_float32`: XLA:CPU) converts once, whole, before the layer
+    loops and holds through the forward and backward passes, not the update (read on GPT
+    and BERT probes, 1x1 and 2-stage pipelines, RTS 1 and 2: benchmarks/xla_peak.py); 0
+    where the stack is not read whole from the device."""
+    mem = cfg.memory
+    if cfg.precision.params not in profile.stores_in_float32 or cfg.kind.stages != "stacked":
+        return 0
+    if "params" in mem.offload or mem.phases > 1 or mem.stream == "matrix":
+        return 0  # not read: pieces of the stack fetched or streamed
+    d, f, qkv, f_in = _widths(cfg)
+    layers = cfg.model.layers // cfg.mesh.pipeline
+    return layers * d * (qkv + d + f_in + f) / cfg.mesh.tensor / mem.rts * 4
+
+
 def _inputs(cfg: Config) -> int:
     """Bytes of a call's batch (with `train.batch_parts`, a part of it): token ids, or uint8
     images."""
@@ -292,9 +309,10 @@ def device_bytes(
     # the loss head's moment: the gradient accumulator only if it carries from an earlier
     # micro-batch or pass; of the gathered weights, the head's table copy (`_head_table`)
     head_grads = s["grads_update"] if s["accumulated"] else 0
+    wide = _widened_matrices(cfg, profile)  # alive through both passes, not the update
     moments = {
-        "backward": _backward_peak(cfg, layout, acts, s, copies),
-        "head": head_grads + acts.get("head_moment", 0) + acts.get("head_table", 0),
+        "backward": _backward_peak(cfg, layout, acts, s, copies) + wide,
+        "head": head_grads + acts.get("head_moment", 0) + acts.get("head_table", 0) + wide,
         "update": update_peak + gathered,
     }
     peak = max(moments, key=moments.get)  # a tie goes to the first: backward, head, update
