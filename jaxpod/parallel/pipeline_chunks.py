@@ -68,7 +68,7 @@ def train_chunk_ticks(
     held, count = (), weight_slots(schedule)[1]
     if split is not None and (schedule.op == BACKWARD_INPUT).any():
         split.prepare(params, act)
-        held, ticks.split = (split.held(count, bubble_fill), fill((count, *act.shape))), split
+        held, ticks.split = (split.held(count, bubble_fill, act), fill((count, *act.shape))), split
     carry = _Carry(buffer, buffer, typed_zeros(act), *zeros, held)
     rows = tuple(jnp.asarray(a) for a in ticks.rows)
     sent = (fill(act.shape), fill(act.shape))

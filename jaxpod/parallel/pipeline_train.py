@@ -93,7 +93,7 @@ def train_ticks(
     held_slots, held = weight_slots(schedule), ()
     if split is not None and (schedule.op == BACKWARD_INPUT).any():
         split.prepare(params, act)
-        held, ticks.split = split.held(held_slots[1], bubble_fill), split
+        held, ticks.split = split.held(held_slots[1], bubble_fill, act), split
     fill = lambda shape: vary_like(jnp.full(shape, bubble_fill, act.dtype), act)  # noqa: E731
     buffer = fill((ticks.k, *act.shape))
     carry = _Carry(

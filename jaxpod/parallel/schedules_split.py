@@ -171,7 +171,7 @@ def weight_slots(schedule: Schedule) -> tuple[np.ndarray, int]:
             if op == BACKWARD_INPUT:
                 taken[m, r] = free.pop(0) if free else len(taken) + len(free)
                 slot[t, s] = taken[m, r]
-                count = max(count, slot[t, s] + 1)
+                count = max(count, int(slot[t, s]) + 1)
             elif op == BACKWARD_WEIGHT:
                 slot[t, s] = taken.pop((m, r))
                 free = sorted([*free, int(slot[t, s])])

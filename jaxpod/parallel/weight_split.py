@@ -27,6 +27,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Literal
 
+from jaxpod.parallel.manual import vary_like
+
 SAVED = "weight_split"  # what B keeps for W, and the uses' outputs: saved, not recomputed
 # uses whose weight gradient does not read their data operand (a bias added)
 UNREAD = ("add", "sub", "add_any")
@@ -173,11 +175,12 @@ class StageSplit:
         self.layers = jax.tree.leaves(stacked)[0].shape[0]
         self.split = LayerSplit(self.layer, x, jax.tree.map(lambda a: a[0], stacked))
 
-    def held(self, slots: int, fill: float):
-        """B's buffer for `slots` micro-batches: `(saved, cts)` lists of `[slots, L, ...]`."""
+    def held(self, slots: int, fill: float, like: jax.Array):
+        """B's buffer for `slots` micro-batches: `(saved, cts)` lists of `[slots, L, ...]`,
+        varying like `like` too (a slot index traced from the table varies like it)."""
         lead = (slots, self.layers)
-        saved = [typed_full(v.aval, lead, fill) for v in self.split.saved]
-        return saved, [typed_full(v.aval, lead, fill) for v in self.split.probed_vars]
+        full = lambda v: vary_like(typed_full(v.aval, lead, fill), like)  # noqa: E731
+        return [full(v) for v in self.split.saved], [full(v) for v in self.split.probed_vars]
 
     def probes(self) -> list[jax.Array]:
         return self.split.probe_zeros(self.layers)
