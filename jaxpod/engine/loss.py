@@ -39,7 +39,14 @@ from jaxpod.parallel.pipeline_chunks import train_chunk_ticks
 from jaxpod.parallel.pipeline_train import train_ticks
 from jaxpod.parallel.remat import saving
 from jaxpod.parallel.replica import reduce_grads, vary_params
-from jaxpod.parallel.schedules import STEPWISE, Schedule, forward_only, make_schedule
+from jaxpod.parallel.schedules import (
+    BACKWARD_INPUT,
+    STEPWISE,
+    Schedule,
+    forward_only,
+    make_schedule,
+)
+from jaxpod.parallel.weight_split import StageSplit
 
 
 class Examples(NamedTuple):
@@ -65,6 +72,8 @@ class Stages(Protocol):
     def forward(self, params, pipelined: bool) -> tuple[Callable, Callable, Callable]: ...
 
     def pipeline_functions(self, params) -> tuple[Callable, Callable, Callable, Any]: ...
+
+    def weight_split(self, params) -> StageSplit | None: ...
 
 
 def device_loss(stages: Stages, cfg: Config, *, bubble_fill: float, unroll: bool) -> DeviceLoss:
@@ -171,6 +180,9 @@ class DeviceLoss(NamedTuple):
         the device. `table`: another than the training one (a forward-only evaluation)."""
         table = self.schedule if table is None else table
         embed, stage, head, params = self.stages.pipeline_functions(params)
+        split = None
+        if (table.op == BACKWARD_INPUT).any():  # B and W split each layer's backward
+            split = self.stages.weight_split(params)
         run = train_chunk_ticks if table.virtual > 1 else train_ticks
         loss, aux, grads = run(
             embed,
@@ -184,6 +196,7 @@ class DeviceLoss(NamedTuple):
             scale=scale,
             bubble_fill=self.bubble_fill,
             unroll=self.unroll,
+            split=split,
         )
         return (loss, aux), grads
 

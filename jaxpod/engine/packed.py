@@ -205,6 +205,11 @@ class PackedStages:
         head = lambda p, *a: self._head(*a)  # noqa: E731
         return embed, stage, head, params
 
+    def weight_split(self, params) -> None:
+        """Packed stages differ by stage (a `lax.switch` of them): no per-layer split; their
+        W recomputes the stage and takes its vjp with respect to the parameters."""
+        return None
+
     # ------------------------------------------------------------------ the update
     def _stage_update(self, k, rows, grads, opt_rows, key):
         """Stage k's optax update on its unpacked trees; the new rows are rounded back in one

@@ -49,8 +49,9 @@ from jaxpod.parallel.mesh import param_specs, shardings
 from jaxpod.parallel.pipeline import spread_over_stages
 from jaxpod.parallel.replica import gather
 from jaxpod.parallel.schedules import layer_order
-from jaxpod.parallel.stack import StackOptions, run_stack
+from jaxpod.parallel.stack import StackOptions, run_stack, split_stack, virtual_stage_slice
 from jaxpod.parallel.tensor import VocabSlices, gather_sequence
+from jaxpod.parallel.weight_split import StageSplit
 
 TP = "tensor"  # a size-1 axis costs nothing: XLA drops single-device collectives
 
@@ -214,11 +215,8 @@ class StackedStages:
     ) -> jax.Array:
         """This stage's layers over `x` (with V virtual stages, the layers of virtual stage
         `virtual_stage` only); `fetched`: the stack is already on the device."""
-        placement, cfg = self.placement, self.cfg
-        dims = placement.rts_dims[STACK]
-        prepare = fetch = virtual = None
-        if placement.rts_axes or self.dtype != master_dtype_of(cfg.precision):
-            prepare = lambda p, panels=None: self._prepare(p, dims, 1, panels)  # noqa: E731
+        cfg = self.cfg
+        prepare, fetch, virtual = self._layer_prepare(), None, None
         fetch_whole = None
         if self.layers_on_host and not fetched:  # per phase, or per step (stream=matrix)
             fetch = offload.to_device  # the matrices; biases and norms whole, before the layers
@@ -237,6 +235,13 @@ class StackedStages:
             fetch_whole=fetch_whole,
             virtual_stage=virtual,
         )
+
+    def _layer_prepare(self):
+        """A layer's stored weights -> computed (RTS gather, cast), or None: as stored."""
+        dims = self.placement.rts_dims[STACK]
+        if self.placement.rts_axes or self.dtype != master_dtype_of(self.cfg.precision):
+            return lambda p, panels=None: self._prepare(p, dims, 1, panels)
+        return None
 
     def _micro_head(self, model, h, targets, weights, denominator):
         """The head of one micro-batch's `h[mb, T, D]` (sequence-parallel: `[mb, T/t, D]`)."""
@@ -297,6 +302,18 @@ class StackedStages:
         stage = lambda p, x, r=0: self._run_layers(model(p), x, True, r)  # noqa: E731
         head = lambda p, *a: self._micro_head(model(p), *a)  # noqa: E731
         return embed, stage, head, params
+
+    def weight_split(self, params) -> StageSplit | None:
+        """How B and W split a stage's backward (`split_stack`), for `pipeline_functions`'
+        `params`: the layers of virtual stage r are a slice of the stored stack."""
+        virtual = self.cfg.train.virtual_stages
+
+        def stack_of(p, r=0):
+            return p[STACK] if virtual == 1 else virtual_stage_slice(p[STACK], (r, virtual))
+
+        stack = getattr(nnx.merge(self.graphdef, params), STACK)
+        options, prepare = self.stack_options, self._layer_prepare()
+        return split_stack(stack, tp=TP, options=options, prepare=prepare, stack_of=stack_of)
 
     # ------------------------------------------------------------------ the update (GSPMD)
     @property

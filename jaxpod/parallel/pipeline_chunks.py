@@ -6,7 +6,8 @@ BACKWARD, B, W or nothing) on chunk r of micro-batch m; unlike it, a value may g
 neighbour or stay on the device (`jaxpod.parallel.chunk_routes`): each tick sends one value
 down the ring (to s + 1) and one up (to s - 1), and what a device holds lives in two slot
 buffers whose slots the routes assign. The first global stage embeds, the last runs the head
-(for ZB-V both are on device 0).
+(for ZB-V both are on device 0). With a `StageSplit`, B keeps what each layer's weight
+gradients need in a slot (`weight_slots`) and W reads it, as in `train_ticks`.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from jaxpod.parallel.chunk_routes import routes
 from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.pipeline import mine
 from jaxpod.parallel.pipeline_train import typed_zeros
-from jaxpod.parallel.schedules import Schedule
+from jaxpod.parallel.schedules import BACKWARD_INPUT, Schedule
+from jaxpod.parallel.schedules_split import weight_slots
+from jaxpod.parallel.weight_split import StageSplit
 
 
 class _Carry(NamedTuple):
     """`acts[K, *act]` and `grads[K, *act]`: the kept inputs and the waiting gradients;
-    `out`: what this tick's op sends; the sums of `grads_sum`, `loss` and `aux`."""
+    `out`: what this tick's op sends; the sums of `grads_sum`, `loss` and `aux`; `held`:
+    B's slots for W with a split (`train_ticks`' `_Carry`), or ()."""
 
     acts: jax.Array
     grads: jax.Array
@@ -35,6 +39,7 @@ class _Carry(NamedTuple):
     grads_sum: Any
     loss: jax.Array
     aux: Any
+    held: Any
 
 
 def train_chunk_ticks(
@@ -51,15 +56,20 @@ def train_chunk_ticks(
     axis: str = "pipeline",
     bubble_fill: float = 0.0,
     unroll: bool = False,
+    split: StageSplit | None = None,
 ):
     """`(loss, aux, grads)` as `train_ticks`, with `stage(params, x, r)` running chunk r of
-    this device's layers."""
+    this device's layers (and `split`'s `r` argument)."""
     ticks = _Chunks(embed, stage, head, params, inputs, targets, weights, schedule, scale, axis)
     act = ticks.act
     fill = lambda shape: vary_like(jnp.full(shape, bubble_fill, act.dtype), act)  # noqa: E731
     buffer = fill((ticks.slots, *act.shape))
     zeros = jax.tree.map(typed_zeros, (params, ticks.out0[0], ticks.out0[1]))
-    carry = _Carry(buffer, buffer, typed_zeros(act), *zeros)
+    held, count = (), weight_slots(schedule)[1]
+    if split is not None and (schedule.op == BACKWARD_INPUT).any():
+        split.prepare(params, act)
+        held, ticks.split = (split.held(count, bubble_fill, act), fill((count, *act.shape))), split
+    carry = _Carry(buffer, buffer, typed_zeros(act), *zeros, held)
     rows = tuple(jnp.asarray(a) for a in ticks.rows)
     sent = (fill(act.shape), fill(act.shape))
     (carry, _), _ = jax.lax.scan(ticks.tick, (carry, sent), rows, unroll=unroll)
@@ -75,7 +85,7 @@ def _rows(schedule: Schedule) -> tuple[tuple[np.ndarray, ...], int]:
     up_kind[1:] = np.roll(rt.send_up[:-1], -1, axis=1)  # from s + 1
     rows = (schedule.op, schedule.micro_index, schedule.virtual_stage, rt.gstage, rt.act)
     rows += (rt.grad, rt.send_down, rt.send_up, down_kind, rt.down_slot, up_kind, rt.up_slot)
-    return (*rows, rt.local), rt.slots
+    return (*rows, rt.local, np.maximum(weight_slots(schedule)[0], 0)), rt.slots
 
 
 class _Row(NamedTuple):
@@ -94,6 +104,7 @@ class _Row(NamedTuple):
     up_kind: jax.Array
     up_slot: jax.Array
     local: jax.Array
+    held: jax.Array
 
 
 class _Chunks:
@@ -104,6 +115,7 @@ class _Chunks:
         self.embed, self.stage, self.head, self.params = embed, stage, head, params
         self.inputs, self.targets, self.weights = inputs, targets, weights
         self.scale, self.axis = scale, axis
+        self.split: StageSplit | None = None
         self.stages, self.micro = schedule.stages, schedule.micro
         self.last = schedule.stages * schedule.virtual - 1
         self.rows, self.slots = _rows(schedule)
@@ -158,11 +170,14 @@ class _Chunks:
             jax.tree.map(jnp.add, c.grads_sum, dp),
             c.loss + loss,
             jax.tree.map(jnp.add, c.aux, aux),
+            c.held,
         )
 
     def backward(self, c: _Carry, row: _Row, inputs: bool, weights: bool) -> _Carry:
         """The chunk's vjp from its kept input and gradient: with respect to its input
         (`inputs`: dL/dx sent or handed on) and/or its parameters (`weights`: added)."""
+        if self.split is not None and inputs != weights:
+            return self.split_input(c, row) if inputs else self.split_weight(c, row)
         kept, dy = c.acts[row.act], c.grads[row.grad]
         _, vjp = jax.vjp(lambda p, x: self.stage_of(p, x, row), self.params, kept)
         dp, dx = vjp(dy)
@@ -170,6 +185,33 @@ class _Chunks:
         grads = jnp.where((row.local >= 0) & inputs, c.grads.at[row.local].set(dx), c.grads)
         total = jax.tree.map(jnp.add, c.grads_sum, dp) if weights else c.grads_sum
         return c._replace(grads=grads, out=dx, grads_sum=total)
+
+    def split_input(self, c: _Carry, row: _Row) -> _Carry:
+        """B with a split: the chunk with probes, its vjp with respect to its input and the
+        probes; saved operands, cotangents and dL/dx kept in slot `row.held`, dL/dx sent or
+        handed on."""
+        p, split = self.params, self.split
+        embedded = lambda: self.as_act(self.embed(p, self.at(self.inputs, row.m)))  # noqa: E731
+        x = jax.lax.cond(row.g == 0, embedded, lambda: c.acts[row.act])
+        fn = lambda x, z: (lambda ys: (self.as_act(ys[0]), ys[1]))(split.forward(p, x, z, row.r))  # noqa: E731
+        _, vjp, saved = jax.vjp(fn, x, split.probes(), has_aux=True)
+        dx, cts = vjp(c.grads[row.grad])
+        dx = self.as_act(dx)
+        grads = jnp.where(row.local >= 0, c.grads.at[row.local].set(dx), c.grads)
+        held = jax.tree.map(lambda b, v: b.at[row.held].set(v), c.held, ((saved, cts), dx))
+        return c._replace(grads=grads, out=dx, held=held)
+
+    def split_weight(self, c: _Carry, row: _Row) -> _Carry:
+        """W with a split: the chunk's parameter gradients from slot `row.held`, and at
+        the first global stage the embedding's."""
+        (saved, cts), dx = jax.tree.map(lambda b: b[row.held], c.held)
+        dp = self.split.weights(self.params, saved, cts, row.r)
+        embedding = lambda p: self.as_act(self.embed(p, self.at(self.inputs, row.m)))  # noqa: E731
+        first = lambda: jax.vjp(embedding, self.params)[1](dx)[0]  # noqa: E731
+        zeros = lambda: jax.tree.map(typed_zeros, self.params)  # noqa: E731
+        dp = jax.tree.map(jnp.add, dp, jax.lax.cond(row.g == 0, first, zeros))
+        total = jax.tree.map(jnp.add, c.grads_sum, dp)
+        return c._replace(out=typed_zeros(self.act), grads_sum=total)
 
     def idle(self, c: _Carry, row: _Row) -> _Carry:
         return c._replace(out=typed_zeros(self.act))

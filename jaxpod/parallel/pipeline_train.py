@@ -14,9 +14,14 @@ bubble ticks cost nothing but the tick's two `ppermute`s):
              added to the carry, dL/dx sent up (on the first stage the vjp reaches the
              embedding's parameters instead)
     B m:     the backward split (ZB-H1): the vjp with respect to the stage's input only,
-             dL/dx sent up; the input and the received gradient stay kept for W
-    W m:     the vjp with respect to the parameters only, from the same kept input and
-             gradient (recomputed again): dL/dparams added, nothing sent
+             dL/dx sent up; with a `StageSplit` (`jaxpod.parallel.weight_split`) also with
+             respect to zero probes at every use of a weight, and what each layer's weight
+             gradients need (those cotangents, the uses' operands) kept in a slot
+             (`weight_slots`) until W; without one the input and gradient stay kept
+    W m:     the weight gradients: from B's slot, each layer's uses alone differentiated
+             with respect to the parameters; without a split, the vjp with respect to the
+             parameters from the kept input and gradient (the stage recomputed, and its
+             input-gradient chain run again): dL/dparams added, nothing sent
 
 A stage keeps at most `max(schedule.in_flight)` micro-batches' inputs (until their backward,
 or their W): memory independent of M. The loss is scaled (loss scaling) before its gradient
@@ -35,6 +40,8 @@ import numpy as np
 from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.pipeline import mine
 from jaxpod.parallel.schedules import BACKWARD, BACKWARD_INPUT, FORWARD, Schedule
+from jaxpod.parallel.schedules_split import weight_slots
+from jaxpod.parallel.weight_split import StageSplit
 
 
 def receive_slots(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
@@ -71,6 +78,7 @@ def train_ticks(
     axis: str = "pipeline",
     bubble_fill: float = 0.0,
     unroll: bool = False,
+    split: StageSplit | None = None,
 ):
     """`(loss, aux, grads)` of the micro-batches `inputs/targets/weights[M, ...]` under a
     table with backward ops. `embed(params, inputs[m]) -> x`, `stage(params, x) -> y` (same
@@ -78,9 +86,14 @@ def train_ticks(
     by its denominator); `grads` are those of `scale * loss`, summed over the micro-batches,
     this device's part (the caller reduces them over the data axes). `bubble_fill`: what the
     buffers and the first tick's received values hold before anything is sent (any value,
-    tests use NaN, leaves the results unchanged)."""
+    tests use NaN, leaves the results unchanged). `split`: how B and W split a stage's
+    backward (None: W recomputes; module docstring)."""
     ticks = _Ticks(embed, stage, head, params, inputs, targets, weights, schedule, scale, axis)
     act = ticks.act
+    held_slots, held = weight_slots(schedule), ()
+    if split is not None and (schedule.op == BACKWARD_INPUT).any():
+        split.prepare(params, act)
+        held, ticks.split = split.held(held_slots[1], bubble_fill, act), split
     fill = lambda shape: vary_like(jnp.full(shape, bubble_fill, act.dtype), act)  # noqa: E731
     buffer = fill((ticks.k, *act.shape))
     carry = _Carry(
@@ -91,9 +104,11 @@ def train_ticks(
         jax.tree.map(typed_zeros, params),
         typed_zeros(ticks.out0[0]),
         jax.tree.map(typed_zeros, ticks.out0[1]),
+        (held, fill((held_slots[1], *act.shape)) if held else ()),
     )
     acts_in, grads_in = receive_slots(schedule)
-    rows = tuple(jnp.asarray(a) for a in (schedule.op, schedule.micro_index, acts_in, grads_in))
+    rows = (schedule.op, schedule.micro_index, acts_in, grads_in, held_slots[0])
+    rows = tuple(jnp.asarray(a) for a in rows)
     sent = (fill(act.shape), fill(act.shape))
     (carry, _), _ = jax.lax.scan(ticks.tick, (carry, sent), rows, unroll=unroll)
     return carry.loss, carry.aux, carry.grads
@@ -104,7 +119,8 @@ class _Carry(NamedTuple):
     buffers of its in-flight micro-batches' inputs and of the gradients received for their
     backward (slot `m % k`); `y` and `dx`, what this tick sends down (activation) and up
     (gradient); the sums over the micro-batches so far of the parameter `grads`, the `loss`
-    and the head's `aux`."""
+    and the head's `aux`; `held`, with a split: B's `(saved, cts)` slots and the gradient at
+    the stage's input (on the first stage, the embedding's), or ()."""
 
     acts: jax.Array
     grads_in: jax.Array
@@ -113,6 +129,7 @@ class _Carry(NamedTuple):
     grads: Any
     loss: jax.Array
     aux: Any
+    held: Any
 
 
 class _Ticks:
@@ -127,6 +144,7 @@ class _Ticks:
         self.embed, self.stage, self.head, self.params = embed, stage, head, params
         self.inputs, self.targets, self.weights = inputs, targets, weights
         self.scale, self.axis = scale, axis
+        self.split: StageSplit | None = None
         self.stages, self.micro = schedule.stages, schedule.micro
         self.k = int(schedule.in_flight.max())
         # the ops the table uses, in code order, and each op code's branch among them
@@ -176,11 +194,11 @@ class _Ticks:
         aux = jax.tree.map(typed_zeros, self.out0[1])
         return typed_zeros(self.out0[0]), aux, dp, typed_zeros(self.act)
 
-    def forward(self, carry: _Carry, m) -> _Carry:
+    def forward(self, carry: _Carry, m, _slot=None) -> _Carry:
         """FORWARD m: the input kept (slot m % k), the stage run and its output sent down;
         on the last stage the head's loss, its gradient dL/dy kept for the backward of m,
         and the head's parameter gradients."""
-        acts, grads_in, _, _, acc, loss_sum, aux_sum = carry
+        acts, grads_in, _, _, acc, loss_sum, aux_sum, _ = carry
         k = self.k
         x = self.stage_input(self.params, m, acts[m % k])
         acts = acts.at[m % k].set(x)
@@ -189,12 +207,14 @@ class _Ticks:
         grads_in = jnp.where(self.is_last, grads_in.at[m % k].set(dy), grads_in)
         acc = jax.tree.map(jnp.add, acc, dp)
         aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
-        return _Carry(acts, grads_in, y, typed_zeros(self.act), acc, loss_sum + loss, aux_sum)
+        return _Carry(
+            acts, grads_in, y, typed_zeros(self.act), acc, loss_sum + loss, aux_sum, carry.held
+        )
 
-    def backward(self, carry: _Carry, m) -> _Carry:
+    def backward(self, carry: _Carry, m, _slot=None) -> _Carry:
         """BACKWARD m: the stage recomputed from its kept input, its vjp applied to the
         received gradient: dL/dparams added, dL/dx sent up."""
-        acts, grads_in, _, _, acc, loss_sum, aux_sum = carry
+        acts, grads_in, _, _, acc, loss_sum, aux_sum, _ = carry
         k = self.k
 
         def stage_from_kept(p, kept):
@@ -203,24 +223,27 @@ class _Ticks:
         _, vjp = jax.vjp(stage_from_kept, self.params, acts[m % k])
         dp, dx = vjp(grads_in[m % k])
         acc = jax.tree.map(jnp.add, acc, dp)
-        return _Carry(
-            acts, grads_in, typed_zeros(self.act), self.as_act(dx), acc, loss_sum, aux_sum
-        )
+        return carry._replace(y=typed_zeros(self.act), dx=self.as_act(dx), grads=acc)
 
-    def backward_input(self, carry: _Carry, m) -> _Carry:
+    def backward_input(self, carry: _Carry, m, slot) -> _Carry:
         """B m: the stage recomputed from its kept input, its vjp with respect to that
         input applied to the received gradient: dL/dx sent up, the parameters untouched."""
+        if self.split is not None:
+            return self.split_input(carry, m, slot)
         kept = carry.acts[m % self.k]
         _, vjp = jax.vjp(lambda x: self.stage_from_kept(self.params, x, m), kept)
         (dx,) = vjp(carry.grads_in[m % self.k])
         return carry._replace(y=typed_zeros(self.act), dx=self.as_act(dx))
 
-    def backward_weight(self, carry: _Carry, m) -> _Carry:
+    def backward_weight(self, carry: _Carry, m, slot) -> _Carry:
         """W m: the vjp with respect to the parameters, from the same kept input and
         gradient: dL/dparams added, nothing sent."""
-        kept = carry.acts[m % self.k]
-        _, vjp = jax.vjp(lambda p: self.stage_from_kept(p, kept, m), self.params)
-        (dp,) = vjp(carry.grads_in[m % self.k])
+        if self.split is not None:
+            dp = self.split_weight(carry, m, slot)
+        else:
+            kept = carry.acts[m % self.k]
+            _, vjp = jax.vjp(lambda p: self.stage_from_kept(p, kept, m), self.params)
+            (dp,) = vjp(carry.grads_in[m % self.k])
         grads = jax.tree.map(jnp.add, carry.grads, dp)
         zero = typed_zeros(self.act)
         return carry._replace(y=zero, dx=zero, grads=grads)
@@ -229,7 +252,33 @@ class _Ticks:
         """The stage's output of micro-batch m from its kept input (embedded on the first)."""
         return self.as_act(self.stage(p, self.stage_input(p, m, kept)))
 
-    def idle(self, carry: _Carry, m) -> _Carry:
+    def split_input(self, carry: _Carry, m, slot) -> _Carry:
+        """B m with a split: the stage with probes from its input, its vjp with respect to
+        the input and the probes; the saved operands, the probes' cotangents and dL/dx
+        kept in `slot`, dL/dx sent up."""
+        p, split = self.params, self.split
+        x = self.stage_input(p, m, carry.acts[m % self.k])
+        fn = lambda x, z: (lambda ys: (self.as_act(ys[0]), ys[1]))(split.forward(p, x, z))  # noqa: E731
+        _, vjp, saved = jax.vjp(fn, x, split.probes(), has_aux=True)
+        dx, cts = vjp(carry.grads_in[m % self.k])
+        dx = self.as_act(dx)
+        held = jax.tree.map(lambda b, v: b.at[slot].set(v), carry.held, ((saved, cts), dx))
+        return carry._replace(y=typed_zeros(self.act), dx=dx, held=held)
+
+    def split_weight(self, carry: _Carry, m, slot):
+        """W m's parameter gradients from B's slot: the layers' (`StageSplit.weights`), and
+        on the first stage the embedding's, from the gradient at the stage's input."""
+        (saved, cts), dx = jax.tree.map(lambda b: b[slot], carry.held)
+        dp = self.split.weights(self.params, saved, cts)
+
+        def embedding(p):
+            return self.as_act(self.embed(p, self.at(self.inputs, m)))
+
+        first = lambda: jax.vjp(embedding, self.params)[1](dx)[0]  # noqa: E731
+        zeros = lambda: jax.tree.map(typed_zeros, self.params)  # noqa: E731
+        return jax.tree.map(jnp.add, dp, jax.lax.cond(self.is_first, first, zeros))
+
+    def idle(self, carry: _Carry, m, _slot=None) -> _Carry:
         """A bubble: nothing computed, zeros sent."""
         return carry._replace(y=typed_zeros(self.act), dx=typed_zeros(self.act))
 
@@ -238,7 +287,7 @@ class _Ticks:
         (`lax.switch`: only the live branch runs), its outputs sent down and up."""
         carry, (recv_act, recv_grad) = state
         k, axis = self.k, self.axis
-        op, m, act_slot, grad_slot = (mine(r, axis) for r in row)
+        op, m, act_slot, grad_slot, slot = (mine(r, axis) for r in row)
         acts = jnp.where(act_slot >= 0, carry.acts.at[act_slot % k].set(recv_act), carry.acts)
         grads_in = jnp.where(
             grad_slot >= 0, carry.grads_in.at[grad_slot % k].set(recv_grad), carry.grads_in
@@ -246,7 +295,7 @@ class _Ticks:
         carry = carry._replace(acts=acts, grads_in=grads_in)
         ops = [self.idle, self.forward, self.backward, self.backward_input, self.backward_weight]
         branch = jnp.asarray(self.branch_of)[op]  # only the table's ops become branches
-        out = jax.lax.switch(branch, [ops[o] for o in self.used], carry, m)
+        out = jax.lax.switch(branch, [ops[o] for o in self.used], carry, m, jnp.maximum(slot, 0))
         down = [(i, i + 1) for i in range(self.stages - 1)]
         up = [(i + 1, i) for i in range(self.stages - 1)]
         sent = (jax.lax.ppermute(out.y, axis, down), jax.lax.ppermute(out.dx, axis, up))

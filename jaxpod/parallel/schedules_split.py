@@ -156,3 +156,23 @@ def zb_h1(stages: int, micro: int) -> Schedule:
 def zb_v(stages: int, micro: int) -> Schedule:
     """ZB-V: two chunks per device in a V, at most 2S chunk activations in flight."""
     return greedy("zb-v", stages, micro, 2, 2 * stages)
+
+
+def weight_slots(schedule: Schedule) -> tuple[np.ndarray, int]:
+    """`([ticks, stages] slot, count)`: where a stage keeps what B of (micro-batch, chunk)
+    saves for its W, on the B's and the W's ticks (-1 elsewhere), a slot taken at B and
+    freed at W (the lowest free one), and the most slots a stage uses (at least 1)."""
+    slot = np.full(schedule.op.shape, -1, np.int32)
+    count = 1
+    for s in range(schedule.stages):
+        free: list[int] = []
+        taken: dict[tuple[int, int], int] = {}
+        for t, op, m, r in schedule.ops(s):
+            if op == BACKWARD_INPUT:
+                taken[m, r] = free.pop(0) if free else len(taken) + len(free)
+                slot[t, s] = taken[m, r]
+                count = max(count, int(slot[t, s]) + 1)
+            elif op == BACKWARD_WEIGHT:
+                slot[t, s] = taken.pop((m, r))
+                free = sorted([*free, int(slot[t, s])])
+    return slot, count

@@ -26,10 +26,12 @@ from flax import nnx
 from jaxpod.parallel.matrix_stream import matrix_layer
 from jaxpod.parallel.offload import is_resting
 from jaxpod.parallel.phases import scan_phases
-from jaxpod.parallel.remat import remat
+from jaxpod.parallel.remat import remat, saving
+from jaxpod.parallel.weight_split import SAVED, StageSplit
 from jaxpod.parallel.weights_ready import make_ready
 
 STREAMS = ("layer", "matrix")
+cp = jax.checkpoint_policies
 
 
 class StackOptions(NamedTuple):
@@ -96,7 +98,7 @@ def run_stack(
     if step_fetch or (virtual_stage is not None and options.phases == 1 and phase_fetch is None):
         return _scan_indexed(layer, x, stacked, virtual_stage, options, whole=step_fetch)
     if virtual_stage is not None:
-        stacked = _virtual_stage_slice(stacked, virtual_stage)
+        stacked = virtual_stage_slice(stacked, virtual_stage)
     return scan_phases(
         layer_fn,
         x,
@@ -108,7 +110,33 @@ def run_stack(
     )
 
 
-def _virtual_stage_slice(stacked: dict, virtual_stage: tuple) -> dict:
+def split_stack(
+    layers: nnx.Module,
+    *,
+    tp: str | None,
+    options: StackOptions,
+    prepare: Callable | None,
+    stack_of: Callable,
+) -> StageSplit | None:
+    """The stage's layers as B and W split them (`StageSplit`): each layer made ready like
+    `run_stack`'s (`prepare`) under the remat policy, its params `stack_of(p, r)`; None
+    where a layer runs as steps (`stream="matrix"`: the split is per layer). Its one scan
+    stands for `phases` too: the split kinds' stage reads weights already on the device."""
+    if options.stream != "layer":
+        return None
+    graphdef = nnx.split(layers)[0]
+    ready = make_ready(prepare, None, options.remat_policy)
+    layer = lambda x, p: nnx.merge(graphdef, ready(p, x))(x, tp)  # noqa: E731
+    policy, offload = options.remat_policy, options.offload_activations
+    if policy == "none" or offload:
+        remat_fn = lambda fn: remat(fn, policy, offload=offload)  # noqa: E731
+    else:  # B's own recomputation skips the weights' matmuls (`SAVED`: kept for W anyway)
+        saves = cp.save_from_both_policies(saving(policy), cp.save_only_these_names(SAVED))
+        remat_fn = lambda fn: jax.checkpoint(fn, policy=saves)  # noqa: E731
+    return StageSplit(layer, stack_of, remat_fn, options.unroll)
+
+
+def virtual_stage_slice(stacked: dict, virtual_stage: tuple) -> dict:
     """The `[L/V, ...]` layers of virtual stage r of V (`virtual_stage=(r, V)`)."""
     index, count = virtual_stage
     size = jax.tree.leaves(stacked)[0].shape[0] // count

@@ -16,11 +16,13 @@ from functools import lru_cache
 from jaxpod.config import Config
 from jaxpod.parallel.chunk_routes import routes
 from jaxpod.parallel.schedules import STEPWISE, make_schedule
+from jaxpod.parallel.schedules_split import weight_slots
 from jaxpod.planner import efficientnet
 from jaxpod.planner.counts import efficientnet_stage_params, layer_params
 from jaxpod.planner.layer import layer_sets
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 
+SPLIT_KINDS = ("zb-h1", "zb-v")  # B keeps what W needs (`jaxpod.parallel.weight_split`)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MOMENTS = {"adamw": 2, "lamb": 2, "sgd": 1, "lars": 1}
 HEAD_LOGIT_COPIES = 3  # float32 logits, shifted logits, exp: live together in the loss head
@@ -176,6 +178,13 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int) -> dict:
         if virtual > 1:
             k = route_slots(kind, stages, micro, virtual)
         saved = (2 * k + 2) * sets["btd"]
+        if kind in SPLIT_KINDS and cfg.memory.stream == "layer":
+            # B's slots for W: each layer's kept operands and cotangents, the stage input's
+            # gradient (`weight_slots`: the most chunks between their B and their W), held
+            # twice: the tick scan's carry and the copy the tick's `lax.switch` updates (XLA:CPU,
+            # `bench_schedules.py --only memory` on 1x4x1: 0.95 to 0.99 of its device total)
+            slots = weight_slots(make_schedule(kind, stages, micro, virtual))[1]
+            saved += 2 * slots * (per_tick * sets["split"] + sets["btd"])
         buffers = per_tick * sets["saved"]
         head_tokens = tr.micro_batch * md.seq_len
     return {

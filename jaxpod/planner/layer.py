@@ -159,8 +159,8 @@ def layer_sets(cfg: Config, cb: int, sb: int, fused: bool = False) -> dict:
     """Bytes of one layer's residuals for one micro-batch on one device (`cb` bytes a scalar):
     `all` (what autodiff saves without remat), `saved` (what the remat policy keeps, layer
     input included), `work` (one layer's backward working set; `fused`: the backend fuses a
-    recomputed layer into its backward, `_fused_work`) and `btd` (one [b, T, D] row of the
-    residual stream, as stored)."""
+    recomputed layer into its backward, `_fused_work`), `btd` (one [b, T, D] row of the
+    residual stream, as stored) and `split` (what ZB's B keeps for W: `_split_kept`)."""
     r = _layer_rows(cfg)
     every = _autodiff_saved(cfg, r, cb)
     remat = cfg.model.remat
@@ -175,4 +175,14 @@ def layer_sets(cfg: Config, cb: int, sb: int, fused: bool = False) -> dict:
         saved, kept = scalars * sb, (scalars - r.res) * cb
     fused_work = _fused_work(cfg, r, cb, kept) if fused else None
     work = _backward_work(cfg, r, cb, kept) if fused_work is None else fused_work
-    return {"all": every, "saved": saved, "work": work, "btd": r.res * sb}
+    split = _split_kept(cfg, r) * sb
+    return {"all": every, "saved": saved, "work": work, "btd": r.res * sb, "split": split}
+
+
+def _split_kept(cfg: Config, r: _Rows) -> int:
+    """Scalars of one layer B keeps for its W (`jaxpod.parallel.weight_split`): the operands
+    of its weights' uses (both LNs' normalised rows, the inputs of W_qkv, W_o and W_in: 5
+    [b, T, D]; W_out's, [b, T, F/t]) and the cotangents at their outputs (both LNs', W_o's
+    and W_out's [b, T, D], W_qkv's q, k, v, W_in's hidden units)."""
+    qkv = r.qkvo - r.btd // cfg.mesh.tensor
+    return 9 * r.btd + qkv + (3 if r.gated else 2) * r.btf
