@@ -58,7 +58,8 @@ def test_the_interrupted_line_says_whether_anything_is_left_to_resume(tmp_path, 
 
     cfg = make_tiny_cfg("train.steps=4", f"train.logdir={tmp_path}")
     stop = Fake(requested=signal.SIGINT, failure=None)
-    ckpt, profiler = Fake(shown=tmp_path / "checkpoints"), Fake(trace=None)
+    ckpt = Fake(shown=tmp_path / "checkpoints", logdir=tmp_path)
+    profiler = Fake(trace=None)
     with pytest.raises(Interrupted) as caught:
         _close_record(cfg, None, Fake(step=step), ckpt, profiler, stop, print, main=False)
     assert caught.value.message.startswith(
