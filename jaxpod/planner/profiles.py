@@ -10,8 +10,10 @@ kinds in one RAM, so its update reads host-resident optimizer state in place
 (`shares_host_memory`: nothing is moved in; measured in docs/memory.md). XLA:TPU pads
 every array to its tiles (`tile`: `jaxpod.planner.tiles`), converts float32 layer matrices
 to bfloat16 for its matmuls (`converts_matrices`) and fuses a recomputed layer into its
-backward's matmuls (`fuses_recomputation`), which the TPU profiles name
-(tests/target/test_fusion_tpu.py finds both in compiled programs).
+backward's matmuls (`fuses_recomputation`), computes a float32 loss head's gradient at
+once (`head_grads_at_once`) and adds the non-layer gradients into their accumulator
+(`accumulates_in_place`), which the TPU profiles name (tests/target/test_fusion_tpu.py
+finds them in compiled programs).
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ class DeviceProfile:
     # bfloat16 copy of those) beside three residual rows, not autodiff's whole saved set
     # (XLA:TPU fuses the recomputation into the matmuls: `jaxpod.planner.layer`)
     fuses_recomputation: bool = False
+    # with float32 compute GPT's loss head computes its table's gradient with the logits'
+    # cotangent, before the layers' backward: no operand of it waits (XLA:TPU; `_head_kept`)
+    head_grads_at_once: bool = False
+    # the gradients of the parameters outside the layer stack (the token and position tables,
+    # the norms) are added into the micro-batch accumulator where computed: one copy at the
+    # layers' backward, where the stack's gradient has two (XLA:TPU; `_state_bytes`)
+    accumulates_in_place: bool = False
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -112,6 +121,8 @@ PROFILES: dict[str, DeviceProfile] = {
             tile=Tile(),
             converts_matrices=True,
             fuses_recomputation=True,
+            head_grads_at_once=True,
+            accumulates_in_place=True,
         ),
         DeviceProfile(
             "tpu-v5e",
@@ -123,6 +134,8 @@ PROFILES: dict[str, DeviceProfile] = {
             tile=Tile(),
             converts_matrices=True,
             fuses_recomputation=True,
+            head_grads_at_once=True,
+            accumulates_in_place=True,
         ),
         DeviceProfile(
             "tpu-v5p",
@@ -134,6 +147,8 @@ PROFILES: dict[str, DeviceProfile] = {
             tile=Tile(),
             converts_matrices=True,
             fuses_recomputation=True,
+            head_grads_at_once=True,
+            accumulates_in_place=True,
         ),
         DeviceProfile(
             "tpu-v6e",
@@ -145,6 +160,8 @@ PROFILES: dict[str, DeviceProfile] = {
             tile=Tile(),
             converts_matrices=True,
             fuses_recomputation=True,
+            head_grads_at_once=True,
+            accumulates_in_place=True,
         ),
     )
 }
