@@ -51,7 +51,7 @@ def stored_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
     return 4 if compute in profile.stores_in_float32 else DTYPE_BYTES[compute]
 
 
-def _head_kept(cfg: Config, tokens: int, sb: int) -> int:
+def _head_kept(cfg: Config, tokens: int, sb: int, profile: DeviceProfile) -> int:
     """Bytes of the loss head's values alive through the layers' backward pass (`tokens`: the
     head's tokens on this device; `sb` bytes a stored scalar, `stored_bytes`). XLA:CPU computes
     the head's weight gradients after the layers' backward, so each weighted op of the head
@@ -60,9 +60,16 @@ def _head_kept(cfg: Config, tokens: int, sb: int) -> int:
     output's cotangent, the head LN's input, its output (with the constant-1 column) and that
     output's cotangent; both the float32 logits' cotangent. A head in chunks
     (`sequence_chunks`) computes them inside its chunk loop and keeps none (measured);
-    `memory.vocab_slices` is taken to be the same (not read)."""
+    `memory.vocab_slices` is taken to be the same (not read). None where the profile computes
+    the head's gradient at once (`head_grads_at_once`: read on GPT, float32 compute, without a
+    pipeline and under GPipe; BERT's head and 16-bit compute keep the logits' cotangent, and
+    circular is not read)."""
     md = cfg.model
     if math.gcd(md.sequence_chunks, tokens) > 1 or cfg.memory.vocab_slices > 1:
+        return 0
+    read = cfg.mesh.pipeline == 1 or cfg.train.pipeline_schedule == "gpipe"
+    float32_gpt = md.name == "gpt" and cfg.precision.compute == "float32"
+    if profile.head_grads_at_once and float32_gpt and read:
         return 0
     rows = 3 if md.name == "gpt" else 5 + 2 * (md.norm == "pre")
     return tokens * (rows * md.d_model * sb + md.vocab // cfg.mesh.tensor * 4)
@@ -139,7 +146,7 @@ def _tick_scan_buffers(cfg: Config, sets: dict, ticks: int, per_tick: int) -> tu
     return buffers, tick_grads
 
 
-def _pipeline_terms(cfg: Config, sets: dict, sb: int) -> dict:
+def _pipeline_terms(cfg: Config, sets: dict, sb: int, profile: DeviceProfile) -> dict:
     """What the schedule keeps of the layers' activations (`sets`: `layer_sets`), by the
     output's keys, and the head's tokens on this device (`head_tokens`).
 
@@ -164,10 +171,12 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int) -> dict:
     if stages == 1 and md.remat != "none":
         # the head's operands through the layers' backward, as pipelined below (read on 1x1x1
         # and 1x1x4, remat full; without remat XLA:CPU computes the head's gradients at once)
-        head_kept = _head_kept(cfg, head_tokens, sb)
+        head_kept = _head_kept(cfg, head_tokens, sb, profile)
     if stages > 1 and kind not in STEPWISE:
         buffers, tick_grads = _tick_scan_buffers(cfg, sets, ticks, per_tick)
-        head_kept = _head_kept(cfg, head_tokens, sb)  # its gradients after the backward ticks
+        head_kept = _head_kept(
+            cfg, head_tokens, sb, profile
+        )  # its gradients after the backward ticks
     if stages > 1 and kind in STEPWISE:
         # the stage inputs of at most S micro-batches and their gradients (two ring buffers),
         # the two values sent each tick; a backward tick's residuals of the stage's layers;
@@ -295,7 +304,7 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
         return _packed_activation_bytes(cfg, profile, cb)
     sb = stored_bytes(cfg, profile)
     sets = layer_sets(cfg, cb, sb, profile.fuses_recomputation)
-    pipe = _pipeline_terms(cfg, sets, sb)
+    pipe = _pipeline_terms(cfg, sets, sb, profile)
     tokens = pipe["head_tokens"]
     head, head_chunks = _head_logits(cfg, tokens, cb)
     per_layer, why = offloaded_per_layer(cfg, profile, sets)

@@ -67,13 +67,27 @@ def row_padding(cfg: Config, profile: DeviceProfile, itemsize: int) -> int:
     return profile.tile.rows_of(1, itemsize)
 
 
+def _in_place_grads(cfg: Config, layout: dict, profile: DeviceProfile) -> int:
+    """Parameters outside the layer stack whose gradients the accumulator takes in place
+    (`DeviceProfile.accumulates_in_place`): all of them without a pipeline, in micro-batches
+    (read on GPT, float32 and bfloat16 compute, and BERT); else none (a pipeline's
+    accumulation, RTS and a packed family are not read)."""
+    accumulated = cfg.mesh.pipeline == 1 and cfg.part_micro > 1
+    read = cfg.kind.stages == "stacked" and cfg.memory.rts == 1
+    if not (profile.accumulates_in_place and accumulated and read):
+        return 0
+    return layout["local_other"]
+
+
 def _state_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> dict:
     """Bytes per device of the whole state, wherever it rests: `master` (the master weights),
     `weights` (with a 16-bit working copy: the forward's cast, a temporary of the step made on
     the device, alive from the forward to the backward), `optimizer`, the gradients as the
     stage holds them (`grads`: two copies when `accumulated`, summed over micro-batches or
     passes, or carried by 1f1b) and as the update reads them (`grads_update`), the update's
-    `updates`. A packed family's stored rows take their tiled rows (`row_padding`)."""
+    `updates`. A packed family's stored rows take their tiled rows (`row_padding`); where the
+    non-layer gradients are added into their accumulator (`_in_place_grads`) they are one
+    copy of the two."""
     mem, prec = cfg.memory, cfg.precision
     rts = mem.rts
     rts_opt = mem.rts_optimizer or rts
@@ -85,12 +99,13 @@ def _state_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> dict:
     moment_bytes *= row_padding(cfg, profile, moment_bytes)
     accumulated = cfg.part_micro > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
     accumulated |= cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule in STEPWISE  # carried
+    grads = local * (2 if accumulated else 1) - _in_place_grads(cfg, layout, profile)
     return {
         "master": master_all,
         "weights": master_all + (local / rts * pb if mb != pb else 0),
         "optimizer": local / rts_opt * MOMENTS[cfg.optim.name] * moment_bytes,
         "accumulated": accumulated,
-        "grads": local / rts * pb * (2 if accumulated else 1),
+        "grads": grads / rts * pb,
         "grads_update": local / rts * pb,
         "updates": local / rts * mb,
     }

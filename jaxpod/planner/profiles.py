@@ -10,10 +10,12 @@ kinds in one RAM, so its update reads host-resident optimizer state in place
 (`shares_host_memory`: nothing is moved in; measured in docs/memory.md). XLA:TPU pads
 every array to its tiles (`tile`: `jaxpod.planner.tiles`), converts float32 layer matrices
 to bfloat16 for its matmuls (`converts_matrices`), fuses a recomputed layer into its
-backward's matmuls (`fuses_recomputation`), which the TPU profiles name
-(tests/target/test_fusion_tpu.py finds both in compiled programs), and places the values a
-remat policy saves in host memory when `memory.offload` names activations
-(`offloads_activations`; XLA:CPU ignores the placement).
+backward's matmuls (`fuses_recomputation`), computes a float32 loss head's gradient at
+once (`head_grads_at_once`) and adds the non-layer gradients into their accumulator
+(`accumulates_in_place`), which the TPU profiles name (tests/target/test_fusion_tpu.py
+finds them in compiled programs), and places the values a remat policy saves in host
+memory when `memory.offload` names activations (`offloads_activations`; XLA:CPU ignores
+the placement).
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ class DeviceProfile:
     # (XLA:TPU's host temporaries, tests/target/test_offload_tpu.py). XLA:CPU drops the
     # placement; jax lowers it for GPU too, but no XLA:GPU program is read here: False
     offloads_activations: bool = False
+    # with float32 compute GPT's loss head computes its table's gradient with the logits'
+    # cotangent, before the layers' backward: no operand of it waits (XLA:TPU; `_head_kept`)
+    head_grads_at_once: bool = False
+    # the gradients of the parameters outside the layer stack (the token and position tables,
+    # the norms) are added into the micro-batch accumulator where computed: one copy at the
+    # layers' backward, where the stack's gradient has two (XLA:TPU; `_state_bytes`)
+    accumulates_in_place: bool = False
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -119,6 +128,8 @@ PROFILES: dict[str, DeviceProfile] = {
             converts_matrices=True,
             fuses_recomputation=True,
             offloads_activations=True,
+            head_grads_at_once=True,
+            accumulates_in_place=True,
         ),
         DeviceProfile(
             "tpu-v5e",
@@ -131,6 +142,8 @@ PROFILES: dict[str, DeviceProfile] = {
             converts_matrices=True,
             fuses_recomputation=True,
             offloads_activations=True,
+            head_grads_at_once=True,
+            accumulates_in_place=True,
         ),
         DeviceProfile(
             "tpu-v5p",
@@ -143,6 +156,8 @@ PROFILES: dict[str, DeviceProfile] = {
             converts_matrices=True,
             fuses_recomputation=True,
             offloads_activations=True,
+            head_grads_at_once=True,
+            accumulates_in_place=True,
         ),
         DeviceProfile(
             "tpu-v6e",
@@ -155,6 +170,8 @@ PROFILES: dict[str, DeviceProfile] = {
             converts_matrices=True,
             fuses_recomputation=True,
             offloads_activations=True,
+            head_grads_at_once=True,
+            accumulates_in_place=True,
         ),
     )
 }

@@ -8,11 +8,17 @@ attached; a v5p 2x2x1 slice), the expected bytes from the planner's own terms:
 - `fuses_recomputation`: the micro-batch-shaped temporaries of one layer's backward, at their
   largest, take the planner's `layer_work` (`jaxpod.planner.layer._fused_work`) within
   `cb + 4` bytes a [b, T, D] row: the residual rows at the peak vary with the shapes
-  (the layer's input, the cotangent, a psum's output, queries' and keys' copies).
+  (the layer's input, the cotangent, a psum's output, queries' and keys' copies);
+- `head_grads_at_once`: with float32 compute no value of the head's shapes (the logits'
+  cotangent [b·T, V/t], a [b, T, D] row) waits through the layers' backward; with bfloat16
+  compute the logits' cotangent does, and the planner keeps its CPU-read term;
+- `accumulates_in_place`: at the layers' backward one gradient buffer of each matrix outside
+  the stack (the tied table's shard, the position table) is alive, the accumulator.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import replace
 
@@ -69,19 +75,31 @@ def _dims(shape: str) -> tuple[int, ...]:
     return tuple(int(d) for d in shape.split("[", 1)[1].split("]")[0].split(",") if d)
 
 
+MOVES = ("copy-start", "copy-done", "copy", "bitcast")
+
+
+def _source(module, name: str, params: set) -> str:
+    """The instruction `name`'s value comes from through moves and bitcasts (`MOVES`), up to
+    an entry parameter (`params`)."""
+    inst = module.instructions.get(name)
+    while inst is not None and inst.opcode in MOVES and name not in params:
+        name = inst.operands[0]
+        inst = module.instructions.get(name)
+    return name
+
+
+def _entry_params(module) -> set:
+    """Names of the entry computation's parameters (the step's arguments)."""
+    entry = module.computations[module.entry].instructions
+    return {i.name for i in entry if i.opcode == "parameter"}
+
+
 def _weight_copies(module) -> list[str]:
     """Entry instructions making a bfloat16 array of an entry parameter's float32 value with
     the same dimensions (a convert, or a copy that converts), through moves and bitcasts."""
     entry = module.computations[module.entry].instructions
-    params = {i.name for i in entry if i.opcode == "parameter"}
-    moves = ("copy-start", "copy-done", "copy", "bitcast")
-
-    def source(name: str) -> str:
-        inst = module.instructions.get(name)
-        while inst is not None and inst.opcode in moves and name not in params:
-            name = inst.operands[0]
-            inst = module.instructions.get(name)
-        return name
+    params, moves = _entry_params(module), MOVES
+    source = lambda name: _source(module, name, params)  # noqa: E731
 
     found = []
     for inst in entry:
@@ -147,3 +165,64 @@ def test_a_recomputed_layer_holds_the_fused_working_set(probe):
     assert abs(held - planned) <= (cb + 4) * row, (held, planned)
     cpu_term = activation_bytes(cfg, replace(PROFILE, fuses_recomputation=False))["layer_work"]
     assert 2 * held <= cpu_term
+
+
+def _alive(values: dict, ranges: dict, t: int) -> list[tuple[str, tuple[int, ...]]]:
+    """`(name, dims)` of the temporaries alive at position `t`."""
+    return [(v, _dims(values[v][2])) for v, (a, b) in ranges.items() if a <= t <= b]
+
+
+def test_a_float32_head_keeps_nothing_through_the_layers_backward(probe):
+    """At the layers' backward peak no value of the loss head's shapes outlives a layer (an
+    eighth of the schedule) with float32 compute: the planner keeps nothing
+    (`head_grads_at_once`). With bfloat16 compute the logits' cotangent waits, and the
+    planner keeps the CPU-read operands (`_head_kept`)."""
+    cfg, _, _, (values, ranges, schedule) = probe
+    md, steps = cfg.model, max(schedule) + 1
+    b, t, v = cfg.train.micro_batch, md.seq_len, md.vocab // cfg.mesh.tensor
+    head = {(b * t, v), (b, t, v), (b, t, md.d_model), (b * t, md.d_model)}
+    _, backward = _layer_peak(cfg, values, ranges, schedule)
+    kept = [
+        name
+        for name, dims in _alive(values, ranges, backward)
+        if dims in head and ranges[name][1] - ranges[name][0] >= steps // 8
+    ]
+    found = sum(values[name][0] for name in kept)
+    planned = activation_bytes(cfg, PROFILE)["head_kept"]
+    cpu_term = activation_bytes(cfg, replace(PROFILE, head_grads_at_once=False))["head_kept"]
+    assert cpu_term > 0
+    if cfg.precision.compute == "float32":
+        assert found == planned == 0, kept
+        return
+    assert (b * t, v) in [_dims(values[name][2]) for name in kept]
+    assert planned == cpu_term
+
+
+def test_the_non_layer_gradients_are_accumulated_in_place(probe):
+    """At the layers' backward peak one float32 buffer of each non-layer matrix's shard shape
+    (the tied table, the position table) outlives a layer (an eighth of the schedule), not a
+    copy of a weight, the accumulator, which the head's and the embedding's gradients are
+    added into: the planner counts those gradients once (`accumulates_in_place`), the
+    stack's twice."""
+    cfg, state, module, (values, ranges, schedule) = probe
+    params = _entry_params(module)
+    other = [x for key, x in state.params.items() if key != "layers"]
+    matrices = [x for x in jax.tree.leaves(other) if x.ndim == 2]
+    shards = [tuple(x.sharding.shard_shape(x.shape)) for x in matrices]
+    assert len(set(shards)) == len(shards) == 2
+    _, backward = _layer_peak(cfg, values, ranges, schedule)
+    steps = max(schedule) + 1
+    alive = [  # long-lived float32 values, less the weights' relaid-out copies
+        (name, dims)
+        for name, dims in _alive(values, ranges, backward)
+        if values[name][2].startswith("f32[")
+        and ranges[name][1] - ranges[name][0] >= steps // 8
+        and _source(module, name, params) not in params
+    ]
+    for shard in shards:
+        assert len([name for name, dims in alive if dims == shard]) == 1, shard
+    found = sum(values[name][0] for name, dims in alive if dims in shards)
+    assert found == sum(4 * math.prod(shard) for shard in shards)
+    twice = _planned(cfg, replace(PROFILE, accumulates_in_place=False))["grads"]
+    once = twice - 4 * param_layout(cfg)["local_other"]
+    assert _planned(cfg, PROFILE)["grads"] == once
