@@ -90,16 +90,12 @@ NAME_MAX, PATH_MAX = 255, 4095  # bytes of one name in a path, and of a whole pa
 
 def _check_path(key: str, path: str) -> None:
     """One-line `ConfigError` for a path no filesystem takes: a NUL byte, a name over 255
-    bytes, a path over 4095; and a URL (`gs://...`) anywhere but `train.logdir`."""
+    bytes, a path over 4095. A URL (`gs://...`) is read through fsspec, checked where it is
+    read (`jaxpod.data.store`, `jaxpod.run.remote`)."""
     if "\0" in path:
         fail(f"{key}={_shown(path)} holds a NUL byte, which no path can; remove it")
     if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", path):
-        if key == "train.logdir":
-            return  # a run directory in an object store (jaxpod.run.remote): checked there
-        fail(
-            f"{key}={_shown(path)} is a URL; jaxpod reads it from local paths only (copy it, "
-            "or mount the bucket as a folder, e.g. by gcsfuse)"
-        )
+        return
     names = path.encode("utf-8", "surrogateescape").split(b"/")
     if max(map(len, names)) > NAME_MAX or len(path.encode("utf-8", "surrogateescape")) > PATH_MAX:
         fail(

@@ -2,12 +2,14 @@
 
 A document is one file: a `.py` file of the Python standard library (`stdlib-code`) or a
 UTF-8 file under `data.path` (`text-files`; hidden entries, binary and unreadable files
-skipped), listed in sorted relative-path order. A document is held out for validation when a
-hash of its text falls below `data.val_fraction` of the hash range (`is_validation`): the split
-depends on each document's own text, never on its position or on the other files, so no
-validation window shares a document with training, and adding a file moves no other one
-across. Both the byte path (`jaxpod.data.text`) and the token files (`jaxpod.data.tokens`)
-split this way. Host-side only: standard library, no jax.
+skipped), listed in sorted relative-path order: a local folder's `Path`s, or under a URL the
+objects of an fsspec filesystem (`jaxpod.data.store.StoredFile`), read the same way. A
+document is held out for validation when a hash of its text falls below `data.val_fraction`
+of the hash range (`is_validation`): the split depends on each document's own text, never on
+its position or on the other files, so no validation window shares a document with
+training, and adding a file moves no other one across. Both the byte path
+(`jaxpod.data.text`) and the token files (`jaxpod.data.tokens`) split this way.
+Host-side only: standard library (fsspec for a URL), no jax.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import sysconfig
 from pathlib import Path
 
+from jaxpod.data.store import StoredFile, is_url, stored_files
 from jaxpod.errors import DataError
 
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -44,9 +47,11 @@ def stdlib_files(root: str) -> list[Path]:
     return sorted(paths, key=lambda p: p.relative_to(root).parts)
 
 
-def text_files(path: str) -> list[Path]:
-    """The files under `path` (or `path` itself), hidden entries skipped, sorted; one-line
-    `DataError` if it does not exist."""
+def text_files(path: str) -> list[Path] | list[StoredFile]:
+    """The files under `path` (or `path` itself; a folder or a URL's prefix), hidden entries
+    skipped, sorted; one-line `DataError` if it does not exist."""
+    if is_url(path):
+        return stored_files(path)
     root = Path(path).expanduser()
     if not root.exists():
         raise DataError(
@@ -61,7 +66,16 @@ def text_files(path: str) -> list[Path]:
     return sorted((f for f in files if f.is_file()), key=lambda f: f.relative_to(root).parts)
 
 
-def read_text(file: Path, limit: int | None = None) -> tuple[bytes, bool] | None:
+def file_stamp(file: Path | StoredFile, root: Path | None) -> str:
+    """What identifies a version of `file` in a cache key: its path relative to `root` (a
+    `StoredFile` knows its own), its size and its modification time or store version."""
+    if isinstance(file, StoredFile):
+        return f"{file.rel}\0{file.stamp}"
+    st = file.stat()
+    return f"{file.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}"
+
+
+def read_text(file: Path | StoredFile, limit: int | None = None) -> tuple[bytes, bool] | None:
     """The UTF-8 bytes of `file`, at most `limit` of them: `(data, cut)`, or None for a
     binary (a NUL in its first 8 KiB, or not UTF-8) or unreadable file. A character cut in two
     at the limit is no error."""
@@ -84,10 +98,10 @@ def read_stdlib(file: Path, limit: int | None = None) -> tuple[bytes, bool] | No
     return _read_head(file, limit)
 
 
-def _read_head(file: Path, limit: int | None) -> tuple[bytes, bool] | None:
+def _read_head(file: Path | StoredFile, limit: int | None) -> tuple[bytes, bool] | None:
     """`(the first limit bytes of file, whether it holds more)`, or None if it cannot be read."""
     try:
-        with open(file, "rb") as stream:
+        with file.open() if isinstance(file, StoredFile) else open(file, "rb") as stream:
             data = stream.read(-1 if limit is None else limit + 1)
     except OSError:
         return None

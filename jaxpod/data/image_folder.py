@@ -3,19 +3,22 @@
 Loading walks `data.path` and keeps only an index: each image's path relative to it (one
 byte array and offsets, sorted by class then path) and its class (the subdirectory, classes
 sorted by name); the train/val split is `images.stratified_split` of those labels. No pixel is
-read until a batch asks for its rows. A batch decodes its rows with Pillow in a pool of
-`data.workers` threads (Pillow releases the GIL while decoding and resizing), each image of
-any size and mode converted to RGB, then cut to `image_size`: a training row by
-`augment.train_view` (random crop and flip, drawn from a generator seeded by (seed, global
-example index), so by (seed, step, row) and never by the mesh), a validation row by
-`augment.eval_view` (centre crop). Rows are those of `ImageDataset`: the same steps, epochs,
-splits and slices for every mesh and process count, each process decoding only its own rows,
-a resumed run the same pixels. The loop's `Prefetcher` bounds the batches in flight
-(`data.prefetch`); `FolderImages.ledger` counts what the loader holds (`jaxpod.data.ledger`).
+read until a batch asks for its rows (under a URL, the prefix is listed through fsspec and an
+image's bytes read by `cat_file` when a batch decodes it: `jaxpod.data.store`). A batch
+decodes its rows with Pillow in a pool of `data.workers` threads (Pillow releases the GIL
+while decoding and resizing), each image of any size and mode converted to RGB, then cut
+to `image_size`: a training row by `augment.train_view` (random crop and flip, drawn from a
+generator seeded by (seed, global example index), so by (seed, step, row) and never by the
+mesh), a validation row by `augment.eval_view` (centre crop). Rows are those of
+`ImageDataset`: the same steps, epochs, splits and slices for every mesh and process count,
+each process decoding only its own rows, a resumed run the same pixels. The loop's
+`Prefetcher` bounds the batches in flight (`data.prefetch`); `FolderImages.ledger` counts
+what the loader holds (`jaxpod.data.ledger`).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +28,7 @@ import numpy as np
 
 from jaxpod.data.images import ImageBatches, one_line, stratified_split
 from jaxpod.data.ledger import Ledger
+from jaxpod.data.store import filesystem, is_url, stored_files
 from jaxpod.data.text import epoch_positions, global_indices
 from jaxpod.errors import DataError
 
@@ -34,36 +38,57 @@ PIL_PIXEL_BYTES = 4  # Pillow stores an 8-bit RGB, RGBA or P pixel in at most 4 
 AUGMENT_KEY = 0xA06  # mixed into every training row's generator seed
 
 
-def _class_files(root: Path, class_dir: str) -> list[bytes]:
-    """The image files under `root/class_dir` (hidden skipped), relative to `root`, sorted."""
-    found: list[bytes] = []
-    for dirpath, dirnames, filenames in os.walk(root / class_dir):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        rel = os.path.relpath(dirpath, root)
-        found += [
-            os.fsencode(os.path.join(rel, f))
-            for f in filenames
-            if not f.startswith(".") and Path(f).suffix.lower() in IMAGE_SUFFIXES
-        ]
-    return sorted(found, key=lambda f: f.split(os.fsencode(os.sep)))
+def _local_classes(root: Path, path: str) -> dict[str, list[bytes]]:
+    """`{class: its image files relative to root}` of the folder `root` (hidden skipped)."""
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise DataError(
+            f"data.path={path!r} {what}; point data.path at a directory with one "
+            "subdirectory of images per class"
+        )
+    dirs = [d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    out: dict[str, list[bytes]] = {}
+    for c in dirs:
+        found: list[bytes] = []
+        for dirpath, dirnames, filenames in os.walk(root / c):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel = os.path.relpath(dirpath, root)
+            found += [os.fsencode(os.path.join(rel, f)) for f in filenames if _is_image(f)]
+        out[c] = found
+    return out
+
+
+def _stored_classes(path: str) -> dict[str, list[bytes]]:
+    """`{class: its image objects relative to the prefix}` of the URL `path` (hidden
+    skipped): a class is a first path component under which objects lie."""
+    out: dict[str, list[bytes]] = {}
+    for f in stored_files(path, "a directory with one subdirectory of images per class"):
+        if "/" in f.rel:
+            found = out.setdefault(f.rel.split("/", 1)[0], [])
+            found += [f.rel.encode()] if _is_image(f.rel) else []
+    return out
+
+
+def _is_image(name: str) -> bool:
+    return not Path(name).name.startswith(".") and Path(name).suffix.lower() in IMAGE_SUFFIXES
 
 
 class FolderIndex:
-    """The images under `root`: relative paths (`names` uint8[total bytes], `offsets`
-    int64[N + 1]), class ids `labels` int32[N] and the class names; nothing decoded."""
+    """The images under `root` (a folder, or a URL's prefix read through fsspec): relative
+    paths (`names` uint8[total bytes], `offsets` int64[N + 1]), class ids `labels` int32[N]
+    and the class names; nothing decoded."""
 
     def __init__(self, path: str):
         self.path = path  # as the user wrote it, for messages
-        self.root = Path(path).expanduser()
-        if not self.root.is_dir():
-            what = "is not a directory" if self.root.exists() else "does not exist"
-            raise DataError(
-                f"data.path={path!r} {what}; point data.path at a directory with one "
-                "subdirectory of images per class"
-            )
-        dirs = sorted(
-            d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith(".")
-        )
+        self.fs = None
+        if is_url(path):
+            self.fs, root = filesystem("data.path", path)
+            self.root: Path | str = root.rstrip("/")
+            by_class = _stored_classes(path)
+        else:
+            self.root = Path(path).expanduser()
+            by_class = _local_classes(self.root, path)
+        dirs = sorted(by_class)
         if not dirs:
             raise DataError(
                 f"data.path={path!r} has no class subdirectories; put each class's images in "
@@ -71,8 +96,9 @@ class FolderIndex:
             )
         names, counts = bytearray(), []
         lengths: list[int] = []
+        sep = b"/" if self.fs is not None else os.fsencode(os.sep)
         for c in dirs:
-            files = _class_files(self.root, c)
+            files = sorted(by_class[c], key=lambda f: f.split(sep))
             counts.append(len(files))
             lengths += map(len, files)
             names += b"".join(files)
@@ -81,6 +107,14 @@ class FolderIndex:
         self.names = np.frombuffer(bytes(names), dtype=np.uint8)
         self.offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         self.labels = np.repeat(np.arange(len(dirs), dtype=np.int32), counts)
+
+    def source(self, rel: str) -> tuple[Path | io.BytesIO, int]:
+        """What Pillow opens for image `rel`, and the bytes read to make it: the local file
+        (0), or the object's bytes read through the filesystem (their size)."""
+        if self.fs is None:
+            return self.root / rel, 0
+        data = self.fs.cat_file(f"{self.root}/{rel}")
+        return io.BytesIO(data), len(data)
 
     def _check(self, dirs: list[str], counts: list[int]) -> None:
         """Every class holds an image, and there are two (one train, one val)."""
@@ -200,9 +234,10 @@ class FolderImages(ImageBatches):
 
         rel = self.index.relative(i)
         try:
-            with Image.open(self.index.root / rel) as img:
+            source, read = self.index.source(rel)
+            with Image.open(source) as img:
                 w, h = img.size
-                with self.ledger.scratch(2 * PIL_PIXEL_BYTES * w * h):
+                with self.ledger.scratch(read + 2 * PIL_PIXEL_BYTES * w * h):
                     rgb = img.convert("RGB")  # loads (GIFs: the first frame)
                     if g is None:
                         return eval_view(rgb, self.image_size)

@@ -1,21 +1,22 @@
-"""A text corpus as BPE tokens: `data.tokenizer` (`bpe`, or a `tokenizer.json` path) picks the
+"""A text corpus as BPE tokens: `data.tokenizer` (`bpe`, or a `tokenizer.json`) picks the
 tokenizer, and the corpus's token files are written once into the user's cache, then
 memory-mapped by every run that reads the same corpus the same way.
 
 `bpe` trains a byte-level BPE of `model.vocab` ids on the training corpus itself (the
-stdlib, or the files under `data.path`; for BERT with `[MASK]` as id 1); a path loads the
-user's tokenizer, whose ids must fit in `model.vocab` (a larger `model.vocab` pads the
-table, as GPT-2's 50,257 ids in 50,304 rows).
+stdlib, or the files under `data.path`; for BERT with `[MASK]` as id 1); a path or a URL
+(read through fsspec: `jaxpod.data.store`) loads the user's tokenizer, whose ids must fit in
+`model.vocab` (a larger `model.vocab` pads the table, as GPT-2's 50,257 ids in 50,304 rows).
 Nothing is downloaded. Every file is read, one chunk of documents at a time: no size cap.
 
 The cache: `$XDG_CACHE_HOME/jaxpod/tokens/<key>/` (`~/.cache/jaxpod/tokens/<key>/` when
 `XDG_CACHE_HOME` is unset), holding `train.tokens`, `val.tokens`, `meta.json` and the
 `tokenizer.json` they were encoded with. `<key>` hashes the corpus's files (relative path,
-size, modification time), the tokenizer (`bpe`, `model.vocab` and its special ids, or the
-bytes of the user's file) and `data.val_fraction`: an edited corpus or another tokenizer gets
-a new directory, and a directory is complete or absent
-(`jaxpod.data.tokens.write_token_files`). Every process builds or finds it on its own host;
-the rows a step reads do not depend on which process wrote it.
+size, and modification time, or under a URL the store's version marks), the tokenizer
+(`bpe`, `model.vocab` and its special ids, or the bytes of the user's file) and
+`data.val_fraction`: an edited corpus or another tokenizer gets a new directory, and a
+directory is complete or absent (`jaxpod.data.tokens.write_token_files`). Every process
+builds or finds it on its own host; the rows a step reads do not depend on which process
+wrote it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from jaxpod.data.documents import read_stdlib, read_text, stdlib_files, stdlib_root, text_files
+from jaxpod.data.documents import (
+    file_stamp,
+    read_stdlib,
+    read_text,
+    stdlib_files,
+    stdlib_root,
+    text_files,
+)
+from jaxpod.data.store import is_url
 from jaxpod.data.tokens import (
     END_OF_TEXT,
     META,
@@ -34,6 +43,7 @@ from jaxpod.data.tokens import (
     load_tokenizer,
     open_token_files,
     require_tokenizers,
+    tokenizer_bytes,
     train_bpe,
     write_token_files,
 )
@@ -48,7 +58,7 @@ def cache_dir() -> Path:
     return Path(base) / "jaxpod" / "tokens"
 
 
-def _corpus(name: str, path: str | None) -> tuple[list[Path], Path, Callable, str]:
+def _corpus(name: str, path: str | None) -> tuple[list, Path | None, Callable, str]:
     """(files, their root, the reader of one file, a description of the corpus)."""
     if name == "stdlib-code":
         root = stdlib_root()
@@ -58,6 +68,8 @@ def _corpus(name: str, path: str | None) -> tuple[list[Path], Path, Callable, st
     if path is None:
         raise DataError("data.path is not set; data.name='text-files' needs data.path=DIR")
     files = text_files(path)
+    if is_url(path):
+        return files, None, read_text, f"text from {path}"
     root = Path(path).expanduser()
     return files, (root if root.is_dir() else root.parent), read_text, f"text from {path}"
 
@@ -71,15 +83,14 @@ def _texts(files: list[Path], read: Callable) -> Iterator[str]:
 
 
 def _key(
-    files: list[Path], root: Path, tokenizer: str, vocab: int, vf: float, specials: tuple
+    files: list, root: Path | None, tokenizer: str, vocab: int, vf: float, specials: tuple
 ) -> str:
     """The cache key of a corpus read with a tokenizer (see the module docstring)."""
     h = hashlib.blake2b(digest_size=12)
     for f in files:
-        st = f.stat()
-        h.update(f"{f.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(f"{file_stamp(f, root)}\n".encode())
     extra = "" if specials == (END_OF_TEXT,) else ":" + ",".join(specials)
-    spec = f"{BPE}:{vocab}{extra}".encode() if tokenizer == BPE else Path(tokenizer).read_bytes()
+    spec = f"{BPE}:{vocab}{extra}".encode() if tokenizer == BPE else tokenizer_bytes(tokenizer)
     h.update(b"\0tokenizer\0" + spec + f"\0val_fraction\0{vf!r}".encode())
     return h.hexdigest()
 
@@ -100,7 +111,7 @@ def check_tokenizer(tokenizer: str, vocab: int) -> None:
         return
     require_tokenizers()
     if tokenizer != BPE:
-        user = load_tokenizer(os.path.expanduser(tokenizer))
+        user = load_tokenizer(tokenizer if is_url(tokenizer) else os.path.expanduser(tokenizer))
         _check_vocab(user.get_vocab_size(), vocab, tokenizer)
 
 
@@ -119,7 +130,8 @@ def load_tokens(
     tokenizer.json path) as windows of `seq_len + 1` ids, built into `cache_dir()` once;
     `specials`: a trained BPE's first ids (BERT's holds `[MASK]`)."""
     files, root, read, source = _corpus(name, path)
-    tokenizer = tokenizer if tokenizer == BPE else os.path.expanduser(tokenizer)
+    if tokenizer != BPE and not is_url(tokenizer):
+        tokenizer = os.path.expanduser(tokenizer)
     user = None if tokenizer == BPE else load_tokenizer(tokenizer)  # one line if missing
     if user is not None:
         _check_vocab(user.get_vocab_size(), vocab, tokenizer)

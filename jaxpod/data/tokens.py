@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxpod.data.documents import is_validation
 from jaxpod.data.ledger import Ledger
+from jaxpod.data.store import is_url, read_bytes
 from jaxpod.data.text import Windows, epoch_positions, global_indices
 from jaxpod.errors import DataError
 
@@ -65,13 +66,29 @@ def train_bpe(texts: Iterable[str], vocab: int, specials: tuple[str, ...] = (END
     return tokenizer
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """The tokenizer saved at `path` (a `tokenizer.json`); one-line `DataError` otherwise."""
-    tk = require_tokenizers()
+def tokenizer_bytes(path: str | os.PathLike) -> bytes:
+    """The bytes of the tokenizer.json at `path`, a local path or a URL read through fsspec
+    (`jaxpod.data.store`); one-line `DataError` if there is no such file."""
+    if is_url(path):
+        return read_bytes("data.tokenizer", path, "a tokenizer.json")
     if not Path(path).is_file():
         raise DataError(f"data.tokenizer={os.fspath(path)!r} is no file; name a tokenizer.json")
     try:
-        return tk.Tokenizer.from_file(os.fspath(path))
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise DataError(
+            f"data.tokenizer={os.fspath(path)!r} cannot be read ({exc.strerror}); name a "
+            "tokenizer.json you can read"
+        ) from None
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer saved at `path` (a `tokenizer.json`, local or a URL); one-line
+    `DataError` otherwise."""
+    tk = require_tokenizers()
+    data = tokenizer_bytes(path)
+    try:
+        return tk.Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # the library raises a bare Exception for a bad file
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DataError(

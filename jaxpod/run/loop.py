@@ -30,6 +30,7 @@ from tqdm import tqdm
 from jaxpod.config import Config, config_to_dict, dump_yaml
 from jaxpod.data.feed import DeviceFeed
 from jaxpod.data.prefetch import Prefetcher
+from jaxpod.data.store import is_url
 from jaxpod.engine import TrainState
 from jaxpod.errors import UserError
 from jaxpod.parallel.mesh import mesh_for
@@ -49,7 +50,6 @@ from jaxpod.run.preflight import Cleared, preflight
 from jaxpod.run.profiling import StepProfiler
 from jaxpod.run.progress import Phase
 from jaxpod.run.record import RecordWriteError, write_atomic
-from jaxpod.run.remote import is_url
 from jaxpod.run.resume import (
     check_changes,
     check_saved_config,

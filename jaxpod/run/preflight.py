@@ -2,7 +2,8 @@
 
 `preflight(cfg)` refuses, in this order: `train.profile_steps` reaching beyond the run; a
 `data.tokenizer` without Hugging Face `tokenizers` installed, or a tokenizer file that is
-missing or whose ids do not fit in `model.vocab`; a mapping whose planned bytes per device
+missing or whose ids do not fit in `model.vocab`; a `data.path` URL no installed fsspec
+filesystem reads (`jaxpod.data.store`); a mapping whose planned bytes per device
 exceed `memory.device_budget` (the planner's `check_budget`); more host RAM than this host has
 for its virtual CPU devices (`jaxpod.run.hostmem`, one process); a run directory that cannot
 be claimed (`jaxpod.run.logdir`); a URL for one (`jaxpod.run.remote`) with several processes.
@@ -20,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxpod.config import Config
+from jaxpod.data.store import filesystem, is_url
 from jaxpod.errors import UserError
 from jaxpod.run.hostmem import check_host_ram
 from jaxpod.run.logdir import LogdirLock, hold
 from jaxpod.run.profiling import check_profile_steps
-from jaxpod.run.remote import RemoteLogdir, is_url
+from jaxpod.run.remote import RemoteLogdir
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ def preflight(
         from jaxpod.data.tokenized import check_tokenizer
 
         check_tokenizer(cfg.data.tokenizer, cfg.model.vocab)
+    if is_url(cfg.data.path):
+        filesystem("data.path", cfg.data.path)  # its package installed, before the claim
     check_budget(cfg)
     if processes == 1:
         check_host_ram(cfg)

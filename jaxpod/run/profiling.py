@@ -121,8 +121,8 @@ def profile_overrides(config: str, overrides: list[str], steps: int, warmup: int
     """
     import shutil
 
+    from jaxpod.data.store import is_url
     from jaxpod.run.logdir import CHECKPOINTS
-    from jaxpod.run.remote import is_url
 
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps {steps} must be >= 1 and --warmup {warmup} >= 0")

@@ -28,35 +28,12 @@ import socket
 import time
 from pathlib import Path
 
+from jaxpod.data.store import filesystem
 from jaxpod.errors import UserError
 
-URL = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://")
 LOCK_FILE = ".jaxpod.lock"
 CHECKPOINTS = "checkpoints"
 COMMITTED = "commit_success.txt"  # written last into a pushed checkpoint (orbax's GCS mark)
-
-
-def is_url(path: object) -> bool:
-    """True if `path` is a string naming a URL (`gs://...`, `s3://...`, `memory://...`)."""
-    return isinstance(path, str) and URL.match(path) is not None
-
-
-def filesystem(key: str, url: str):
-    """`(fsspec filesystem, path in it)` of `url`; one-line `UserError` naming `key` if no
-    installed fsspec implementation knows its protocol (e.g. gs:// without gcsfs)."""
-    import fsspec
-
-    protocol = URL.match(url).group(1)
-    try:
-        return fsspec.core.url_to_fs(url)
-    except ImportError as exc:
-        why = str(exc).splitlines()[0] if str(exc) else "its package is not installed"
-        raise UserError(f"{key}={url}: {protocol}:// needs a filesystem package ({why})") from None
-    except ValueError:
-        raise UserError(
-            f"{key}={url}: no fsspec filesystem knows {protocol}://; use gs:// (gcsfs), s3:// "
-            "(s3fs), another fsspec URL, or a local path"
-        ) from None
 
 
 def local_copy(url: str) -> Path:

@@ -41,14 +41,14 @@ def test_a_logdir_no_filesystem_takes_is_one_line(tmp_path, logdir, needle):
 @pytest.mark.parametrize(
     ("key", "url", "needle"),
     [
-        ("data.path", "gs://bucket/runs/x", "data.path='gs://bucket/runs/x' is a URL"),
+        ("data.path", "s3://bucket/runs/x", "data.path=s3://bucket/runs/x: s3:// needs"),
         ("train.logdir", "nosuchfs://b/x", "no fsspec filesystem knows nosuchfs://"),
     ],
 )
 def test_a_url_is_refused_not_made_a_local_folder(tmp_path, key, url, needle):
-    """`gs://bucket/x` would be the local folder `./gs:/bucket/x`: a URL jaxpod cannot read
-    (data.path) or whose protocol no filesystem serves is refused in one line, and nothing is
-    made where the command runs."""
+    """`s3://bucket/x` would be the local folder `./s3:/bucket/x`: a URL whose filesystem
+    package is not installed (s3fs) or whose protocol no filesystem serves is refused in one
+    line before the run directory is claimed, and nothing is made where the command runs."""
     more = ["data.name=text-files"] if key == "data.path" else []
     on = [*more, f"{key}={url}"]
     if key == "data.path":

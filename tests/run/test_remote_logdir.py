@@ -11,37 +11,19 @@ import json
 import shutil
 
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
+from helpers.bucket import open_bucket
 from helpers.cli import SMALL
 
 URL = "testbucket://bucket/runs/a"
 RUN = [*SMALL, "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=3"]
 
 
-class BucketFileSystem(MemoryFileSystem):
-    """An in-memory store under its own protocol and its own (empty) contents."""
-
-    protocol = "testbucket"
-    store: dict = {}
-    pseudo_dirs = [""]
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        return super()._strip_protocol(str(path).removeprefix("testbucket://"))
-
-
 @pytest.fixture
 def bucket(tmp_path, monkeypatch):
     """The registered store (emptied), the cache and the working directory in `tmp_path`."""
-    import fsspec
-
-    fsspec.register_implementation("testbucket", BucketFileSystem, clobber=True)
-    BucketFileSystem.store.clear()
-    BucketFileSystem.pseudo_dirs[:] = [""]
-    BucketFileSystem.clear_instance_cache()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.chdir(tmp_path)
-    return fsspec.filesystem("testbucket")
+    return open_bucket()
 
 
 def _train(*overrides: str):
