@@ -51,6 +51,22 @@ def stored_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
     return 4 if compute in profile.stores_in_float32 else DTYPE_BYTES[compute]
 
 
+def grad_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
+    """Bytes of one gradient scalar of the stacked model: the params' dtype, or 4 where the
+    16-bit weights are cast from float32 masters inside the layer loops
+    (`DeviceProfile.casts_in_layer_loops`): autodiff returns the masters' float32 gradients."""
+    profile = profile or get_profile(cfg.memory.device)
+    return 4 if casts_in_layer_loops(cfg, profile) else DTYPE_BYTES[cfg.precision.params]
+
+
+def casts_in_layer_loops(cfg: Config, profile: DeviceProfile) -> bool:
+    """Whether the step casts a float32 master stack to 16-bit weights one layer at a time
+    inside its layer loops (`DeviceProfile.casts_in_layer_loops`; stacked models)."""
+    prec = cfg.precision
+    sixteen = DTYPE_BYTES[prec.params] == 2 and prec.master == "float32"
+    return profile.casts_in_layer_loops and sixteen and cfg.kind.stages == "stacked"
+
+
 def _head_kept(cfg: Config, tokens: int, sb: int, profile: DeviceProfile) -> int:
     """Bytes of the loss head's values alive through the layers' backward pass (`tokens`: the
     head's tokens on this device; `sb` bytes a stored scalar, `stored_bytes`). XLA:CPU computes
@@ -116,7 +132,9 @@ def _packed_activation_bytes(cfg: Config, profile: DeviceProfile, cb: int) -> di
     )
 
 
-def _tick_scan_buffers(cfg: Config, sets: dict, ticks: int, per_tick: int) -> tuple[int, int]:
+def _tick_scan_buffers(
+    cfg: Config, sets: dict, ticks: int, per_tick: int, profile: DeviceProfile
+) -> tuple[int, int]:
     """`(pipeline_buffers, tick_grads)` of gpipe and circular: the forward tick scan, the
     head, then autodiff's backward tick scan, which holds besides the saved residuals
     (XLA:CPU's buffer assignment, read with benchmarks/xla_peak.py):
@@ -130,7 +148,8 @@ def _tick_scan_buffers(cfg: Config, sets: dict, ticks: int, per_tick: int) -> tu
     - the tick's own part of the saved residuals (`per_tick` layers);
     - `tick_grads`: with more than one layer a tick (a layer scan inside the tick), the
       transposed layer scan's gradient of the stage's whole stack (the tick's layers are a
-      dynamic slice of it), before it is added into the stage's accumulator;
+      dynamic slice of it, `grad_bytes` a gradient), before it is added into the stage's
+      accumulator;
     - with `train.skip_bubbles`, the backward tick's `lax.cond` returns its layers' weight
       gradients and saved residuals as buffers of their own (read on 1x2x1, d 128, remat
       full / minimal / comms / none, benchmarks/xla_peak.py)."""
@@ -139,7 +158,7 @@ def _tick_scan_buffers(cfg: Config, sets: dict, ticks: int, per_tick: int) -> tu
     rows = ticks + micro + 1 + (2 * micro if md.name == "bert" else 0)
     buffers = rows * sets["btd"] + per_tick * sets["saved"]
     sharded, replicated = layer_params(md)
-    layer = (sharded // mesh.tensor + replicated) * DTYPE_BYTES[cfg.precision.params]
+    layer = (sharded // mesh.tensor + replicated) * grad_bytes(cfg, profile)
     tick_grads = per_stage * layer // cfg.memory.rts if per_tick > 1 else 0
     if cfg.train.skip_bubbles:
         buffers += per_tick * (layer // cfg.memory.rts + sets["saved"])
@@ -173,7 +192,7 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int, profile: DeviceProfile) ->
         # and 1x1x4, remat full; without remat XLA:CPU computes the head's gradients at once)
         head_kept = _head_kept(cfg, head_tokens, sb, profile)
     if stages > 1 and kind not in STEPWISE:
-        buffers, tick_grads = _tick_scan_buffers(cfg, sets, ticks, per_tick)
+        buffers, tick_grads = _tick_scan_buffers(cfg, sets, ticks, per_tick, profile)
         head_kept = _head_kept(
             cfg, head_tokens, sb, profile
         )  # its gradients after the backward ticks

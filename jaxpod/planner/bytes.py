@@ -24,7 +24,13 @@ import math
 from jaxpod.config import Config
 from jaxpod.optim.strips import strips
 from jaxpod.parallel.schedules import STEPWISE
-from jaxpod.planner.activations import DTYPE_BYTES, MOMENTS, compute_bytes
+from jaxpod.planner.activations import (
+    DTYPE_BYTES,
+    MOMENTS,
+    casts_in_layer_loops,
+    compute_bytes,
+    grad_bytes,
+)
 from jaxpod.planner.counts import layer_params
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 from jaxpod.planner.tiles import image_elements
@@ -82,7 +88,8 @@ def _in_place_grads(cfg: Config, layout: dict, profile: DeviceProfile) -> int:
 def _state_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> dict:
     """Bytes per device of the whole state, wherever it rests: `master` (the master weights),
     `weights` (with a 16-bit working copy: the forward's cast, a temporary of the step made on
-    the device, alive from the forward to the backward), `optimizer`, the gradients as the
+    the device, alive from the forward to the backward; none where the cast is one layer's at
+    a time, `casts_in_layer_loops`), `optimizer`, the gradients (`grad_bytes`) as the
     stage holds them (`grads`: two copies when `accumulated`, summed over micro-batches or
     passes, or carried by 1f1b) and as the update reads them (`grads_update`), the update's
     `updates`. A packed family's stored rows take their tiled rows (`row_padding`); where the
@@ -100,13 +107,15 @@ def _state_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> dict:
     accumulated = cfg.part_micro > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
     accumulated |= cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule in STEPWISE  # carried
     grads = local * (2 if accumulated else 1) - _in_place_grads(cfg, layout, profile)
+    gb = grad_bytes(cfg, profile)
+    working = mb != pb and not casts_in_layer_loops(cfg, profile)
     return {
         "master": master_all,
-        "weights": master_all + (local / rts * pb if mb != pb else 0),
+        "weights": master_all + (local / rts * pb if working else 0),
         "optimizer": local / rts_opt * MOMENTS[cfg.optim.name] * moment_bytes,
         "accumulated": accumulated,
-        "grads": grads / rts * pb,
-        "grads_update": local / rts * pb,
+        "grads": grads / rts * gb,
+        "grads_update": local / rts * gb,
         "updates": local / rts * mb,
     }
 
@@ -223,9 +232,12 @@ def _widened_matrices(cfg: Config, profile: DeviceProfile) -> float:
     (`DeviceProfile.stores_in_float32`: XLA:CPU) converts once, whole, before the layer
     loops and holds through the forward and backward passes, not the update (read on GPT
     and BERT probes, 1x1 and 2-stage pipelines, RTS 1 and 2: benchmarks/xla_peak.py); 0
-    where the stack is not read whole from the device."""
+    where the stack is not read whole from the device or is cast one layer at a time from
+    float32 masters (`casts_in_layer_loops`: its float32 gradients are counted instead)."""
     mem = cfg.memory
     if cfg.precision.params not in profile.stores_in_float32 or cfg.kind.stages != "stacked":
+        return 0
+    if casts_in_layer_loops(cfg, profile):
         return 0
     if "params" in mem.offload or mem.phases > 1 or mem.stream == "matrix":
         return 0  # not read: pieces of the stack fetched or streamed
@@ -301,7 +313,7 @@ def _backward_peak(cfg: Config, layout: dict, acts: dict, s: dict, copies: tuple
     backward = acts.get("backward_moment", acts["total"])
     peak = s["grads"] + backward + gathered + widened
     if cfg.mesh.pipeline > 1 and not s["accumulated"] and "backward_moment" in acts:
-        grads_layers = layout["local_layers"] / cfg.memory.rts * DTYPE_BYTES[cfg.precision.params]
+        grads_layers = s["grads_update"] * layout["local_layers"] / layout["local"]
         peak = grads_layers + acts["backward_moment"] + gathered_layer + widened
     return peak + scattered
 

@@ -5,7 +5,8 @@ The numbers are per device. `device_bytes` is the fast memory the step's arrays 
 `streaming_bytes` is the slower memory that offloaded state (`memory.offload`) and phased
 weights live in. A backend's known differences from the target are explicit properties, not
 fitted constants: XLA:CPU computes 16-bit dtypes in float32 (`widens_16bit`), keeps bfloat16
-values between its computations in float32 buffers (`stores_in_float32`) and both memory
+values between its computations in float32 buffers (`stores_in_float32`), casts 16-bit
+weights from float32 masters one layer at a time (`casts_in_layer_loops`) and both memory
 kinds in one RAM, so its update reads host-resident optimizer state in place
 (`shares_host_memory`: nothing is moved in; measured in docs/memory.md). XLA:TPU pads
 every array to its tiles (`tile`: `jaxpod.planner.tiles`), converts float32 layer matrices
@@ -41,6 +42,10 @@ class DeviceProfile:
     # (XLA:CPU converts bfloat16 ops to float32 whole; float16 is widened inside fusions only)
     stores_in_float32: tuple[str, ...] = ()
     shares_host_memory: bool = False  # host memory kinds are device memory: no moved-in copy
+    # with float32 masters a stacked layer's 16-bit weights are cast one layer at a time inside
+    # the layer loops: no whole 16-bit (or widened) stack is stored, and the stack's gradients,
+    # the loops' carries and the accumulator, are float32 (XLA:CPU; benchmarks/xla_peak.py)
+    casts_in_layer_loops: bool = False
     # a depthwise conv's weight gradient is computed from a dense [k, k, C, C] float32 kernel
     # (XLA:CPU; benchmarks/xla_peak.py), which the planner counts in its stage's backward
     dense_depthwise_grads: bool = False
@@ -85,6 +90,7 @@ PROFILES: dict[str, DeviceProfile] = {
             widens_16bit=True,
             stores_in_float32=("bfloat16",),
             shares_host_memory=True,
+            casts_in_layer_loops=True,
             dense_depthwise_grads=True,
             transposes_scattered_grads=True,
         ),
