@@ -77,15 +77,17 @@ def _head_kept(cfg: Config, tokens: int, sb: int, profile: DeviceProfile) -> int
     output's cotangent; both the float32 logits' cotangent. A head in chunks
     (`sequence_chunks`) computes them inside its chunk loop and keeps none (measured);
     `memory.vocab_slices` is taken to be the same (not read). None where the profile computes
-    the head's gradient at once (`head_grads_at_once`: read on GPT, float32 compute, without a
-    pipeline and under GPipe; BERT's head and 16-bit compute keep the logits' cotangent, and
-    circular is not read)."""
+    the head's gradient at once (`head_grads_at_once`: read on GPT, float32 compute, and with
+    sequence parallelism on GPT and BERT, float32 and bfloat16 compute, without a pipeline
+    and under GPipe; BERT's head and 16-bit compute keep the logits' cotangent without
+    sequence parallelism, and circular is not read)."""
     md = cfg.model
     if math.gcd(md.sequence_chunks, tokens) > 1 or cfg.memory.vocab_slices > 1:
         return 0
     read = cfg.mesh.pipeline == 1 or cfg.train.pipeline_schedule == "gpipe"
     float32_gpt = md.name == "gpt" and cfg.precision.compute == "float32"
-    if profile.head_grads_at_once and float32_gpt and read:
+    at_once = float32_gpt or (md.sequence_parallel and cfg.precision.compute != "float16")
+    if profile.head_grads_at_once and at_once and read:
         return 0
     rows = 3 if md.name == "gpt" else 5 + 2 * (md.norm == "pre")
     return tokens * (rows * md.d_model * sb + md.vocab // cfg.mesh.tensor * 4)

@@ -144,14 +144,16 @@ def _fused_work(cfg: Config, r: _Rows, cb: int, kept: int) -> int | None:
     [b, T, F/t] in the compute dtype, a bfloat16 copy of the hidden units for W_out's
     matmul, and three residual rows [b, T, D] in the compute dtype and a bfloat16 one (the
     layer's input, the cotangent, a psum's output or queries' and keys' copies), less what the
-    policy keeps (tests/target/test_fusion_tpu.py)."""
+    policy keeps (tests/target/test_fusion_tpu.py). With sequence parallelism those rows are
+    the whole sequence's too (the all-gathered inputs, the row-parallel outputs before their
+    reduce-scatter), beside the gathered inputs, not [b, T/t, D] rows."""
     md = cfg.model
     if md.remat not in ("full", "attention") or cfg.precision.compute == "float16":
         return None  # the programs read: these policies, float32 and bfloat16 compute
     if md.sequence_chunks > 1 or cfg.memory.stream == "matrix":
         return None
     hidden = (2 if r.gated else 1) * r.btf
-    rows = (3 * cb + 2) * r.res + cb * r.gathered // 2
+    rows = (3 * cb + 2) * r.btd + cb * r.gathered // 2
     return max(cb * r.kept_scores + (cb + 2) * hidden + rows - kept, 0)
 
 

@@ -13,10 +13,10 @@ every array to its tiles (`tile`: `jaxpod.planner.tiles`), converts float32 laye
 to bfloat16 for its matmuls (`converts_matrices`), fuses a recomputed layer into its
 backward's matmuls (`fuses_recomputation`), computes a float32 loss head's gradient at
 once (`head_grads_at_once`) and adds the non-layer gradients into their accumulator
-(`accumulates_in_place`), which the TPU profiles name (tests/target/test_fusion_tpu.py
-finds them in compiled programs), and places the values a remat policy saves in host
-memory when `memory.offload` names activations (`offloads_activations`; XLA:CPU ignores
-the placement).
+(`accumulates_in_place`), which the TPU profiles name (tests/target/test_fusion_tpu.py and
+test_sequence_parallel_tpu.py find them in compiled programs), and places the values a
+remat policy saves in host memory when `memory.offload` names activations
+(`offloads_activations`; XLA:CPU ignores the placement).
 """
 
 from __future__ import annotations
@@ -61,15 +61,17 @@ class DeviceProfile:
     # and the copies held through the step (XLA:TPU, float32 params and compute)
     converts_matrices: bool = False
     # a recomputed layer's backward holds the recomputed probabilities and hidden units (and a
-    # bfloat16 copy of those) beside three residual rows, not autodiff's whole saved set
-    # (XLA:TPU fuses the recomputation into the matmuls: `jaxpod.planner.layer`)
+    # bfloat16 copy of those) beside three residual rows (whole-sequence ones with sequence
+    # parallelism), not autodiff's whole saved set (XLA:TPU fuses the recomputation into the
+    # matmuls: `jaxpod.planner.layer`)
     fuses_recomputation: bool = False
     # the remat policy's saved values live in host memory with memory.offload=[activations]
     # (XLA:TPU's host temporaries, tests/target/test_offload_tpu.py). XLA:CPU drops the
     # placement; jax lowers it for GPU too, but no XLA:GPU program is read here: False
     offloads_activations: bool = False
     # with float32 compute GPT's loss head computes its table's gradient with the logits'
-    # cotangent, before the layers' backward: no operand of it waits (XLA:TPU; `_head_kept`)
+    # cotangent, before the layers' backward: no operand of it waits; with sequence
+    # parallelism GPT's and BERT's, bfloat16 too (XLA:TPU; `_head_kept`)
     head_grads_at_once: bool = False
     # the gradients of the parameters outside the layer stack (the token and position tables,
     # the norms) are added into the micro-batch accumulator where computed: one copy at the
