@@ -87,7 +87,7 @@ notebooks: $(STAMP)
 		--ExecutePreprocessor.record_timing=False $(NOTEBOOKS:.py=.ipynb)
 
 # docs/figures/*.png from jaxpod and the committed data in docs/figures/data/ (a minute);
-# `$(BIN)/python -m jaxpod.figures --refresh compiled,meshes,digits` recomputes that data.
+# `$(BIN)/python -m jaxpod.figures --refresh compiled,compiled-tpu,meshes,digits` recomputes it.
 figures: $(STAMP)
 	$(BIN)/python -m jaxpod.figures
 
