@@ -70,13 +70,14 @@ def row_padding(cfg: Config, profile: DeviceProfile, itemsize: int) -> int:
 def _in_place_grads(cfg: Config, profile: DeviceProfile) -> bool:
     """Whether the accumulator takes the gradients of the parameters outside the layer stack
     in place (`DeviceProfile.accumulates_in_place`): without a pipeline, in micro-batches
-    (read on GPT, float32 and bfloat16 compute, and BERT; with RTS on GPT, float32); not
-    under a pipeline's accumulation or for a packed family (not read). With RTS they are
-    accumulated whole, their reduce-scatter after the micro-batches; not with RTS and matrix
-    streams (the head's gradients are computed after the micro-batches' layers there)."""
+    (read on GPT, float32 and bfloat16 compute, and BERT); not under a pipeline's
+    accumulation or for a packed family (not read). With RTS they are accumulated whole,
+    their reduce-scatter after the micro-batches, where the head is fused (`fused_head`:
+    read on GPT, float32; matrix streams compute the head's gradients after the layers,
+    a head in chunks or slices sums its table's gradient in its own loop)."""
     accumulated = cfg.mesh.pipeline == 1 and cfg.part_micro > 1
     read = cfg.kind.stages == "stacked"
-    read &= cfg.memory.rts == 1 or cfg.memory.stream != "matrix"
+    read &= cfg.memory.rts == 1 or fused_head(cfg, profile)
     return profile.accumulates_in_place and accumulated and read
 
 
