@@ -248,16 +248,31 @@ def offloaded_per_layer(cfg: Config, profile: DeviceProfile, sets: dict) -> tupl
     return sets["saved"] - sets["btd"], ""
 
 
-def _head_logits(cfg: Config, tokens: int, cb: int) -> tuple[int, int]:
+def fused_head(cfg: Config, profile: DeviceProfile) -> bool:
+    """Whether the loss head holds its float32 logits once: a backend computing the head's
+    gradient at once (`head_grads_at_once`) fuses the softmax, the loss and its cotangent
+    into the logits' consumers, so one [b·T, V/t] value exists (read on GPT, float32 compute,
+    no pipeline, RTS 1 to 4, tensor 1 and 2: tests/target/test_rts_tpu.py). Not with matrix
+    streams: their step keeps two logits-shaped values through the layers' backward."""
+    gpt32 = cfg.model.name == "gpt" and cfg.precision.compute == "float32"
+    whole = cfg.model.sequence_chunks == 1 and cfg.memory.vocab_slices == 1
+    whole &= cfg.memory.stream != "matrix"
+    return profile.head_grads_at_once and gpt32 and whole and cfg.mesh.pipeline == 1
+
+
+def _head_logits(cfg: Config, tokens: int, cb: int, profile: DeviceProfile) -> tuple[int, int]:
     """`(head, chunks)`: bytes of the loss head at its peak over `tokens` tokens, in `chunks`
     chunks (`sequence_chunks`, as the engine divides the head's tokens): float32 logits over
-    V/t (/ `memory.vocab_slices`) rows in their live copies, plus the final LN's values."""
+    V/t (/ `memory.vocab_slices`) rows in their live copies (`fused_head`), plus the
+    final LN's values."""
     md = cfg.model
     vocab_rows = md.vocab // cfg.mesh.tensor // cfg.memory.vocab_slices  # a slice's logits
     chunks = math.gcd(md.sequence_chunks, tokens)  # loss head chunks (as the engine)
     copies = SLICED_HEAD_LOGIT_COPIES if cfg.memory.vocab_slices > 1 else HEAD_LOGIT_COPIES
     if cfg.precision.compute != "float32":
         copies = min(copies, ROUNDED_HEAD_LOGIT_COPIES)
+    if fused_head(cfg, profile):
+        copies = 1
     head = tokens * vocab_rows * 4 * copies // chunks
     head += tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // chunks
     return head, chunks
@@ -327,7 +342,7 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     sets = layer_sets(cfg, cb, sb, profile.fuses_recomputation)
     pipe = _pipeline_terms(cfg, sets, sb, profile)
     tokens = pipe["head_tokens"]
-    head, head_chunks = _head_logits(cfg, tokens, cb)
+    head, head_chunks = _head_logits(cfg, tokens, cb, profile)
     per_layer, why = offloaded_per_layer(cfg, profile, sets)
     saved = pipe["saved"]
     host = pipe["layers_per_stage"] * per_layer  # no pipeline: one micro-batch's layers

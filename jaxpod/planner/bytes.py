@@ -29,6 +29,7 @@ from jaxpod.planner.activations import (
     MOMENTS,
     casts_in_layer_loops,
     compute_bytes,
+    fused_head,
     grad_bytes,
 )
 from jaxpod.planner.counts import layer_params
@@ -73,16 +74,18 @@ def row_padding(cfg: Config, profile: DeviceProfile, itemsize: int) -> int:
     return profile.tile.rows_of(1, itemsize)
 
 
-def _in_place_grads(cfg: Config, layout: dict, profile: DeviceProfile) -> int:
-    """Parameters outside the layer stack whose gradients the accumulator takes in place
-    (`DeviceProfile.accumulates_in_place`): all of them without a pipeline, in micro-batches
-    (read on GPT, float32 and bfloat16 compute, and BERT); else none (a pipeline's
-    accumulation, RTS and a packed family are not read)."""
+def _in_place_grads(cfg: Config, profile: DeviceProfile) -> bool:
+    """Whether the accumulator takes the gradients of the parameters outside the layer stack
+    in place (`DeviceProfile.accumulates_in_place`): without a pipeline, in micro-batches
+    (read on GPT, float32 and bfloat16 compute, and BERT); not under a pipeline's
+    accumulation or for a packed family (not read). With RTS they are accumulated whole,
+    their reduce-scatter after the micro-batches, where the head is fused (`fused_head`:
+    read on GPT, float32; matrix streams compute the head's gradients after the layers,
+    a head in chunks or slices sums its table's gradient in its own loop)."""
     accumulated = cfg.mesh.pipeline == 1 and cfg.part_micro > 1
-    read = cfg.kind.stages == "stacked" and cfg.memory.rts == 1
-    if not (profile.accumulates_in_place and accumulated and read):
-        return 0
-    return layout["local_other"]
+    read = cfg.kind.stages == "stacked"
+    read &= cfg.memory.rts == 1 or fused_head(cfg, profile)
+    return profile.accumulates_in_place and accumulated and read
 
 
 def _state_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> dict:
@@ -92,9 +95,9 @@ def _state_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> dict:
     a time, `casts_in_layer_loops`), `optimizer`, the gradients (`grad_bytes`) as the
     stage holds them (`grads`: two copies when `accumulated`, summed over micro-batches or
     passes, or carried by 1f1b) and as the update reads them (`grads_update`), the update's
-    `updates`. A packed family's stored rows take their tiled rows (`row_padding`); where the
-    non-layer gradients are added into their accumulator (`_in_place_grads`) they are one
-    copy of the two."""
+    `updates`, and the micro-batch `accumulator`. A packed family's stored rows take their
+    tiled rows (`row_padding`); where the non-layer gradients are added into their
+    accumulator (`_in_place_grads`) they are one copy of the two, whole (not RTS's shard)."""
     mem, prec = cfg.memory, cfg.precision
     rts = mem.rts
     rts_opt = mem.rts_optimizer or rts
@@ -106,7 +109,10 @@ def _state_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> dict:
     moment_bytes *= row_padding(cfg, profile, moment_bytes)
     accumulated = cfg.part_micro > 1 if cfg.mesh.pipeline == 1 else cfg.pipeline_passes > 1
     accumulated |= cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule in STEPWISE  # carried
-    grads = local * (2 if accumulated else 1) - _in_place_grads(cfg, layout, profile)
+    grads, accumulator = local * (2 if accumulated else 1), local
+    if _in_place_grads(cfg, profile):  # elements, before the division by rts below
+        grads += layout["local_other"] * (rts - 2)
+        accumulator += layout["local_other"] * (rts - 1)
     gb = grad_bytes(cfg, profile)
     working = mb != pb and not casts_in_layer_loops(cfg, profile)
     return {
@@ -116,15 +122,18 @@ def _state_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> dict:
         "accumulated": accumulated,
         "grads": grads / rts * gb,
         "grads_update": local / rts * gb,
+        "accumulator": accumulator / rts * gb,
         "updates": local / rts * mb,
     }
 
 
 def _gathered_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> tuple:
     """`(gathered, gathered_layer, widened)`: bytes of the RTS-gathered weights alive in the
-    backward (all of them, or one layer's) and of the step's matrices widened to float32."""
+    backward (all of them, or one layer's; a layer's at `_gather_bytes`) and of the step's
+    matrices widened to float32."""
     mem, md = cfg.memory, cfg.model
     pb = DTYPE_BYTES[cfg.precision.params]
+    gb = _gather_bytes(cfg, profile)  # a gathered layer weight's bytes a scalar
     gathered = gathered_layer = widened_step = 0
     # the parameters one step of a layer uses: the whole layer, or with memory.stream=matrix
     # the largest step's panels (gathered, and their gradients reduce-scattered, one panel at a
@@ -146,9 +155,19 @@ def _gathered_bytes(cfg: Config, layout: dict, profile: DeviceProfile) -> tuple:
             table = md.vocab // cfg.mesh.tensor * md.d_model
             tables = table * (1 if md.tie_embeddings else 2)
             other += 2 * table / mem.vocab_slices - tables
-        gathered = (other + step) * pb
-        gathered_layer = step * pb
+        gathered = other * pb + step * gb
+        gathered_layer = step * gb
     return gathered, gathered_layer, widened_step
+
+
+def _gather_bytes(cfg: Config, profile: DeviceProfile) -> int:
+    """Bytes a scalar of a layer's RTS-gathered weights: 2 where the backend multiplies
+    float32 in one bfloat16 pass (`converts_matrices`) and converts the shard before the
+    all-gather (XLA:TPU, float32 params and compute, whole layers and matrix streams:
+    tests/target/test_rts_tpu.py), else the params' bytes."""
+    prec = cfg.precision
+    f32 = prec.params == "float32" and prec.compute == "float32"
+    return 2 if profile.converts_matrices and f32 else DTYPE_BYTES[prec.params]
 
 
 def _scattered_bytes(cfg: Config, profile: DeviceProfile) -> float:
@@ -331,11 +350,14 @@ def device_bytes(
     weights += _matrix_copies(cfg, profile)
     gathered, gathered_layer, widened = _gathered_bytes(cfg, layout, profile)
     scattered = _scattered_bytes(cfg, profile)
-    copies = (gathered, gathered_layer, widened, scattered)
+    # a fused head's gathered tables are dead by the layers' backward (their uses, the
+    # embedding and the head with its gradient, are over: tests/target/test_rts_tpu.py)
+    at_backward = gathered_layer if fused_head(cfg, profile) else gathered
+    copies = (at_backward, gathered_layer, widened, scattered)
     update_peak, updates = _update(cfg, layout, acts, s, moved_in)
     # the loss head's moment: the gradient accumulator only if it carries from an earlier
     # micro-batch or pass; of the gathered weights, the head's table copy (`_head_table`)
-    head_grads = s["grads_update"] if s["accumulated"] else 0
+    head_grads = s["accumulator"] if s["accumulated"] else 0
     wide = _widened_matrices(cfg, profile)  # alive through both passes, not the update
     moments = {
         "backward": _backward_peak(cfg, layout, acts, s, copies) + wide,

@@ -58,7 +58,8 @@ class DeviceProfile:
     tile: Tile | None = None
     # float32 matmuls at default precision take one bfloat16 pass: the stacked layer matrices
     # (W_qkv, W_o, W_in, W_out) are converted to bfloat16 once, whole, before the layer loops,
-    # and the copies held through the step (XLA:TPU, float32 params and compute)
+    # and the copies held through the step; with RTS each layer's shards are converted and
+    # all-gathered in bfloat16 (XLA:TPU, float32 params and compute)
     converts_matrices: bool = False
     # a recomputed layer's backward holds the recomputed probabilities and hidden units (and a
     # bfloat16 copy of those) beside three residual rows (whole-sequence ones with sequence
@@ -70,12 +71,14 @@ class DeviceProfile:
     # placement; jax lowers it for GPU too, but no XLA:GPU program is read here: False
     offloads_activations: bool = False
     # with float32 compute GPT's loss head computes its table's gradient with the logits'
-    # cotangent, before the layers' backward: no operand of it waits; with sequence
-    # parallelism GPT's and BERT's, bfloat16 too (XLA:TPU; `_head_kept`)
+    # cotangent, before the layers' backward: no operand of it, and no gathered table, waits;
+    # the softmax is fused, one logits value; with sequence parallelism GPT's and BERT's,
+    # bfloat16 too (XLA:TPU; `_head_kept`, `fused_head`)
     head_grads_at_once: bool = False
     # the gradients of the parameters outside the layer stack (the token and position tables,
     # the norms) are added into the micro-batch accumulator where computed: one copy at the
-    # layers' backward, where the stack's gradient has two (XLA:TPU; `_state_bytes`)
+    # layers' backward, where the stack's gradient has two; with RTS the whole gradient,
+    # reduce-scattered after the micro-batches (XLA:TPU; `_state_bytes`)
     accumulates_in_place: bool = False
 
 
