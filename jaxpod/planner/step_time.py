@@ -204,6 +204,8 @@ def estimate(w: Workload, speed: Speed) -> dict:
     comm = comm_seconds(w, speed)
     busy = comp["matmul"] + comp["memory"]
     exposed = dict(comm)
+    # jaxpod's TPU program waits for every all-reduce at once (`jaxpod.target.overlap`;
+    # docs/estimate.md): only a run that states its overlap gets this credit
     if w.overlap:  # hidden under the backward (about two thirds of the compute)
         exposed["data"] = max(0.0, comm["data"] - 2 / 3 * busy)
         exposed["tensor"] = max(0.0, comm["tensor"] - 1 / 3 * busy)
