@@ -1,13 +1,14 @@
 """Pipeline schedules measured: step time, executed FLOPs and compiled memory against M.
 
     python benchmarks/bench_schedules.py [--only time,flops,memory] [--repeats N] [--out FILE]
+        [--flops-meshes 1x4x1,2x2x2] [--kinds 1f1b,zb-h1,zb-v]
 
 (time)   step time of every schedule (V = 2 where chunked) on 1x4x1 and 2x2x2, M = 4, 8, 16
          micro-batches, gpipe and circular also with `train.skip_bubbles` (lax.cond on a
          tick's liveness): does skipping pay on this backend?
 (flops)  executed / useful FLOPs of the train step's loss and gradients (XLA's cost analysis
-         of the unrolled program over the single-device program) against each schedule's
-         theory
+         of the unrolled program over the single-device program on the same global batch)
+         against each schedule's theory, on the `--flops-meshes` (default 1x4x1)
 (memory) XLA's compiled device total (device-resident arguments + temporaries) against M on
          1x4x1, beside the planner's prediction for the same step
 
@@ -47,10 +48,32 @@ SCHEDULES = {
     "interleaved-1f1b": ["train.pipeline_schedule=interleaved-1f1b", "train.virtual_stages=2"],
     "zb-v": ["train.pipeline_schedule=zb-v", "train.virtual_stages=2"],
 }
-# a stepwise tick's cost in stage forwards under remat `full`: the forward; the whole
-# backward (recomputation and both gradients); B and W (each recomputes, then its gradient)
-TICK_COST = {1: 1, 2: 3, 3: 2, 4: 2}
 MESHES = [(1, 4, 1), (2, 2, 2)]
+LAYERS, D_MODEL, D_FF, SEQ = 8, 256, 1024, 128  # GPT_D256's
+
+
+def weight_share(d_model: int = D_MODEL, d_ff: int = D_FF, seq: int = SEQ) -> float:
+    """The weight matmuls' share of a GPT layer's forward FLOPs (multi-head attention, a
+    two-matmul MLP): per token 2P with P = 4d² + 2d·d_ff weights against 4·seq·d for the
+    two attention matmuls (scores and their average over values, no weight)."""
+    weights = 4 * d_model**2 + 2 * d_model * d_ff
+    return weights / (weights + 2 * seq * d_model)
+
+
+def tick_costs(stages: int, v: int) -> dict[int, float]:
+    """A stepwise tick's cost in stage forwards under remat `full`, per op code: the forward
+    1; the whole backward 3 (recomputation and both gradients); ZB's W the weight matmuls'
+    `x.T @ dy` alone, w = `weight_share`, and B the rest, 3 - w (the input-gradient chain
+    holds the whole backward of the weightless attention matmuls). A chunk's backward skips
+    recomputing its last matmul (the MLP's down projection: its output feeds only the chunk's
+    output, whose value the backward does not need): V such skips per stage where a whole
+    stage makes one, (V - 1)·δ with δ that matmul's share of a stage's forward."""
+    w = weight_share()
+    per_token = 4 * D_MODEL**2 + 2 * D_MODEL * D_FF + 2 * SEQ * D_MODEL
+    skip = (v - 1) * D_MODEL * D_FF / (LAYERS // stages * per_token)
+    return {1: 1.0, 2: 3.0 - skip, 3: 3.0 - w - skip, 4: w}
+
+
 MICRO = [4, 8, 16]
 
 
@@ -93,11 +116,12 @@ def theory(kind: str, stages: int, micro: int) -> float:
     recomputation shared, and its backward: 3 forwards' worth), while the useful step does 4
     forwards' worth per micro-batch under remat `full` (forward, recomputation, backward):
     2(M + S - 1) · 3 / (4M). The other stepwise kinds likewise from their tables' ticks
-    (`TICK_COST`: ZB's dearest branch is B or W, 2 forwards' worth; a chunk's tick 1/V)."""
+    (`tick_costs`, a chunk's tick 1/V)."""
     v = 2 if kind in ("circular", "interleaved-1f1b", "zb-v") else 1
     table = make_schedule(kind, stages, micro, v)
     if table.explicit_backward:  # every tick charged its dearest branch, a chunk 1/V
-        dearest = max(TICK_COST[int(o)] for o in np.unique(table.op) if o)
+        cost = tick_costs(stages, v)
+        dearest = max(cost[int(o)] for o in np.unique(table.op) if o)
         return table.ticks * dearest / (v * 4 * micro)
     return (v * micro + stages - 1) / (v * micro)
 
@@ -121,21 +145,25 @@ def bench_time(repeats: int) -> tuple[dict, str]:
     return results, table("(time) step time, GPT 8 x d256, seq 128, micro-batch 2", header, rows)
 
 
-def bench_flops() -> tuple[dict, str]:
+def bench_flops(meshes: list[tuple[int, ...]], kinds: list[str]) -> tuple[dict, str]:
+    """Executed / useful FLOPs of `kinds` on each of `meshes`, M = 4 and 8 micro-batches per
+    replica: useful is the one-device program on the same global batch (R·M micro-batches)."""
     results, rows = {}, []
-    mesh, stages = (1, 4, 1), 4
-    for micro in (4, 8):
-        useful = run(
-            {"kind": "flops", "mesh": (1, 1, 1), "overrides": [f"train.grad_accum={micro}"]}
-        )["flops_total"]
-        for kind, extra in SCHEDULES.items():
-            over = [*extra, f"train.grad_accum={micro}"]
-            executed = run({"kind": "flops", "mesh": mesh, "overrides": over})["flops_total"]
-            ratio, want = executed / useful, theory(kind, stages, micro)
-            results[f"{kind} M={micro}"] = {"ratio": ratio, "theory": want}
-            rows.append([kind, micro, f"{ratio:.3f}", f"{want:.3f}", f"{ratio / want - 1:+.1%}"])
-    header = ["schedule", "M", "executed/useful", "theory", "difference"]
-    return results, table("(flops) executed / useful FLOPs on 1x4x1", header, rows)
+    for r, stages, t in meshes:
+        m_id = f"{r}x{stages}x{t}"
+        for micro in (4, 8):
+            one = {"kind": "flops", "mesh": (1, 1, 1)}
+            one["overrides"] = [f"train.grad_accum={r * micro}"]
+            useful = run(one)["flops_total"]
+            for kind in kinds:
+                over = [*SCHEDULES[kind], f"train.grad_accum={micro}"]
+                job = {"kind": "flops", "mesh": (r, stages, t), "overrides": over}
+                ratio, want = run(job)["flops_total"] / useful, theory(kind, stages, micro)
+                results[f"{m_id} {kind} M={micro}"] = {"ratio": ratio, "theory": want}
+                row = [m_id, kind, micro, f"{ratio:.3f}", f"{want:.3f}", f"{ratio / want - 1:+.1%}"]
+                rows.append(row)
+    header = ["mesh", "schedule", "M", "executed/useful", "theory", "difference"]
+    return results, table("(flops) executed / useful FLOPs", header, rows)
 
 
 def bench_memory() -> tuple[dict, str]:
@@ -162,10 +190,15 @@ def main() -> None:
         only_help="the parts to run",
         repeats=10,
         out="schedules.json",
-    ).parse_args()
+    )
+    args.add_argument("--flops-meshes", default="1x4x1", help="(flops) meshes, e.g. 1x4x1,2x2x2")
+    args.add_argument("--kinds", default=",".join(SCHEDULES), help="(flops) schedules to run")
+    args = args.parse_args()
     if serve_worker(args, _worker):
         return
-    parts = {"time": lambda: bench_time(args.repeats), "flops": bench_flops, "memory": bench_memory}
+    meshes = [tuple(int(n) for n in m.split("x")) for m in args.flops_meshes.split(",")]
+    flops = lambda: bench_flops(meshes, args.kinds.split(","))  # noqa: E731
+    parts = {"time": lambda: bench_time(args.repeats), "flops": flops, "memory": bench_memory}
     write_report(run_parts(parts, args.only), args.out)
 
 
