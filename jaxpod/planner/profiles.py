@@ -82,6 +82,16 @@ class DeviceProfile:
     accumulates_in_place: bool = False
 
 
+# what XLA:TPU's programs do, the same on every TPU generation read (tests/target/)
+XLA_TPU = dict(
+    tile=Tile(),
+    converts_matrices=True,
+    fuses_recomputation=True,
+    offloads_activations=True,
+    head_grads_at_once=True,
+    accumulates_in_place=True,
+)
+
 PROFILES: dict[str, DeviceProfile] = {
     p.name: p
     for p in (
@@ -135,12 +145,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "Google TPU v4: 32 GiB HBM per chip, 3-D torus; streaming = host DRAM, 407 GB per "
             "4-chip host (nominal, the TPU VM's)",
             chips_per_host=4,
-            tile=Tile(),
-            converts_matrices=True,
-            fuses_recomputation=True,
-            offloads_activations=True,
-            head_grads_at_once=True,
-            accumulates_in_place=True,
+            **XLA_TPU,
         ),
         DeviceProfile(
             "tpu-v5e",
@@ -149,12 +154,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "Google TPU v5e: 16 GiB HBM per chip, 2-D torus; streaming = host DRAM, 512 GiB "
             "per 8-chip host",
             chips_per_host=8,
-            tile=Tile(),
-            converts_matrices=True,
-            fuses_recomputation=True,
-            offloads_activations=True,
-            head_grads_at_once=True,
-            accumulates_in_place=True,
+            **XLA_TPU,
         ),
         DeviceProfile(
             "tpu-v5p",
@@ -163,12 +163,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "Google TPU v5p: 95 GiB HBM per chip, 3-D torus; streaming = host DRAM, 448 GB per "
             "4-chip host (nominal, the TPU VM's)",
             chips_per_host=4,
-            tile=Tile(),
-            converts_matrices=True,
-            fuses_recomputation=True,
-            offloads_activations=True,
-            head_grads_at_once=True,
-            accumulates_in_place=True,
+            **XLA_TPU,
         ),
         DeviceProfile(
             "tpu-v6e",
@@ -177,12 +172,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "Google TPU v6e (Trillium): 32 GiB HBM per chip, 2-D torus; streaming = host DRAM, "
             "1536 GiB per 8-chip host",
             chips_per_host=8,
-            tile=Tile(),
-            converts_matrices=True,
-            fuses_recomputation=True,
-            offloads_activations=True,
-            head_grads_at_once=True,
-            accumulates_in_place=True,
+            **XLA_TPU,
         ),
     )
 }
