@@ -8,17 +8,15 @@ XLA's device total (the `cpu` profile)."""
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 from helpers import make_tiny_cfg
+from helpers.dumps import dims_of, dumped_step
 
 from jaxpod.planner.activations import activation_bytes, grad_bytes
 from jaxpod.planner.bytes import _state_bytes, device_bytes
 from jaxpod.planner.counts import param_layout
 from jaxpod.planner.profiles import get_profile
-from jaxpod.target.buffers import DUMP_OPTIONS
-from jaxpod.target.live_ranges import covered, temporaries
+from jaxpod.target.live_ranges import covered
 
 pytestmark = pytest.mark.engine
 
@@ -49,22 +47,15 @@ def _stack_shapes(cfg) -> set[tuple[int, ...]]:
     }
 
 
-def _dims(shape: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in shape[4:].split("]")[0].split(",") if x)
-
-
 @pytest.mark.parametrize("name", sorted(PROBES))
 def test_the_float32_master_stack_has_float32_grads(name, mesh_for):
-    from jaxpod.inspect.compile import abstract_inputs, inspect_options
+    from jaxpod.inspect.compile import inspect_options
 
     overrides, mesh = PROBES[name]
     cfg = make_tiny_cfg(*overrides, mesh=mesh)
-    engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
-    lowered = engine.train_step.lower(state, batch)
-    with tempfile.TemporaryDirectory(prefix="jaxpod-master-grads-") as dump:
-        options = {**inspect_options(), **DUMP_OPTIONS, "xla_dump_to": dump}
-        compiled = lowered.compile(compiler_options=options)
-        values, ranges, _ = temporaries(dump)
+    _, compiled, (values, ranges, _) = dumped_step(
+        cfg, mesh_for(cfg), inspect_options(), updating=False
+    )
     shapes = _stack_shapes(cfg)
     peak = max(
         range(max(b for _, b in ranges.values()) + 1), key=lambda t: covered(values, ranges, t)
@@ -73,7 +64,7 @@ def test_the_float32_master_stack_has_float32_grads(name, mesh_for):
         v: (size, shape[:3])
         for v, (size, _, shape) in values.items()
         if shape[:3] in ("f32", "f16")
-        and _dims(shape) in shapes
+        and dims_of(shape) in shapes
         and v in ranges
         and ranges[v][0] <= peak <= ranges[v][1]
     }

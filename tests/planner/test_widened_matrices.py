@@ -6,17 +6,15 @@ XLA's device total (the `cpu` profile: `DeviceProfile.stores_in_float32`)."""
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 from helpers import make_tiny_cfg
+from helpers.dumps import dims_of, dumped_step
 
 from jaxpod.planner.activations import activation_bytes
 from jaxpod.planner.bytes import _widened_matrices, device_bytes
 from jaxpod.planner.counts import param_layout
 from jaxpod.planner.profiles import get_profile
-from jaxpod.target.buffers import DUMP_OPTIONS
-from jaxpod.target.live_ranges import covered, temporaries
+from jaxpod.target.live_ranges import covered
 
 pytestmark = pytest.mark.engine
 
@@ -50,23 +48,18 @@ def _stack_shapes(cfg) -> set[tuple[int, ...]]:
 
 @pytest.mark.parametrize("name", sorted(PROBES))
 def test_the_bfloat16_stack_is_held_in_float32(name, mesh_for):
-    from jaxpod.inspect.compile import abstract_inputs, inspect_options
+    from jaxpod.inspect.compile import inspect_options
 
     overrides, mesh = PROBES[name]
     cfg = make_tiny_cfg(*overrides, mesh=mesh)
-    engine, state, batch = abstract_inputs(cfg, mesh_for(cfg))
-    lowered = engine.train_step.lower(state, batch)
-    with tempfile.TemporaryDirectory(prefix="jaxpod-widened-") as dump:
-        options = {**inspect_options(), **DUMP_OPTIONS, "xla_dump_to": dump}
-        compiled = lowered.compile(compiler_options=options)
-        values, ranges, _ = temporaries(dump)
+    _, compiled, (values, ranges, _) = dumped_step(
+        cfg, mesh_for(cfg), inspect_options(), updating=False
+    )
     shapes = _stack_shapes(cfg)
     wide = {
         v: size
         for v, (size, _, shape) in values.items()
-        if shape.startswith("f32[")
-        and tuple(int(x) for x in shape[4:].split("]")[0].split(",") if x) in shapes
-        and v in ranges
+        if shape.startswith("f32[") and dims_of(shape) in shapes and v in ranges
     }
     profile = get_profile("cpu")
     term = _widened_matrices(cfg, profile)

@@ -14,17 +14,16 @@ compute), against the planner's tick-scan terms (`jaxpod.planner.activations`,
 from __future__ import annotations
 
 import math
-import tempfile
 
 import jax
 import pytest
 from helpers import make_tiny_cfg
+from helpers.dumps import dims_of, dumped_step, tpu_mesh
 
 from jaxpod.planner.activations import DTYPE_BYTES, activation_bytes, stored_bytes
 from jaxpod.planner.counts import layer_params
 from jaxpod.planner.profiles import get_profile
-from jaxpod.target.buffers import DUMP_OPTIONS
-from jaxpod.target.live_ranges import covered, temporaries
+from jaxpod.target.live_ranges import covered
 
 pytestmark = pytest.mark.slow
 
@@ -39,28 +38,16 @@ PROBES = {"float32": CIRCULAR, "bfloat16": (*CIRCULAR, "precision.compute=bfloat
 @pytest.fixture(scope="module", params=sorted(PROBES))
 def probe(request):
     """`(cfg, state, (values, ranges, schedule))` of one probe's compiled step."""
-    from jaxpod.inspect.compile import abstract_inputs
-    from jaxpod.target.devices import target_devices, torus_mesh
-    from jaxpod.target.spec import parse_target
-
     cfg = make_tiny_cfg(*PROBES[request.param], mesh=MESH)
-    mesh = torus_mesh(MESH, target_devices(parse_target(TARGET)))
-    engine, state, batch = abstract_inputs(cfg, mesh)
-    lowered = engine.train_step.lower(*engine.updating_arguments(state, batch))
-    with tempfile.TemporaryDirectory(prefix="jaxpod-circular-") as dump:
-        lowered.compile(compiler_options={**DUMP_OPTIONS, "xla_dump_to": dump})
-        return cfg, state, temporaries(dump)
-
-
-def _dims(shape: str) -> tuple[int, ...]:
-    return tuple(int(d) for d in shape.split("[", 1)[1].split("]")[0].split(",") if d)
+    state, _, live = dumped_step(cfg, tpu_mesh(MESH, TARGET))
+    return cfg, state, live
 
 
 def _at_peak(values: dict, ranges: dict, schedule: dict) -> list[tuple[str, tuple, str]]:
     """`(name, dims, shape)` of the temporaries alive where they cover the most bytes."""
     _, peak = max((covered(values, ranges, t), t) for t in range(max(schedule) + 1))
     alive = [v for v, (a, b) in ranges.items() if a <= peak <= b]
-    return [(v, _dims(values[v][2]), values[v][2]) for v in alive]
+    return [(v, dims_of(values[v][2]), values[v][2]) for v in alive]
 
 
 def test_the_backward_ticks_hold_the_tick_scans_buffers(probe):

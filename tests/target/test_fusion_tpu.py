@@ -19,20 +19,19 @@ attached; a v5p 2x2x1 slice), the expected bytes from the planner's own terms:
 from __future__ import annotations
 
 import math
-import tempfile
 from dataclasses import replace
 
 import jax
 import pytest
 from helpers import make_tiny_cfg
+from helpers.dumps import dims_of, dumped_step, tpu_mesh
 
 from jaxpod.planner.activations import activation_bytes, compute_bytes
 from jaxpod.planner.bytes import device_bytes
 from jaxpod.planner.counts import param_layout
 from jaxpod.planner.profiles import get_profile
-from jaxpod.target.buffers import DUMP_OPTIONS
 from jaxpod.target.hlo_text import parse, shape_bytes
-from jaxpod.target.live_ranges import covered, temporaries
+from jaxpod.target.live_ranges import covered
 
 pytestmark = pytest.mark.slow
 
@@ -51,28 +50,14 @@ PROBES = {  # name: (overrides, (replica, pipeline, tensor))
 @pytest.fixture(scope="module", params=sorted(PROBES))
 def probe(request):
     """`(cfg, state, module, (values, ranges, schedule))` of one probe's compiled step."""
-    from jaxpod.inspect.compile import abstract_inputs
-    from jaxpod.target.devices import target_devices, torus_mesh
-    from jaxpod.target.spec import parse_target
-
     overrides, mesh = PROBES[request.param]
     cfg = make_tiny_cfg(*overrides, mesh=mesh)
-    engine, state, batch = abstract_inputs(
-        cfg, torus_mesh(mesh, target_devices(parse_target(TARGET)))
-    )
-    lowered = engine.train_step.lower(*engine.updating_arguments(state, batch))
-    with tempfile.TemporaryDirectory(prefix="jaxpod-fusion-") as dump:
-        compiled = lowered.compile(compiler_options={**DUMP_OPTIONS, "xla_dump_to": dump})
-        live = temporaries(dump)
+    state, compiled, live = dumped_step(cfg, tpu_mesh(mesh, TARGET))
     return cfg, state, parse(compiled.as_text()), live
 
 
 def _planned(cfg, profile) -> dict:
     return device_bytes(cfg, param_layout(cfg), activation_bytes(cfg, profile), profile)
-
-
-def _dims(shape: str) -> tuple[int, ...]:
-    return tuple(int(d) for d in shape.split("[", 1)[1].split("]")[0].split(",") if d)
 
 
 MOVES = ("copy-start", "copy-done", "copy", "bitcast")
@@ -107,7 +92,7 @@ def _weight_copies(module) -> list[str]:
             continue
         src = source(inst.operands[0])
         f32 = module.type_of(src)
-        if src in params and f32.startswith("f32[") and _dims(f32) == _dims(inst.type):
+        if src in params and f32.startswith("f32[") and dims_of(f32) == dims_of(inst.type):
             found.append(inst.name)
     return found
 
@@ -119,7 +104,7 @@ def _layer_peak(cfg, values: dict, ranges: dict, schedule: dict) -> tuple[int, i
     b, steps = cfg.train.micro_batch, max(schedule) + 1
 
     def layer_value(name: str) -> bool:
-        dims = _dims(values[name][2])
+        dims = dims_of(values[name][2])
         batch = dims[:1] == (b,) or dims[:2] == (1, b)
         first, last = ranges[name]
         return len(dims) >= 3 and batch and last - first < steps // 8
@@ -143,10 +128,10 @@ def test_float32_layer_matrices_get_one_bfloat16_copy(probe):
     no_copies = replace(PROFILE, converts_matrices=False)
     planned = _planned(cfg, PROFILE)["weights"] - _planned(cfg, no_copies)["weights"]
     if cfg.precision.compute != "float32":
-        assert not [c for c in copies if _dims(module.type_of(c)) in shards]
+        assert not [c for c in copies if dims_of(module.type_of(c)) in shards]
         assert planned == 0
         return
-    assert sorted(_dims(module.type_of(c)) for c in copies) == shards
+    assert sorted(dims_of(module.type_of(c)) for c in copies) == shards
     assert sum(shape_bytes(module.type_of(c)) for c in copies) == planned
     _, backward = _layer_peak(cfg, values, ranges, schedule)
     for copy in copies:
@@ -169,7 +154,7 @@ def test_a_recomputed_layer_holds_the_fused_working_set(probe):
 
 def _alive(values: dict, ranges: dict, t: int) -> list[tuple[str, tuple[int, ...]]]:
     """`(name, dims)` of the temporaries alive at position `t`."""
-    return [(v, _dims(values[v][2])) for v, (a, b) in ranges.items() if a <= t <= b]
+    return [(v, dims_of(values[v][2])) for v, (a, b) in ranges.items() if a <= t <= b]
 
 
 def test_a_float32_head_keeps_nothing_through_the_layers_backward(probe):
@@ -194,7 +179,7 @@ def test_a_float32_head_keeps_nothing_through_the_layers_backward(probe):
     if cfg.precision.compute == "float32":
         assert found == planned == 0, kept
         return
-    assert (b * t, v) in [_dims(values[name][2]) for name in kept]
+    assert (b * t, v) in [dims_of(values[name][2]) for name in kept]
     assert planned == cpu_term
 
 

@@ -14,19 +14,18 @@ params and compute, remat full, two micro-batches), the expected bytes from the 
 from __future__ import annotations
 
 import math
-import tempfile
 
 import jax
 import pytest
 from helpers import make_tiny_cfg
+from helpers.dumps import dims_of, dumped_step, tpu_mesh
 
 from jaxpod.planner.activations import activation_bytes
 from jaxpod.planner.bytes import _gathered_bytes, _widths, device_bytes
 from jaxpod.planner.counts import param_layout
 from jaxpod.planner.profiles import get_profile
-from jaxpod.target.buffers import DUMP_OPTIONS
 from jaxpod.target.hlo_text import parse, shape_bytes
-from jaxpod.target.live_ranges import covered, temporaries
+from jaxpod.target.live_ranges import covered
 
 pytestmark = pytest.mark.slow
 
@@ -45,24 +44,10 @@ PROBES = {  # name: (overrides, (replica, pipeline, tensor))
 @pytest.fixture(scope="module", params=sorted(PROBES))
 def probe(request):
     """`(cfg, state, module, (values, ranges, schedule))` of one probe's compiled step."""
-    from jaxpod.inspect.compile import abstract_inputs
-    from jaxpod.target.devices import target_devices, torus_mesh
-    from jaxpod.target.spec import parse_target
-
     overrides, mesh = PROBES[request.param]
     cfg = make_tiny_cfg(*overrides, mesh=mesh)
-    engine, state, batch = abstract_inputs(
-        cfg, torus_mesh(mesh, target_devices(parse_target(TARGET)))
-    )
-    lowered = engine.train_step.lower(*engine.updating_arguments(state, batch))
-    with tempfile.TemporaryDirectory(prefix="jaxpod-rts-") as dump:
-        compiled = lowered.compile(compiler_options={**DUMP_OPTIONS, "xla_dump_to": dump})
-        live = temporaries(dump)
+    state, compiled, live = dumped_step(cfg, tpu_mesh(mesh, TARGET))
     return cfg, state, parse(compiled.as_text()), live
-
-
-def _dims(shape: str) -> tuple[int, ...]:
-    return tuple(int(d) for d in shape.split("[", 1)[1].split("]")[0].split(",") if d)
 
 
 def _backward_peak(cfg, values: dict, ranges: dict, schedule: dict) -> int:
@@ -71,7 +56,7 @@ def _backward_peak(cfg, values: dict, ranges: dict, schedule: dict) -> int:
     b, steps = cfg.train.micro_batch, max(schedule) + 1
 
     def layer_value(name: str) -> bool:
-        dims = _dims(values[name][2])
+        dims = dims_of(values[name][2])
         batch = dims[:1] == (b,) or dims[:2] == (1, b)
         first, last = ranges[name]
         return len(dims) >= 3 and batch and last - first < steps // 8
@@ -91,7 +76,7 @@ def _gathers(module, dtype: str) -> dict[str, tuple[int, ...]]:
     for comp in module.computations.values():
         for inst in comp.instructions:
             if inst.opcode == "all-gather" and inst.type.startswith(f"{dtype}["):
-                found[inst.name] = _dims(inst.type)
+                found[inst.name] = dims_of(inst.type)
     return found
 
 
@@ -147,8 +132,8 @@ def test_the_non_layer_gradients_are_accumulated_whole(probe):
     for shard in shards:
         wholes = {shard[:i] + (shard[i] * rts,) + shard[i + 1 :] for i in range(len(shard))}
         copies = [n for n in _alive(ranges, peak) if n in gathered]
-        assert not [n for n in copies if _dims(values[n][2]) in wholes]
-        found = [n for n in long_f32 if _dims(values[n][2]) in wholes]
+        assert not [n for n in copies if dims_of(values[n][2]) in wholes]
+        found = [n for n in long_f32 if dims_of(values[n][2]) in wholes]
         assert len(found) == 1, shard
         assert values[found[0]][0] == 4 * math.prod(shard) * rts
     layout = param_layout(cfg)
@@ -162,7 +147,7 @@ def test_the_head_holds_one_float32_logits_value(probe):
     cfg, _, _, (values, _, _) = probe
     md = cfg.model
     logits = (cfg.train.micro_batch * md.seq_len, md.vocab // cfg.mesh.tensor)
-    found = [n for n, v in values.items() if v[2].startswith("f32[") and _dims(v[2]) == logits]
+    found = [n for n, v in values.items() if v[2].startswith("f32[") and dims_of(v[2]) == logits]
     assert len(found) == 1
     rows = cfg.train.micro_batch * md.seq_len * md.d_model * 4 * 4  # the final LN's values
     head = activation_bytes(cfg, PROFILE)["head"]

@@ -12,16 +12,14 @@ slice, tensor 4, bfloat16 compute), against the TPU profile's two terms for it:
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import replace
 
 import pytest
 from helpers import make_tiny_cfg
+from helpers.dumps import dims_of, dumped_step, tpu_mesh
 
 from jaxpod.planner.activations import activation_bytes, compute_bytes
 from jaxpod.planner.profiles import get_profile
-from jaxpod.target.buffers import DUMP_OPTIONS
-from jaxpod.target.live_ranges import temporaries
 
 pytestmark = pytest.mark.slow
 
@@ -38,21 +36,9 @@ PROBES = {  # name: overrides, on a (1, 1, 4) mesh
 @pytest.fixture(scope="module", params=sorted(PROBES))
 def probe(request):
     """`(cfg, (values, ranges, schedule))` of one probe's compiled step."""
-    from jaxpod.inspect.compile import abstract_inputs
-    from jaxpod.target.devices import target_devices, torus_mesh
-    from jaxpod.target.spec import parse_target
-
     cfg = make_tiny_cfg(*PROBES[request.param], mesh=(1, 1, 4))
-    mesh = torus_mesh((1, 1, 4), target_devices(parse_target(TARGET)))
-    engine, state, batch = abstract_inputs(cfg, mesh)
-    lowered = engine.train_step.lower(*engine.updating_arguments(state, batch))
-    with tempfile.TemporaryDirectory(prefix="jaxpod-sp-") as dump:
-        lowered.compile(compiler_options={**DUMP_OPTIONS, "xla_dump_to": dump})
-        return cfg, temporaries(dump)
-
-
-def _dims(shape: str) -> tuple[int, ...]:
-    return tuple(int(d) for d in shape.split("[", 1)[1].split("]")[0].split(",") if d)
+    _, _, live = dumped_step(cfg, tpu_mesh((1, 1, 4), TARGET))
+    return cfg, live
 
 
 def _layer_peak(cfg, values: dict, ranges: dict, schedule: dict) -> tuple[int, int]:
@@ -63,7 +49,7 @@ def _layer_peak(cfg, values: dict, ranges: dict, schedule: dict) -> tuple[int, i
     b, steps = cfg.train.micro_batch, max(schedule) + 1
 
     def layer_value(name: str) -> bool:
-        dims, (first, last) = _dims(values[name][2]), ranges[name]
+        dims, (first, last) = dims_of(values[name][2]), ranges[name]
         return len(dims) >= 3 and dims[:1] == (b,) and last - first < steps // 8
 
     layer = {name: r for name, r in ranges.items() if layer_value(name)}
@@ -71,7 +57,7 @@ def _layer_peak(cfg, values: dict, ranges: dict, schedule: dict) -> tuple[int, i
 
 
 def _alive(values: dict, ranges: dict, t: int) -> list[tuple[str, tuple[int, ...]]]:
-    return [(v, _dims(values[v][2])) for v, (a, b) in ranges.items() if a <= t <= b]
+    return [(v, dims_of(values[v][2])) for v, (a, b) in ranges.items() if a <= t <= b]
 
 
 def test_a_recomputed_layer_holds_whole_sequence_rows(probe):

@@ -1,0 +1,38 @@
+"""Train steps compiled with XLA's dump (`xla_dump_to`) and read back: the temporaries and
+their live ranges (`jaxpod.target.live_ranges`), for the tests that find a planner term's
+values at a compiled program's peak, on XLA:CPU or on a TPU target (no TPU attached)."""
+
+from __future__ import annotations
+
+import tempfile
+
+
+def dumped_step(cfg, mesh, options: dict | None = None, updating: bool = True):
+    """`(state, compiled, (values, ranges, schedule))`: `cfg`'s train step on `mesh`, lowered
+    from abstract shapes (with the update's donated arguments if `updating`) and compiled
+    with `options` and the dump, whose buffer assignment and live ranges are read."""
+    from jaxpod.inspect.compile import abstract_inputs
+    from jaxpod.target.buffers import DUMP_OPTIONS
+    from jaxpod.target.live_ranges import temporaries
+
+    engine, state, batch = abstract_inputs(cfg, mesh)
+    arguments = engine.updating_arguments(state, batch) if updating else (state, batch)
+    lowered = engine.train_step.lower(*arguments)
+    with tempfile.TemporaryDirectory(prefix="jaxpod-dump-") as dump:
+        dumped = {**(options or {}), **DUMP_OPTIONS, "xla_dump_to": dump}
+        compiled = lowered.compile(compiler_options=dumped)
+        return state, compiled, temporaries(dump)
+
+
+def tpu_mesh(shape: tuple[int, int, int], target: str):
+    """The (replica, pipeline, tensor) mesh `shape` laid on the chips of `target` (e.g.
+    "tpu-v5p:2x2x1"), as `jaxpod compile --target` lays it."""
+    from jaxpod.target.devices import target_devices, torus_mesh
+    from jaxpod.target.spec import parse_target
+
+    return torus_mesh(shape, target_devices(parse_target(target)))
+
+
+def dims_of(shape: str) -> tuple[int, ...]:
+    """The dimensions of an HLO array shape such as `f32[4,192,384]{2,1,0}`."""
+    return tuple(int(d) for d in shape.split("[", 1)[1].split("]")[0].split(",") if d)
