@@ -7,20 +7,12 @@ The store is `testbucket://`, an in-memory fsspec filesystem (`helpers.bucket`; 
 from __future__ import annotations
 
 import pytest
-from helpers.bucket import open_bucket, upload
+from helpers.bucket import upload
 from helpers.cli import SMALL
 from helpers.texts import write_corpus
 
 URL = "testbucket://bucket/corpus"
 RUN = [*SMALL, "train.steps=3", "data.name=text-files", "data.val_fraction=0.2"]
-
-
-@pytest.fixture
-def bucket(tmp_path, monkeypatch):
-    """The store (emptied); the caches and the working directory in `tmp_path`."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.chdir(tmp_path)
-    return open_bucket()
 
 
 def _train(*overrides: str):

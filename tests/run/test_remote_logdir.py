@@ -11,19 +11,10 @@ import json
 import shutil
 
 import pytest
-from helpers.bucket import open_bucket
 from helpers.cli import SMALL
 
 URL = "testbucket://bucket/runs/a"
 RUN = [*SMALL, "train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=3"]
-
-
-@pytest.fixture
-def bucket(tmp_path, monkeypatch):
-    """The registered store (emptied), the cache and the working directory in `tmp_path`."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.chdir(tmp_path)
-    return open_bucket()
 
 
 def _train(*overrides: str):
