@@ -1,31 +1,26 @@
 """Pipelines whose table holds the backward too (1F1B, ZB-H1), as one `lax.scan` inside
-`shard_map`.
-
-Each tick a stage runs one op of the table (`lax.switch`: only the live branch executes, so
-bubble ticks cost nothing but the tick's two `ppermute`s):
+`shard_map`. Each tick a stage runs one op of the table (`lax.switch`: only the live branch
+executes, so bubble ticks cost nothing but the tick's two `ppermute`s):
 
     FORWARD  m: x = embed(inputs[m]) on the first stage, else the activation received from
              the previous stage (kept in a ring buffer of the stage's in-flight inputs);
              y = stage(x), sent down; on the last stage the head's loss and, right away,
-             its gradient dL/dy (kept for this stage's backward of m) and the head's own
-             parameter gradients
-    BACKWARD m: the stage recomputed from its kept input under its remat policy, and its
+             its gradient dL/dy and the head's own parameter gradients
+    BACKWARD m: the stage recomputed from its kept input under its remat policy, its
              `jax.vjp` applied to the gradient received from the next stage: dL/dparams
-             added to the carry, dL/dx sent up (on the first stage the vjp reaches the
-             embedding's parameters instead)
+             added to the carry, dL/dx sent up (the first stage's reaches the embedding)
     B m:     the backward split (ZB-H1): the vjp with respect to the stage's input only,
              dL/dx sent up; with a `StageSplit` (`jaxpod.parallel.weight_split`) also with
-             respect to zero probes at every use of a weight, and what each layer's weight
-             gradients need (those cotangents, the uses' operands) kept in a slot
-             (`weight_slots`) until W; without one the input and gradient stay kept
+             respect to zero probes at every use of a weight, the uses' operands and
+             cotangents kept in a slot (`weight_slots`) until W; without one the input and
+             gradient stay kept
     W m:     the weight gradients: from B's slot, each layer's uses alone differentiated
-             with respect to the parameters; without a split, the vjp with respect to the
-             parameters from the kept input and gradient (the stage recomputed, and its
-             input-gradient chain run again): dL/dparams added, nothing sent
+             with respect to the parameters; without a split, the stage's vjp with respect
+             to them from the kept input and gradient: dL/dparams added, nothing sent
 
 A stage keeps at most `max(schedule.in_flight)` micro-batches' inputs (until their backward,
-or their W): memory independent of M. The loss is scaled (loss scaling) before its gradient
-seeds the backward.
+or their W): memory independent of M. The loss is scaled before its gradient seeds the
+backward.
 """
 
 from __future__ import annotations
