@@ -36,3 +36,40 @@ def tpu_mesh(shape: tuple[int, int, int], target: str):
 def dims_of(shape: str) -> tuple[int, ...]:
     """The dimensions of an HLO array shape such as `f32[4,192,384]{2,1,0}`."""
     return tuple(int(d) for d in shape.split("[", 1)[1].split("]")[0].split(",") if d)
+
+
+def peak_position(values: dict, ranges: dict) -> int:
+    """The first position of the schedule at which the temporaries of `ranges` cover the
+    most bytes (`jaxpod.target.live_ranges.covered`)."""
+    from jaxpod.target.live_ranges import covered
+
+    last = max(b for _, b in ranges.values())
+    return max(range(last + 1), key=lambda t: covered(values, ranges, t))
+
+
+def layer_ranges(cfg, values: dict, ranges: dict, schedule: dict) -> dict:
+    """The live ranges of one layer's values: temporaries of the micro-batch's shape ([b, ...]
+    or [1, b, ...], rank 3 or more) alive for under an eighth of the schedule (not the saved
+    stack or the carries)."""
+    b, steps = cfg.train.micro_batch, max(schedule) + 1
+
+    def layer_value(name: str) -> bool:
+        dims = dims_of(values[name][2])
+        batch = dims[:1] == (b,) or dims[:2] == (1, b)
+        first, last = ranges[name]
+        return len(dims) >= 3 and batch and last - first < steps // 8
+
+    assert cfg.model.layers != b  # the saved stack [L, b, T, D] is not a layer's value
+    return {name: r for name, r in ranges.items() if layer_value(name)}
+
+
+def planned_over_xla(cfg, compiled, profile) -> float:
+    """The planner's device total for `profile` over XLA's (arguments + temporaries) of
+    `compiled`."""
+    from jaxpod.planner.activations import activation_bytes
+    from jaxpod.planner.bytes import device_bytes
+    from jaxpod.planner.counts import param_layout
+
+    planned = device_bytes(cfg, param_layout(cfg), activation_bytes(cfg, profile), profile)
+    memory = compiled.memory_analysis()
+    return planned["device_total"] / (memory.argument_size_in_bytes + memory.temp_size_in_bytes)

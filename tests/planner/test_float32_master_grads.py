@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 from helpers import make_tiny_cfg
-from helpers.dumps import dims_of, dumped_step
+from helpers.dumps import dims_of, dumped_step, peak_position, planned_over_xla
 
-from jaxpod.planner.activations import activation_bytes, grad_bytes
-from jaxpod.planner.bytes import _state_bytes, device_bytes
+from jaxpod.planner.activations import grad_bytes
+from jaxpod.planner.bytes import _state_bytes
 from jaxpod.planner.counts import param_layout
 from jaxpod.planner.profiles import get_profile
-from jaxpod.target.live_ranges import covered
 
 pytestmark = pytest.mark.engine
 
@@ -57,9 +56,7 @@ def test_the_float32_master_stack_has_float32_grads(name, mesh_for):
         cfg, mesh_for(cfg), inspect_options(), updating=False
     )
     shapes = _stack_shapes(cfg)
-    peak = max(
-        range(max(b for _, b in ranges.values()) + 1), key=lambda t: covered(values, ranges, t)
-    )
+    peak = peak_position(values, ranges)
     alive = {
         v: (size, shape[:3])
         for v, (size, _, shape) in values.items()
@@ -78,7 +75,4 @@ def test_the_float32_master_stack_has_float32_grads(name, mesh_for):
     layout = param_layout(cfg)
     s = _state_bytes(cfg, layout, profile)
     assert s["weights"] == s["master"] and s["grads_update"] == layout["local"] * 4
-    planned = device_bytes(cfg, layout, activation_bytes(cfg, profile), profile)
-    memory = compiled.memory_analysis()
-    xla = memory.argument_size_in_bytes + memory.temp_size_in_bytes
-    assert planned["device_total"] / xla == pytest.approx(1.0, abs=0.10), name
+    assert planned_over_xla(cfg, compiled, profile) == pytest.approx(1.0, abs=0.10), name

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import pytest
 from helpers import make_tiny_cfg
-from helpers.dumps import dims_of, dumped_step
+from helpers.dumps import dims_of, dumped_step, peak_position, planned_over_xla
 
-from jaxpod.planner.activations import activation_bytes
-from jaxpod.planner.bytes import _widened_matrices, device_bytes
-from jaxpod.planner.counts import param_layout
+from jaxpod.planner.bytes import _widened_matrices
 from jaxpod.planner.profiles import get_profile
-from jaxpod.target.live_ranges import covered
 
 pytestmark = pytest.mark.engine
 
@@ -64,12 +61,7 @@ def test_the_bfloat16_stack_is_held_in_float32(name, mesh_for):
     profile = get_profile("cpu")
     term = _widened_matrices(cfg, profile)
     # at the step's peak: one float32 copy of each matrix, nothing else of their shapes
-    peak = max(
-        range(max(b for _, b in ranges.values()) + 1), key=lambda t: covered(values, ranges, t)
-    )
+    peak = peak_position(values, ranges)
     alive = {v: n for v, n in wide.items() if ranges[v][0] <= peak <= ranges[v][1]}
     assert term > 0 and sum(alive.values()) == term, (name, peak, alive, term)
-    planned = device_bytes(cfg, param_layout(cfg), activation_bytes(cfg, profile), profile)
-    memory = compiled.memory_analysis()
-    xla = memory.argument_size_in_bytes + memory.temp_size_in_bytes
-    assert planned["device_total"] / xla == pytest.approx(1.0, abs=0.10), name
+    assert planned_over_xla(cfg, compiled, profile) == pytest.approx(1.0, abs=0.10), name

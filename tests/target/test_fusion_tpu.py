@@ -24,7 +24,7 @@ from dataclasses import replace
 import jax
 import pytest
 from helpers import make_tiny_cfg
-from helpers.dumps import dims_of, dumped_step, tpu_mesh
+from helpers.dumps import dims_of, dumped_step, layer_ranges, tpu_mesh
 
 from jaxpod.planner.activations import activation_bytes, compute_bytes
 from jaxpod.planner.bytes import device_bytes
@@ -101,16 +101,7 @@ def _layer_peak(cfg, values: dict, ranges: dict, schedule: dict) -> tuple[int, i
     """`(bytes, position)`: the most that the temporaries of the micro-batch's shape ([b, ...]
     or [1, b, ...], rank 3 or more) alive for under an eighth of the schedule (one layer's
     values, not the saved stack or the carries) cover at one moment."""
-    b, steps = cfg.train.micro_batch, max(schedule) + 1
-
-    def layer_value(name: str) -> bool:
-        dims = dims_of(values[name][2])
-        batch = dims[:1] == (b,) or dims[:2] == (1, b)
-        first, last = ranges[name]
-        return len(dims) >= 3 and batch and last - first < steps // 8
-
-    assert cfg.model.layers != b  # the saved stack [L, b, T, D] is not a layer's value
-    layer = {name: r for name, r in ranges.items() if layer_value(name)}
+    layer, steps = layer_ranges(cfg, values, ranges, schedule), max(schedule) + 1
     return max((covered(values, layer, t), t) for t in range(steps))
 
 
