@@ -339,7 +339,7 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     if cfg.model.name == "efficientnet":  # packed heterogeneous stages
         return _packed_activation_bytes(cfg, profile, cb)
     sb = stored_bytes(cfg, profile)
-    sets = layer_sets(cfg, cb, sb, profile.fuses_recomputation)
+    sets = layer_sets(cfg, cb, sb, profile.fuses_recomputation, profile.converts_matrices)
     pipe = _pipeline_terms(cfg, sets, sb, profile)
     tokens = pipe["head_tokens"]
     head, head_chunks = _head_logits(cfg, tokens, cb, profile)

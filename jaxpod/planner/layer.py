@@ -69,6 +69,26 @@ def _autodiff_saved(cfg: Config, r: _Rows, cb: int) -> int:
     return every
 
 
+def _converted_saved(cfg: Config, r: _Rows) -> int | None:
+    """Bytes of what autodiff saves of one layer without remat on a backend that multiplies
+    float32 in one bfloat16 pass (`DeviceProfile.converts_matrices`), or None where that
+    program was not read (16-bit compute, sequence parallelism or chunks, SwiGLU).
+
+    XLA:TPU saves the bfloat16 operands its matmuls read beside the float32 values the
+    elementwise backward needs: in float32 six [b, T, D] rows (the norms'), five hidden-unit
+    rows [b, T, F/t] and the probabilities [b, H/t, T, T]; in bfloat16 both norms' outputs
+    [b, T, D], q, k, v and the attention output (`qkvo`), the hidden units and the
+    probabilities (tests/target/test_fusion_tpu.py)."""
+    md = cfg.model
+    if cfg.precision.compute != "float32" or md.sequence_parallel or md.mlp == "swiglu":
+        return None
+    if md.sequence_chunks > 1:
+        return None
+    f32 = 6 * r.btd + 5 * r.kept_hidden + r.kept_scores
+    bf16 = 2 * r.btd + r.qkvo + r.kept_hidden + r.kept_scores
+    return 4 * f32 + 2 * bf16
+
+
 def _policy_scalars(cfg: Config, r: _Rows) -> dict:
     """Scalars of one layer each remat policy keeps (its input included), by policy name."""
     t = cfg.mesh.tensor
@@ -157,14 +177,15 @@ def _fused_work(cfg: Config, r: _Rows, cb: int, kept: int) -> int | None:
     return max(cb * r.kept_scores + (cb + 2) * hidden + rows - kept, 0)
 
 
-def layer_sets(cfg: Config, cb: int, sb: int, fused: bool = False) -> dict:
+def layer_sets(cfg: Config, cb: int, sb: int, fused: bool = False, converted: bool = False) -> dict:
     """Bytes of one layer's residuals for one micro-batch on one device (`cb` bytes a scalar):
-    `all` (what autodiff saves without remat), `saved` (what the remat policy keeps, layer
+    `all` (what autodiff saves without remat; `converted`: the backend's matmuls read
+    bfloat16 copies, `_converted_saved`), `saved` (what the remat policy keeps, layer
     input included), `work` (one layer's backward working set; `fused`: the backend fuses a
     recomputed layer into its backward, `_fused_work`), `btd` (one [b, T, D] row of the
     residual stream, as stored) and `split` (what ZB's B keeps for W: `_split_kept`)."""
     r = _layer_rows(cfg)
-    every = _autodiff_saved(cfg, r, cb)
+    every = (_converted_saved(cfg, r) if converted else None) or _autodiff_saved(cfg, r, cb)
     remat = cfg.model.remat
     # What a policy keeps is stored in the compute dtype (`sb` bytes a scalar, `stored_bytes`):
     # a backend that widens float16 arithmetic (`cb` = 4) widens it inside its fused
