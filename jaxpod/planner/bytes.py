@@ -35,6 +35,7 @@ from jaxpod.planner.activations import (
 from jaxpod.planner.counts import layer_params
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 from jaxpod.planner.tiles import image_elements
+from jaxpod.planner.vmem import held_in_vmem
 
 TOKEN_BYTES = 4  # int32 token ids
 
@@ -373,6 +374,9 @@ def device_bytes(
     # what the device stores between steps (XLA's device-resident arguments): the weights
     # that do not rest on the host, the optimizer state unless offloaded, and the batch
     stored = s["master"] - host_weights
+    arguments = stored + optimizer + inputs + grad_sum
+    total = weights + optimizer + inputs + input_copy + grad_sum + moments[peak]
+    in_vmem = held_in_vmem(profile, total - arguments)
     return {
         "weights": int(weights),
         "grads": int(s["grads"]),
@@ -385,9 +389,10 @@ def device_bytes(
         "moved_in": int(moved_in),
         "inputs": int(inputs),
         "input_copy": int(input_copy),
-        "device_total": int(weights + optimizer + inputs + input_copy + grad_sum + moments[peak]),
+        "in_vmem": in_vmem,
+        "device_total": int(total - in_vmem),
         "grad_sum": int(grad_sum),
-        "arguments": int(stored + optimizer + inputs + grad_sum),
+        "arguments": int(arguments),
         "host_total": int(host_weights + (s["optimizer"] - optimizer) + acts.get("host", 0)),
         "peak": peak,
     }

@@ -16,7 +16,8 @@ once (`head_grads_at_once`) and adds the non-layer gradients into their accumula
 (`accumulates_in_place`), which the TPU profiles name (tests/target/test_fusion_tpu.py and
 test_sequence_parallel_tpu.py find them in compiled programs), and places the values a
 remat policy saves in host memory when `memory.offload` names activations
-(`offloads_activations`; XLA:CPU ignores the placement).
+(`offloads_activations`; XLA:CPU ignores the placement); on v5e and v6e it keeps some
+temporaries in VMEM (`vmem_heap`, `jaxpod.planner.vmem`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from jaxpod.planner.tiles import Tile
 
 GB = 10**9
 GiB = 2**30
+MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,10 @@ class DeviceProfile:
     # layers' backward, where the stack's gradient has two; with RTS the whole gradient,
     # reduce-scattered after the micro-batches (XLA:TPU; `_state_bytes`)
     accumulates_in_place: bool = False
+    # the on-chip VMEM that XLA:TPU's memory-space assignment fills with the step's
+    # temporaries (its capacity less the kernels' scoped VMEM): part of them is not in HBM at
+    # the peak (`jaxpod.planner.vmem`); 0 where the programs keep temporaries in HBM
+    vmem_heap: int = 0
 
 
 # what XLA:TPU's programs do, the same on every TPU generation read (tests/target/)
@@ -154,6 +160,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "Google TPU v5e: 16 GiB HBM per chip, 2-D torus; streaming = host DRAM, 512 GiB "
             "per 8-chip host",
             chips_per_host=8,
+            vmem_heap=112 * MiB,  # 128 MiB of VMEM (jax's pallas tpu_info), 16 scoped
             **XLA_TPU,
         ),
         DeviceProfile(
@@ -172,6 +179,7 @@ PROFILES: dict[str, DeviceProfile] = {
             "Google TPU v6e (Trillium): 32 GiB HBM per chip, 2-D torus; streaming = host DRAM, "
             "1536 GiB per 8-chip host",
             chips_per_host=8,
+            vmem_heap=96 * MiB,  # 128 MiB of VMEM (jax's pallas tpu_info), 32 scoped
             **XLA_TPU,
         ),
     )

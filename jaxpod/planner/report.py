@@ -109,6 +109,7 @@ def _byte_rows(p: dict) -> list[tuple[str, int, str]]:
         ("inputs", b["inputs"], "batch" if p["batch_parts"] == 1 else "a part of the batch"),
         ("input copy", b["input_copy"], "the image batch copied into the chip's tiles"),
         ("grad sum", b["grad_sum"], "the earlier parts' gradients, summed unreduced"),
+        ("in VMEM", -b.get("in_vmem", 0), "temporaries XLA:TPU keeps in on-chip VMEM"),
     ]
 
 
