@@ -58,10 +58,12 @@ def _cut_upload(step_dir) -> None:
 
 def test_two_processes_write_a_url_and_resume_from_it_alone(tmp_path):
     """The record and the checkpoints (every process's shards, one commit mark) land in the
-    store; the losses are those of one process on 2 devices; a run killed while it uploaded step 4,
-    its local copies gone, resumes from the store alone with the uninterrupted run's losses."""
+    store; the losses are those of one process on 2 devices; a run killed while it uploaded
+    step 4, its local copies gone, resumes from the store alone with the uninterrupted run's
+    losses, on 2 processes and on one."""
     env, run = _store(tmp_path)
-    finish([start(*later_wins(*RUN, "devices=2"), f"train.logdir={tmp_path / 'one'}")], timeout=300)
+    one = later_wins(*RUN, "devices=2")  # the reference: 1 process x 2 devices
+    finish([start(*one, f"train.logdir={tmp_path / 'one'}")], timeout=300)
     finish(start_two_processes(*RUN, f"train.logdir={URL}", env=env), timeout=300)
     want = _losses(run)
     assert [step for step, _ in want] == [1, 2, 3, 4]
@@ -87,6 +89,11 @@ def test_two_processes_write_a_url_and_resume_from_it_alone(tmp_path):
     assert "resumed        from step 2" in out
     assert _losses(run) == want
     assert (run / "checkpoints" / "4" / "commit_success.txt").is_file()
+
+    _cut_upload(run / "checkpoints" / "4")  # the 2 processes' checkpoint, read by one
+    (out,) = finish([start(*one, f"train.logdir={URL}", env=env)], timeout=300)
+    assert "resumed        from step 2" in out
+    assert _losses(run) == want
 
 
 def test_a_lock_in_the_store_stops_every_process_in_one_line(tmp_path):
