@@ -15,9 +15,9 @@ local path. jax-free.
 With several processes each keeps its own copy (`...-p<index>`). Process 0 claims, pushes and
 releases as above; the others pull only the checkpoint process 0 pulled (`claim(agree)`).
 During a save (`jaxpod.run.shardsync`) each other process `share`s the shard files it wrote
-before orbax's write barrier, and process 0 `gather`s them into its copy after it, so orbax
-commits there a checkpoint holding every process's shards; its push then uploads its own
-files, `commit_success.txt` last.
+(and a list of them) before orbax's write barrier, and process 0 `gather`s the listed files into
+its copy after it, so orbax commits there a checkpoint holding every process's shards; its
+push then uploads its own files, `commit_success.txt` last. `memory://` is refused for them.
 
 The lock's limits: only GCS (gcsfs, `ifGenerationMatch=0`) creates it atomically; on other
 stores `xb` may be checked before the write, leaving a short window in which two runs both
@@ -43,6 +43,7 @@ from jaxpod.errors import UserError
 LOCK_FILE = ".jaxpod.lock"
 CHECKPOINTS = "checkpoints"
 COMMITTED = "commit_success.txt"  # written last into a pushed checkpoint (orbax's GCS mark)
+SHARED = ".shared-{}.json"  # another process's list of the files it uploaded for a save
 TEMPORARY = ".orbax-checkpoint-tmp"  # orbax's suffix of the directories a save writes into
 
 
@@ -77,6 +78,12 @@ class RemoteLogdir:
         self.process, self.processes = process, processes
         self.fs, self.root = filesystem("train.logdir", self.url)
         self.root = self.root.rstrip("/")
+        if processes > 1 and _private(self.fs):
+            raise UserError(
+                f"train.logdir={self.url}: {self.url.split('://')[0]}:// is held in each process's "
+                f"memory, and the {processes} processes of this run must share one store; use "
+                "a bucket (gs://, s3://) or a directory every host mounts"
+            )
         self.local = local_copy(self.url, process if processes > 1 else None)
         self._known: dict[str, tuple[int, int] | None] = {}  # path -> (size, mtime) sent
         self._gathered: dict[str, set[str]] = {}  # step -> the files other processes wrote
@@ -244,29 +251,51 @@ class RemoteLogdir:
 
     def share(self, step: str, written: Path) -> None:
         """Another process's part of a save: upload the files it wrote into `written` (orbax's
-        temporary directory of checkpoint `step`) under their final names."""
+        temporary directory of checkpoint `step`) under their final names, then the list of
+        them (`.shared-<process>.json`), which process 0 waits for."""
+        names = []
         try:
             for path in sorted(p for p in written.rglob("*") if p.is_file()):
                 inside = final_name(path.relative_to(written).as_posix())
                 self.fs.put_file(str(path), self._remote(f"{CHECKPOINTS}/{step}/{inside}"))
+                names.append(inside)
+            shared = self._remote(f"{CHECKPOINTS}/{step}/{SHARED.format(self.process)}")
+            self.fs.pipe_file(shared, json.dumps(names).encode())
         except OSError as exc:
             raise self._upload_error(exc) from None
 
     def gather(self, step: str, written: Path) -> None:
-        """Process 0's part of a save, once every process has shared: download the files the
-        others uploaded for checkpoint `step` into `written`, orbax's temporary directory."""
+        """Process 0's part of a save, once every process has shared: download the files each
+        other process listed for checkpoint `step` into `written`, orbax's temporary directory
+        (their lists then removed); a list missing is a one-line `UserError`."""
         remote = self._remote(f"{CHECKPOINTS}/{step}")
-        theirs = set()
+        theirs: set[str] = set()
         try:
-            for path in self.fs.find(remote) if self.fs.isdir(remote) else []:
-                inside = path[len(remote) + 1 :]
+            for process in range(1, self.processes):
+                theirs.update(self._shared(step, process))
+            for inside in sorted(theirs):
                 target = written / temporary_name(inside, written)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                self.fs.get_file(path, str(target))
-                theirs.add(inside)
+                self.fs.get_file(f"{remote}/{inside}", str(target))
+            for process in range(1, self.processes):
+                self.fs.rm_file(f"{remote}/{SHARED.format(process)}")
         except OSError as exc:
             raise UserError(f"train.logdir={self.url} cannot be read ({exc})") from None
         self._gathered[step] = theirs
+
+    def _shared(self, step: str, process: int) -> list[str]:
+        """The files `process` uploaded for checkpoint `step`, as it listed them."""
+        try:
+            listed = self.fs.cat_file(
+                self._remote(f"{CHECKPOINTS}/{step}/{SHARED.format(process)}")
+            )
+        except FileNotFoundError:
+            raise UserError(
+                f"train.logdir={self.url}: process {process}'s shards of checkpoint {step} are "
+                "not in the store; every process must reach the same store (a bucket, not "
+                "memory:// or a path local to each host)"
+            ) from None
+        return json.loads(listed)
 
     def _forget(self, present: set[str]) -> None:
         """Remove from the store what was pulled or pushed and is gone from the copy."""
@@ -284,6 +313,13 @@ class RemoteLogdir:
                 self.fs.rm_file(self._remote(LOCK_FILE))
             except OSError:  # noqa: S110 - a lock left behind is reported by the next run
                 pass
+
+
+def _private(fs) -> bool:
+    """True for a filesystem each process holds in its own memory (fsspec's `memory://`)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    return isinstance(fs, MemoryFileSystem)
 
 
 def final_name(inside: str) -> str:
