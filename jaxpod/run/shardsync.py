@@ -42,6 +42,8 @@ class ShardBarrier:
             self.remote.share(step, written)
         self._barrier(key=key, timeout_ms=timeout_ms)
         if name.endswith(WRITTEN) and main:
+            if not written.is_dir():  # orbax renamed it: its merge would miss the others' shards
+                raise RuntimeError(f"orbax's temporary directory {written} is not there")
             self.remote.gather(step, written)
         if name.endswith(COMMITTED) and not main:
             shutil.rmtree(written, ignore_errors=True)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
+import sys
 
 import pytest
 from helpers import ROOT
@@ -49,11 +51,17 @@ def _losses(run) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(run) if "loss" in r]
 
 
-def _cut_upload(step_dir) -> None:
-    """Leave `step_dir` as a kill during its upload does: process 1's shards, nothing else."""
-    for path in sorted(step_dir.rglob("*"), reverse=True):
+def _cut_upload(run) -> None:
+    """Leave the store as a kill during the upload of step 4 does: process 1's shards of it,
+    nothing else, and the lock of the killed process 0 (on this host, its pid gone)."""
+    for path in sorted((run / "checkpoints" / "4").rglob("*"), reverse=True):
         if "ocdbt.process_1" not in path.as_posix() and path.is_file():
             path.unlink()
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+    )
+    holder = {"pid": int(ended.stdout), "host": socket.gethostname()}
+    (run / ".jaxpod.lock").write_text(json.dumps(holder))
 
 
 def test_two_processes_write_a_url_and_resume_from_it_alone(tmp_path):
@@ -83,14 +91,15 @@ def test_two_processes_write_a_url_and_resume_from_it_alone(tmp_path):
     copies = tmp_path / "xdg" / "jaxpod" / "logdirs"
     assert sorted(p.name[-3:] for p in copies.iterdir()) == ["-p0", "-p1"]
 
-    _cut_upload(run / "checkpoints" / "4")
+    _cut_upload(run)
     shutil.rmtree(copies)
     out, _ = finish(start_two_processes(*RUN, f"train.logdir={URL}", env=env), timeout=300)
     assert "resumed        from step 2" in out
     assert _losses(run) == want
     assert (run / "checkpoints" / "4" / "commit_success.txt").is_file()
+    assert not (run / ".jaxpod.lock").exists()
 
-    _cut_upload(run / "checkpoints" / "4")  # the 2 processes' checkpoint, read by one
+    _cut_upload(run)  # the 2 processes' checkpoint, read by one
     (out,) = finish([start(*one, f"train.logdir={URL}", env=env)], timeout=300)
     assert "resumed        from step 2" in out
     assert _losses(run) == want
