@@ -73,16 +73,19 @@ def _from_nested(nested: dict, like: TrainState) -> TrainState:
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
-def _one_writer_per_shard() -> None:
+def _register_array_handler() -> None:
     """In a single process, each shard of an array is saved whole from one of its replicas.
 
     orbax's default (replica-parallel saving) has each of a shard's R replicas save 1/R of it,
     which spreads a pod's writes over its hosts; in one process the bytes leave the same host
     either way, and every slice is an eager `slice_in_dim`, one small XLA compile per shape
-    and device (docs/runs.md)."""
-    global _WHOLE_SHARDS
-    if jax.process_count() == 1 and not _WHOLE_SHARDS:
-        handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
+    and device (docs/runs.md). Either way without orbax's per-process array metadata files,
+    whose directory the other processes wait to see process 0 create: each process then
+    writes only into directories it made, so processes that share no filesystem can save."""
+    global _HANDLER_SET
+    if not _HANDLER_SET:
+        parallel = None if jax.process_count() > 1 else False  # None: orbax's default
+        handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=parallel)
         absl = logging.getLogger("absl")
         level = absl.level
         absl.setLevel(logging.ERROR)  # not its "overriding jax.Array" warning
@@ -90,16 +93,22 @@ def _one_writer_per_shard() -> None:
             ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
         finally:
             absl.setLevel(level)
-        _WHOLE_SHARDS = True
+        _HANDLER_SET = True
 
 
-_WHOLE_SHARDS = False  # registered in this process
+_HANDLER_SET = False  # registered in this process
 
 
 class Checkpointer:
     """Save and restore `TrainState`s in `<logdir>/checkpoints/` (keeps the newest `keep`)."""
 
-    def __init__(self, logdir: str | Path, keep: int, on_commit: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        logdir: str | Path,
+        keep: int,
+        on_commit: Callable[[], None] | None = None,
+        barrier: Callable[..., None] | None = None,
+    ):
         self.logdir = Path(logdir)  # the run directory these checkpoints are kept in
         self.directory = self.logdir.absolute() / CHECKPOINTS
         self._on_commit = on_commit  # called once the saves so far are committed (and rotated)
@@ -110,9 +119,11 @@ class Checkpointer:
             create=False,
             enable_async_checkpointing=True,
             todelete_subdir=DELETING,
+            # orbax's barriers of a save (`jaxpod.run.shardsync` for a URL's copies)
+            async_options=None if barrier is None else ocp.AsyncOptions(barrier_sync_fn=barrier),
         )
         self._remove_rotated()  # what an interrupted run had rotated out
-        _one_writer_per_shard()
+        _register_array_handler()
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=options,

@@ -17,7 +17,8 @@ How the rest of jaxpod behaves with several processes:
 - Scalars (loss, norms, val loss) come out of the step replicated on every device, so each
   process reads them locally; only process 0 writes the run record and prints.
 - Checkpoints: every process calls orbax's save/restore on the shared logdir; orbax writes
-  each process's shards and commits once all are done.
+  each process's shards and commits once all are done. A URL logdir needs no shared
+  filesystem: each process saves into its own copy (`jaxpod.run.shardsync`).
 
 This module imports jax lazily: the CLI parses arguments and validates them before jax starts.
 """
@@ -141,6 +142,15 @@ def is_main_process() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+def from_process_0(value: int) -> int:
+    """Process 0's `value` on every process (a collective: every process calls it, with any
+    value), e.g. the checkpoint process 0 pulled for a URL run directory."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
 def per_process_devices(config: str, overrides: list[str]) -> int:

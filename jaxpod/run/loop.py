@@ -35,7 +35,7 @@ from jaxpod.engine import TrainState
 from jaxpod.errors import UserError
 from jaxpod.parallel.mesh import mesh_for
 from jaxpod.run.checkpoint import Checkpointer
-from jaxpod.run.distributed import is_main_process
+from jaxpod.run.distributed import from_process_0, is_main_process
 from jaxpod.run.hostmem import is_oom, oom_error
 from jaxpod.run.interrupt import Interrupted, StopRequests
 from jaxpod.run.mapping import describe, format_mapping
@@ -98,8 +98,11 @@ def run_training(
     (`foreign_ok`: the run directory may hold files that are not jaxpod's, never touched).
     """
     if cleared is None:
-        main = is_main_process()
-        cleared = preflight(cfg, processes=jax.process_count(), main=main, foreign_ok=foreign_ok)
+        processes, process = jax.process_count(), jax.process_index()
+        agree = from_process_0 if processes > 1 else None
+        cleared = preflight(
+            cfg, processes=processes, process=process, foreign_ok=foreign_ok, agree=agree
+        )
     elif cleared.cfg is not cfg:
         raise ValueError("`cleared` is the preflight of another config")
     main = is_main_process()
@@ -123,7 +126,7 @@ def _run(
     mesh = mesh_for(cfg)
     logdir = cleared.logdir
     pushed = cleared.remote.push if cleared.remote is not None and main else None
-    ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints, on_commit=pushed)
+    ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints, pushed, cleared.barrier())
     start = ckpt.latest_step() or 0
     with Phase("building       the model, its state and the data", shown):
         task, state = _build(cfg, mesh, ckpt, start)

@@ -6,17 +6,18 @@ missing or whose ids do not fit in `model.vocab`; a `data.path` URL no installed
 filesystem reads (`jaxpod.data.store`); a mapping whose planned bytes per device
 exceed `memory.device_budget` (the planner's `check_budget`); more host RAM than this host has
 for its virtual CPU devices (`jaxpod.run.hostmem`, one process); a run directory that cannot
-be claimed (`jaxpod.run.logdir`); a URL for one (`jaxpod.run.remote`) with several processes.
-Then it holds the directory's lock (process 0's; for a URL, the store's lock and that of its
-local copy, which the run writes into and `Cleared` pushes to the store at its end). The CLI
-runs it before jax starts (one process); the loop runs it for any other caller. jax-free; the
-planner is imported only when these checks ask it (the budget, the host's RAM), never by the
-loop.
+be claimed (`jaxpod.run.logdir`, or `jaxpod.run.remote` for a URL). Then it holds the
+directory's lock (process 0's; for a URL, the store's lock and that of its local copy, which
+the run writes into and `Cleared` pushes to the store at its end; with several processes each
+has its own copy, process 0's step pulled into all). The CLI runs it before jax starts (one
+process); the loop runs it for any other caller. jax-free; the planner is imported only when
+these checks ask it (the budget, the host's RAM), never by the loop.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from jaxpod.config import Config
 from jaxpod.data.store import filesystem, is_url
 from jaxpod.errors import UserError
 from jaxpod.run.hostmem import check_host_ram
-from jaxpod.run.logdir import LogdirLock, hold
+from jaxpod.run.logdir import CHECKPOINTS, LogdirLock, hold
 from jaxpod.run.profiling import check_profile_steps
 from jaxpod.run.remote import RemoteLogdir
 
@@ -42,6 +43,16 @@ class Cleared:
     def logdir(self) -> Path:
         """Where the run writes its record: `train.logdir`, or the local copy of a URL's."""
         return self.remote.local if self.remote is not None else Path(self.cfg.train.logdir)
+
+    def barrier(self) -> Callable[..., None] | None:
+        """orbax's barrier function for the run's checkpoints: with several processes and a
+        URL, the one that moves their shards through the store (`jaxpod.run.shardsync`);
+        else None, orbax's own."""
+        if self.remote is None or self.remote.processes == 1:
+            return None
+        from jaxpod.run.shardsync import ShardBarrier
+
+        return ShardBarrier(self.remote, self.logdir.absolute() / CHECKPOINTS)
 
     def __enter__(self) -> Cleared:
         return self
@@ -67,13 +78,19 @@ class Cleared:
 
 
 def preflight(
-    cfg: Config, *, processes: int = 1, main: bool = True, foreign_ok: bool = False
+    cfg: Config,
+    *,
+    processes: int = 1,
+    process: int = 0,
+    foreign_ok: bool = False,
+    agree: Callable[[int], int] | None = None,
 ) -> Cleared:
     """Check `cfg` before training and claim its run directory (one-line `UserError`s).
 
     `processes`: the run's processes (with one, its virtual devices share this host's RAM);
-    `main`: this is process 0, the one that holds the lock; `foreign_ok`: the run directory
-    may hold files that are not jaxpod's (`jaxpod.run.logdir.check_logdir`)."""
+    `process`: this one's index (0 holds the lock); `foreign_ok`: the run directory may hold
+    files that are not jaxpod's (`jaxpod.run.logdir.check_logdir`); `agree`: with several
+    processes and a URL, hands process 0's value to every process (`from_process_0`)."""
     check_profile_steps(cfg.train.profile_steps, cfg.train.steps)
     if cfg.data.tokenizer != "bytes":
         from jaxpod.data.tokenized import check_tokenizer
@@ -84,17 +101,15 @@ def preflight(
     check_budget(cfg)
     if processes == 1:
         check_host_ram(cfg)
+    main = process == 0
     if not is_url(cfg.train.logdir):
         return Cleared(cfg, hold(cfg.train.logdir, foreign_ok) if main else None)
-    if processes > 1:
-        raise UserError(
-            f"train.logdir={cfg.train.logdir} is a URL, which one process only writes to (each "
-            "process saves its own shards); use a directory every host mounts, e.g. by gcsfuse"
-        )
-    remote = RemoteLogdir(cfg.train.logdir, cfg.train.keep_checkpoints)
-    remote.claim()
+    if processes > 1 and agree is None:
+        raise ValueError("several processes claim a URL run directory through `agree`")
+    remote = RemoteLogdir(cfg.train.logdir, cfg.train.keep_checkpoints, process, processes)
+    remote.claim(agree)
     try:
-        return Cleared(cfg, hold(remote.local, foreign_ok), remote)
+        return Cleared(cfg, hold(remote.local, foreign_ok) if main else None, remote)
     except BaseException:
         remote.release()
         raise

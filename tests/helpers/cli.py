@@ -66,23 +66,24 @@ def later_wins(*items: str) -> list[str]:
     return [i for n, i in enumerate(items) if keys[n] is None or last[keys[n]] == n]
 
 
-def start(*args: str) -> subprocess.Popen:
-    """Start `jaxpod ARGS` (from the repository root), its stdout and stderr piped."""
+def start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """Start `jaxpod ARGS` (from the repository root), its stdout and stderr piped; `env`:
+    the environment if not `cli_env()`."""
     return subprocess.Popen(
         cli_cmd(*args),
         cwd=ROOT,
-        env=cli_env(),
+        env=cli_env() if env is None else env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
 
 
-def start_two_processes(*args: str) -> list[subprocess.Popen]:
+def start_two_processes(*args: str, env: dict | None = None) -> list[subprocess.Popen]:
     """Start `jaxpod ARGS` as processes 0 and 1 of one job, coordinated on a free port."""
     port = free_port()
     job = ("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id")
-    return [start(*args, *job, str(i)) for i in range(2)]
+    return [start(*args, *job, str(i), env=env) for i in range(2)]
 
 
 def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:

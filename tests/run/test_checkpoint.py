@@ -144,11 +144,11 @@ def test_one_process_writes_each_shard_whole(built, tmp_path, monkeypatch):
     default = ocp.type_handlers.ArrayHandler()
     ocp.type_handlers.register_type_handler(jax.Array, default, override=True)
     try:
-        monkeypatch.setattr(checkpoint, "_WHOLE_SHARDS", True)  # keep orbax's default
+        monkeypatch.setattr(checkpoint, "_HANDLER_SET", True)  # keep orbax's default
         assert save("replica-parallel") > 0
     finally:
-        monkeypatch.setattr(checkpoint, "_WHOLE_SHARDS", False)
-        checkpoint._one_writer_per_shard()  # this process's handler again
+        monkeypatch.setattr(checkpoint, "_HANDLER_SET", False)
+        checkpoint._register_array_handler()  # this process's handler again
 
 
 @pytest.mark.parametrize(

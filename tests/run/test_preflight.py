@@ -26,7 +26,7 @@ def test_cleared_holds_the_lock_until_it_is_left(tmp_path):
 
 def test_only_process_0_claims_the_run_directory(tmp_path):
     cfg = make_tiny_cfg(f"train.logdir={tmp_path / 'run'}")
-    assert preflight(cfg, processes=2, main=False).lock is None
+    assert preflight(cfg, processes=2, process=1).lock is None
     assert not (tmp_path / "run").exists()
 
 
@@ -49,7 +49,7 @@ def test_host_ram_is_checked_for_one_process_only(tmp_path, monkeypatch):
     asked = []
     monkeypatch.setattr(preflight_module, "check_host_ram", asked.append)
     cfg = make_tiny_cfg(f"train.logdir={tmp_path / 'run'}")
-    preflight(cfg, processes=2, main=False)
+    preflight(cfg, processes=2, process=1)
     assert asked == []
     preflight(cfg).lock.release()
     assert asked == [cfg]

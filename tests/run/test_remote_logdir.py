@@ -66,6 +66,33 @@ def test_a_run_and_its_resume_go_through_the_store(bucket, tmp_path):
     assert bucket.exists(f"{URL}/checkpoints/4/commit_success.txt")
 
 
+def test_a_cut_upload_is_never_a_checkpoint(bucket, monkeypatch):
+    """An upload of step 4 that fails at its first array file leaves no commit mark (orbax's
+    own `commit_success.txt` files go up with the rest, the store's mark last); the next run
+    removes what was cut, resumes from step 2 and ends with the same losses."""
+    from jaxpod.errors import UserError
+
+    full = _train(f"train.logdir={URL}")
+    want = _remote_losses(bucket)
+    bucket.rm(URL, recursive=True)
+    real = type(bucket).put_file
+
+    def cut(self, lpath, rpath, **kwargs):
+        if "/checkpoints/4/state/" in str(rpath):
+            raise OSError("connection reset")
+        return real(self, lpath, rpath, **kwargs)
+
+    monkeypatch.setattr(type(bucket), "put_file", cut)
+    with pytest.raises(UserError, match="cannot upload the run record"):
+        _train(f"train.logdir={URL}")
+    assert bucket.exists(f"{URL}/checkpoints/4/_CHECKPOINT_METADATA")  # cut after it
+    assert not bucket.exists(f"{URL}/checkpoints/4/commit_success.txt")
+    monkeypatch.setattr(type(bucket), "put_file", real)
+    resumed = _train(f"train.logdir={URL}")
+    assert resumed.losses == full.losses[2:]
+    assert _remote_losses(bucket) == want
+
+
 def test_the_store_keeps_the_newest_checkpoints(bucket):
     """Rotation (`train.keep_checkpoints`) removes the older checkpoints from the store too."""
     _train(f"train.logdir={URL}", "train.checkpoint_every=1", "train.keep_checkpoints=2")
