@@ -7,7 +7,9 @@ The planner's `updates_in_phases` (`jaxpod.planner.phased`): the update brings i
 stacked matrices and their moments, makes their new values and writes them back before the
 next phase, so at the update's peak the program holds phase-sized pieces of the stack, at
 least one phase's fetched state and no whole stack of weights or moments; the planner's
-update counts one phase's weights, moved-in moments and new params beside the gradients.
+update counts one phase's weights, moved-in moments and new params beside the gradients,
+and its device total is within 10 % of XLA:TPU's at K=2 and 4. At K=1 XLA:TPU's peak is
+the last micro-batch's backward, which holds more than the planner counts (the last test).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 import jax
 import pytest
 from helpers import make_tiny_cfg
-from helpers.dumps import dims_of, dumped_program, tpu_mesh
+from helpers.dumps import dims_of, dumped_program, peak_position, tpu_mesh
 
 from jaxpod.planner.backend import backend_plan
 from jaxpod.target.buffers import device_memory_bytes
@@ -74,16 +76,20 @@ def called(module, names: list[str]) -> set[str]:
     return found
 
 
-def update_peak(module, values: dict, ranges: dict, schedule: dict) -> int:
-    """The position of the update at which the temporaries cover the most bytes: from the
-    first position of the update's first part (its guarded `lax.cond`, the entry's first
-    `conditional`) to the end."""
+def update_start(module, schedule: dict) -> int:
+    """The first position of the update's first part: its guarded `lax.cond`, the entry's
+    first `conditional`, and the computations it calls."""
     where = {i.name: c for c, comp in module.computations.items() for i in comp.instructions}
-    first = next(
-        i for i in module.computations[module.entry].instructions if i.opcode == "conditional"
-    )
+    entry = module.computations[module.entry].instructions
+    first = next(i for i in entry if i.opcode == "conditional")
     inside = called(module, [c for _, c in first.calls()])
-    start = min(t for t, name in schedule.items() if where.get(name) in inside)
+    return min(t for t, name in schedule.items() if where.get(name) in inside)
+
+
+def update_peak(dumped) -> int:
+    """The position of the update at which the temporaries cover the most bytes."""
+    values, ranges, schedule = dumped.live
+    start = update_start(parse(dumped.compiled.as_text()), schedule)
     return max(range(start, max(schedule) + 1), key=lambda t: covered(values, ranges, t))
 
 
@@ -124,8 +130,8 @@ def test_the_update_holds_one_phase_of_the_stack(program, phases):
     (one phase's weights, moved-in moments and new params, and the gradients:
     `updates_in_phases`)."""
     cfg, dumped = program(phases)
-    values, ranges, schedule = dumped.live
-    t = update_peak(parse(dumped.compiled.as_text()), values, ranges, schedule)
+    values, ranges, _ = dumped.live
+    t = update_peak(dumped)
     held = held_pieces(cfg, dumped, t)
     layers = cfg.model.layers
     assert set(held) == {layers // phases}, held  # no whole stack
@@ -144,3 +150,25 @@ def test_planned_device_total_in_phases_within_a_tenth(program, phases):
     xla = device_memory_bytes(dumped.spaces)
     print(f"K={phases}: planned {planned / 2**20:.1f} MiB, XLA:TPU {xla / 2**20:.1f} MiB")
     assert 0.9 <= planned / xla <= 1.1
+
+
+def test_without_phases_the_peak_is_the_last_micro_batch_backward(program):
+    """K=1: XLA:TPU's peak is not in the update but in the backward of the micro-batch it
+    runs outside the loop, where the update's moments have already come in and the stack is
+    held twice (the loop's fetch, kept for the update, and that micro-batch's own) beside the
+    micro-batch's gradients: the whole stacks there outweigh the planner's device total,
+    whose update counts the stack, the moments, the gradients and the new params
+    (docs/memory.md, "Offload and phases in XLA:TPU's program")."""
+    cfg, dumped = program(1)
+    values, ranges, schedule = dumped.live
+    peak = peak_position(values, ranges)
+    assert peak < update_start(parse(dumped.compiled.as_text()), schedule)
+    stacked = stacked_state(dumped.engine, dumped.state)
+    weights = sum(n for path, (_, n) in stacked.items() if path.startswith("params/"))
+    moments = sum(n for _, n in stacked.values()) - weights
+    held = held_pieces(cfg, dumped, peak)
+    assert set(held) == {cfg.model.layers}
+    planned = backend_plan(cfg, "tpu-v5p")["device_total"]
+    print(f"K=1 peak: whole stacks {held}, planned {planned}")
+    assert 3 * weights + moments <= held[cfg.model.layers]  # two stacks, gradients, moments
+    assert planned < held[cfg.model.layers]
