@@ -4,12 +4,12 @@
 Without a pipeline, XLA:TPU fetches each phase's `L/K` layers of every stacked matrix for
 the phase's passes, and the update (`jaxpod.optim.phased`) brings in one phase's stacked
 matrices and their moments, updates them and writes them back before the next
-(`DeviceProfile.updates_in_phases`; tests/target/test_offload_tpu.py finds both in the
-compiled program). So the device holds one phase of the host-resident stack at any moment,
-and the update holds one phase of the state it moves in and of its new params, besides the
-non-layer leaves (its first part) and the gradients, all made on the device before it. With
-a pipeline nothing is credited: a stage holds its whole stack for the ticks, and the update
-moves it whole. Jax-free.
+(`DeviceProfile.updates_in_phases`; in compiled programs tests/target/test_offload_tpu.py
+finds the fetches, test_phases_tpu.py what the update's peak holds). So the device holds
+one phase of the host-resident stack at any moment, and the update holds one phase of the
+state it moves in and of its new params, besides the non-layer leaves (its first part) and
+the gradients, all made on the device before it. With a pipeline nothing is credited: a
+stage holds its whole stack for the ticks, and the update moves it whole. Jax-free.
 """
 
 from __future__ import annotations

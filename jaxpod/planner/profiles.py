@@ -18,7 +18,7 @@ test_sequence_parallel_tpu.py find them in compiled programs), places the values
 remat policy saves in host memory when `memory.offload` names activations
 (`offloads_activations`; XLA:CPU ignores the placement), and, without a pipeline, holds the
 host-resident layer stack and the update's state a phase at a time (`updates_in_phases`:
-tests/target/test_offload_tpu.py).
+tests/target/test_offload_tpu.py and test_phases_tpu.py).
 """
 
 from __future__ import annotations
