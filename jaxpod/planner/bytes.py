@@ -7,10 +7,11 @@ copies, float32 copies of streamed matrices), on the device and the host.
 Analytic, no jax: nothing is built, so any mapping can be planned.
 
 Host-resident state is counted on the device while the step uses it: the weights whole for
-the whole step (the CPU lowering fetches no piece of them; the TPU/GPU lowering's per-phase
-and per-matrix fetches are not credited: tests/planner/test_transfers.py), the optimizer
-state moved in whole for the update. Where host memory is device memory (`shares_host_memory`,
-XLA:CPU) the optimizer state, and the weights outside phases, are read in place instead.
+the whole step (the CPU lowering fetches no piece of them: tests/planner/test_transfers.py),
+the optimizer state moved in whole for the update; in phases without a pipeline, a phase of
+the stack at a time where the profile's program moves one in at a time (`updates_in_phases`,
+`jaxpod.planner.phased`). Where host memory is device memory (`shares_host_memory`, XLA:CPU)
+the optimizer state, and the weights outside phases, are read in place instead.
 Saved activations stay on the device unless the profile's backend places the remat policy's
 values in host memory (`offloads_activations`, `jaxpod.planner.activations`: the host
 total); nothing is prefetched. The device profile's flags say how the backend computes and
@@ -33,6 +34,7 @@ from jaxpod.planner.activations import (
     grad_bytes,
 )
 from jaxpod.planner.counts import layer_params
+from jaxpod.planner.phased import held_phases, one_phase, stack_credit
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 from jaxpod.planner.tiles import image_elements
 from jaxpod.planner.vmem import held_in_vmem
@@ -203,19 +205,18 @@ def _host_weights(cfg: Config, layout: dict, master_all: float) -> float:
     return 0
 
 
-def _on_device(cfg: Config, s: dict, host_weights: float, profile: DeviceProfile) -> tuple:
+def _on_device(cfg: Config, layout: dict, s: dict, host_weights: float, profile) -> tuple:
     """`(weights, optimizer, moved_in)`: bytes of the weights and the optimizer state counted
     on the device all step, and of the host-resident state moved in for the update.
 
     Host-resident weights are on the device for the whole step: the CPU lowering fetches no
-    piece of them (its per-phase / per-matrix device_puts lower to nothing; the TPU/GPU
-    lowering keeps them, uncredited: jaxpod.parallel.offload), and a pipelined stage fetches
-    its stack before the ticks. Where host memory is device memory (XLA:CPU) they are read in
-    place, as the optimizer state is, unless in phases (XLA:CPU then holds the stack in its
-    temporaries: docs/memory.md, "Which program the planner counts"). The update is counted
-    on whole trees: host-resident weights and optimizer state moved to the device first,
-    the reduced grads too (`StackedStages.update`; in phases without a pipeline the TPU/GPU
-    program moves one phase of the stack at a time, uncredited)."""
+    piece of them (its per-phase / per-matrix device_puts lower to nothing), and a pipelined
+    stage fetches its stack before the ticks. Where host memory is device memory (XLA:CPU)
+    they are read in place, as the optimizer state is, unless in phases (XLA:CPU then holds
+    the stack in its temporaries: docs/memory.md, "Which program the planner counts"). The
+    update is counted on whole trees: host-resident weights and optimizer state moved to the
+    device first (`StackedStages.update`); where the program holds the stack a phase at a
+    time (`held_phases`), one phase of it and of what the update moves in."""
     weights = s["weights"]
     if profile.shares_host_memory and cfg.memory.phases == 1:
         weights = s["weights"] - host_weights
@@ -223,7 +224,9 @@ def _on_device(cfg: Config, s: dict, host_weights: float, profile: DeviceProfile
     moved_in = s["weights"] - weights + s["optimizer"] - optimizer
     if profile.shares_host_memory:
         moved_in = 0  # read in place (XLA:CPU)
-    return weights, optimizer, moved_in
+    phases = held_phases(cfg, profile)
+    weights -= stack_credit(layout, s["master"], phases)
+    return weights, optimizer, moved_in * one_phase(layout, phases)
 
 
 def _matrix_copies(cfg: Config, profile: DeviceProfile) -> float:
@@ -305,12 +308,13 @@ def _strip_updates(cfg: Config, layout: dict) -> float:
     return layout["local_layers"] / rts * mb + strip * 4 * 8
 
 
-def _update(cfg: Config, layout: dict, acts: dict, s: dict, moved_in: float) -> tuple:
+def _update(cfg: Config, layout: dict, acts: dict, s: dict, moved_in: float, phases: int):
     """`(update_peak, updates)`: bytes alive in the update besides the resting state, and
     its working set. It holds what was moved in, the reduced grads and the updates (the new
-    weights and moments are written into their donated buffers); packed rows their whole-row
-    working set (`update_work`); 16-bit masters of stacked layers `_strip_updates`."""
-    updates = s["updates"]
+    weights and moments are written into their donated buffers), in `phases` one part's
+    (`jaxpod.planner.phased`); packed rows their whole-row working set (`update_work`); 16-bit
+    masters of stacked layers `_strip_updates`."""
+    updates = s["updates"] * one_phase(layout, phases)
     update_peak = moved_in + s["grads_update"] + updates
     if "update_work" in acts:  # packed rows: the update's whole-row working set
         update_peak = moved_in + s["grads_update"] + acts["update_work"]
@@ -325,10 +329,9 @@ def _backward_peak(cfg: Config, layout: dict, acts: dict, s: dict, copies: tuple
     """Bytes alive at the layers' backward besides the resting state: the gradients, the
     backward's activations, the gathered and widened weights (`_gathered_bytes`) and a whole
     gradient before its reduce-scatter (`_scattered_bytes`): `copies`, as `device_bytes`
-    names them. One GPipe
-    pass (nothing accumulated): the layers' backward (the tick scans) holds the stages'
-    layer gradients and one layer's gathered weights; the other weights' gradients (and
-    their gathered copies) belong to the embedding and the head, after the ticks."""
+    names them. One GPipe pass (nothing accumulated): the layers' backward (the tick scans)
+    holds the stages' layer gradients and one layer's gathered weights; the other weights'
+    gradients (and their gathered copies) belong to the embedding and the head, after."""
     gathered, gathered_layer, widened, scattered = copies
     backward = acts.get("backward_moment", acts["total"])
     peak = s["grads"] + backward + gathered + widened
@@ -347,7 +350,7 @@ def device_bytes(
     profile = profile or get_profile(cfg.memory.device)
     s = _state_bytes(cfg, layout, profile)
     host_weights = _host_weights(cfg, layout, s["master"])
-    weights, optimizer, moved_in = _on_device(cfg, s, host_weights, profile)
+    weights, optimizer, moved_in = _on_device(cfg, layout, s, host_weights, profile)
     weights += _matrix_copies(cfg, profile)
     gathered, gathered_layer, widened = _gathered_bytes(cfg, layout, profile)
     scattered = _scattered_bytes(cfg, profile)
@@ -355,7 +358,7 @@ def device_bytes(
     # embedding and the head with its gradient, are over: tests/target/test_rts_tpu.py)
     at_backward = gathered_layer if fused_head(cfg, profile) else gathered
     copies = (at_backward, gathered_layer, widened, scattered)
-    update_peak, updates = _update(cfg, layout, acts, s, moved_in)
+    update_peak, updates = _update(cfg, layout, acts, s, moved_in, held_phases(cfg, profile))
     # the loss head's moment: the gradient accumulator only if it carries from an earlier
     # micro-batch or pass; of the gathered weights, the head's table copy (`_head_table`)
     head_grads = s["accumulator"] if s["accumulated"] else 0
@@ -366,8 +369,7 @@ def device_bytes(
         "update": update_peak + gathered,
     }
     peak = max(moments, key=moments.get)  # a tie goes to the first: backward, head, update
-    # in parts, the earlier parts' gradients summed on each device (unreduced, as stored): an
-    # argument of every later call
+    # in parts, the earlier parts' gradients summed unreduced: an argument of each later call
     grad_sum = s["grads_update"] if cfg.train.batch_parts > 1 else 0
     inputs = _inputs(cfg)
     input_copy = _input_copy(cfg, profile)

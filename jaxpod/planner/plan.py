@@ -40,6 +40,7 @@ from jaxpod.planner.counts import (
     layer_params,
     param_layout,
 )
+from jaxpod.planner.phased import held_phases
 from jaxpod.planner.profiles import PROFILES, DeviceProfile, get_profile
 from jaxpod.planner.report import format_bytes, format_plan
 
@@ -337,6 +338,7 @@ def plan(cfg: Config, params_override: int | None = None, *, advice: bool = True
         "device_profile": profile.name,
         **_mapping(cfg),
         **_weights(cfg, layout),
+        "held_phases": held_phases(cfg, profile),
         "bytes_per_device": per_device,
         "activations_breakdown": acts,
         "device_memory_bytes": limit,

@@ -14,9 +14,11 @@ to bfloat16 for its matmuls (`converts_matrices`), fuses a recomputed layer into
 backward's matmuls (`fuses_recomputation`), computes a float32 loss head's gradient at
 once (`head_grads_at_once`) and adds the non-layer gradients into their accumulator
 (`accumulates_in_place`), which the TPU profiles name (tests/target/test_fusion_tpu.py and
-test_sequence_parallel_tpu.py find them in compiled programs), and places the values a
+test_sequence_parallel_tpu.py find them in compiled programs), places the values a
 remat policy saves in host memory when `memory.offload` names activations
-(`offloads_activations`; XLA:CPU ignores the placement); on v5e and v6e it keeps some
+(`offloads_activations`; XLA:CPU ignores the placement), without a pipeline holds the
+host-resident layer stack and the update's state a phase at a time (`updates_in_phases`:
+tests/target/test_offload_tpu.py and test_phases_tpu.py), and on v5e and v6e keeps some
 temporaries in VMEM (`vmem_heap`, `jaxpod.planner.vmem`).
 """
 
@@ -86,6 +88,11 @@ class DeviceProfile:
     # temporaries (its capacity less the kernels' scoped VMEM): part of them is not in HBM at
     # the peak (`jaxpod.planner.vmem`); 0 where the programs keep temporaries in HBM
     vmem_heap: int = 0
+    # without a pipeline, in `memory.phases` K, the host-resident layer stack is on the device
+    # a phase at a time: each phase's L/K layers fetched for its passes, and the update brings
+    # in one phase's stacked matrices and their moments, updates them and writes them back
+    # before the next (XLA:TPU; `jaxpod.planner.phased`)
+    updates_in_phases: bool = False
 
 
 # what XLA:TPU's programs do, the same on every TPU generation read (tests/target/)
@@ -96,6 +103,7 @@ XLA_TPU = dict(
     offloads_activations=True,
     head_grads_at_once=True,
     accumulates_in_place=True,
+    updates_in_phases=True,
 )
 
 PROFILES: dict[str, DeviceProfile] = {

@@ -89,7 +89,9 @@ def _byte_rows(p: dict) -> list[tuple[str, int, str]]:
     """The per-device table's rows: each kind of state, its bytes and what it is."""
     b = p["bytes_per_device"]
     weights = "master (+16-bit working copy)"
-    if "params" in p["offload"]:  # docs/memory.md, "Which program the planner counts"
+    if p["held_phases"] > 1:  # jaxpod.planner.phased
+        weights += f"; host-resident, one of {p['held_phases']} phases of the stack at a time"
+    elif "params" in p["offload"]:  # docs/memory.md, "Which program the planner counts"
         weights += "; host-resident, counted on the device all step (CPU fetches no piece)"
     acts, remat = p["activations_breakdown"], f"remat {p['remat']}"
     if acts.get("host"):

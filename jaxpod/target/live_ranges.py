@@ -12,16 +12,19 @@ import re
 VALUE = re.compile(r"value: <\d+ (\S+?)(?: \(phi\))? @0> \(size=(\d+),offset=(\d+)\): (\S+)")
 
 
-def temporaries(dump: str, module: str = "jit_train_step") -> tuple[dict, dict, dict]:
+def temporaries(
+    dump: str, module: str = "jit_train_step", device_only: bool = False
+) -> tuple[dict, dict, dict]:
     """`(values, live ranges, schedule)` of `module`'s preallocated temporaries in the dump
     folder `dump`: name -> (size, offset, shape), name -> (first, last) position, position ->
-    name."""
+    name. With `device_only`, those of the default memory space only (XLA:TPU also assigns
+    temporaries in the chip's scratch memories, allocations of another `color`)."""
     assignment = glob.glob(f"{dump}/*{module}*buffer-assignment.txt")[0]
     live_range = glob.glob(f"{dump}/*{module}*live-range.txt")[0]
     values, in_temp = {}, False
     for line in open(assignment):
         if line.startswith("allocation"):
-            in_temp = "preallocated-temp" in line
+            in_temp = "preallocated-temp" in line and not (device_only and "color" in line)
         m = VALUE.search(line)
         if m and in_temp:
             values[m.group(1)] = (int(m.group(2)), int(m.group(3)), m.group(4))

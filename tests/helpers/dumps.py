@@ -1,18 +1,35 @@
 """Train steps compiled with XLA's dump (`xla_dump_to`) and read back: the temporaries and
-their live ranges (`jaxpod.target.live_ranges`), for the tests that find a planner term's
-values at a compiled program's peak, on XLA:CPU or on a TPU target (no TPU attached)."""
+their live ranges (`jaxpod.target.live_ranges`) and the memory spaces' totals, for the tests
+that find a planner term's values at a compiled program's peak, on XLA:CPU or on a TPU
+target (no TPU attached)."""
 
 from __future__ import annotations
 
+import glob
 import tempfile
+from pathlib import Path
+from typing import NamedTuple
 
 
-def dumped_step(cfg, mesh, options: dict | None = None, updating: bool = True):
-    """`(state, compiled, (values, ranges, schedule))`: `cfg`'s train step on `mesh`, lowered
-    from abstract shapes (with the update's donated arguments if `updating`) and compiled
-    with `options` and the dump, whose buffer assignment and live ranges are read."""
+class Dumped(NamedTuple):
+    """A train step compiled with XLA's dump, read back."""
+
+    engine: object
+    state: object  # the abstract TrainState, with its shardings
+    compiled: object
+    live: tuple  # (values, ranges, schedule): `jaxpod.target.live_ranges.temporaries`
+    spaces: dict  # bytes per memory space (`jaxpod.target.buffers.memory_spaces`; {} on CPU)
+
+
+def dumped_program(
+    cfg, mesh, options: dict | None = None, updating: bool = True, device_only: bool = False
+) -> Dumped:
+    """`cfg`'s train step on `mesh`, lowered from abstract shapes (with the update's donated
+    arguments if `updating`) and compiled with `options` and the dump, whose buffer
+    assignment, live ranges (`device_only`: of the default memory space's temporaries) and
+    memory spaces are read."""
     from jaxpod.inspect.compile import abstract_inputs
-    from jaxpod.target.buffers import DUMP_OPTIONS
+    from jaxpod.target.buffers import DUMP_OPTIONS, memory_spaces
     from jaxpod.target.live_ranges import temporaries
 
     engine, state, batch = abstract_inputs(cfg, mesh)
@@ -21,7 +38,16 @@ def dumped_step(cfg, mesh, options: dict | None = None, updating: bool = True):
     with tempfile.TemporaryDirectory(prefix="jaxpod-dump-") as dump:
         dumped = {**(options or {}), **DUMP_OPTIONS, "xla_dump_to": dump}
         compiled = lowered.compile(compiler_options=dumped)
-        return state, compiled, temporaries(dump)
+        reports = glob.glob(f"{dump}/*jit_train_step*memory-usage-report.txt")
+        spaces = memory_spaces(Path(reports[0]).read_text()) if reports else {}
+        live = temporaries(dump, device_only=device_only)
+        return Dumped(engine, state, compiled, live, spaces)
+
+
+def dumped_step(cfg, mesh, options: dict | None = None, updating: bool = True):
+    """`(state, compiled, (values, ranges, schedule))` of `dumped_program`."""
+    program = dumped_program(cfg, mesh, options, updating)
+    return program.state, program.compiled, program.live
 
 
 def tpu_mesh(shape: tuple[int, int, int], target: str):

@@ -12,8 +12,9 @@ host-resident state in place (one RAM), fetches no piece of it, and places no sa
 activation on the host. The TPU/GPU lowering (`lowering_platforms`, no such device needed)
 moves the optimizer state in whole for the update and back, fetches the layers phase by phase
 or matrix by matrix, and offloads the saved activations. The planner counts the layers on
-the device (what the CPU program's lack of pieces implies), the saved activations on the
-device for the CPU profile (for the TPU profiles on the host:
+the device (what the CPU program's lack of pieces implies; on the TPU profiles, in phases
+without a pipeline, one phase at a time, as the TPU program fetches them), the saved
+activations on the device for the CPU profile (for the TPU profiles on the host:
 tests/planner/test_activation_offload.py) and, for profiles that do not share host memory,
 the optimizer state moved in whole (what the TPU/GPU program does). Also here: the token
 table and the MLP gathered a block at a time.
@@ -189,8 +190,7 @@ def test_an_accelerator_lowering_fetches_a_phase_at_a_time(mesh_for, platform):
     """The phases' fetches are in the TPU/GPU program: with 4 layers in 2 phases on tensor 2,
     the MLP's input matrices move in [2, 64, 128] pieces, a phase of the device's
     [4, 64, 128]. The CPU lowering has no such piece
-    (`test_the_cpu_lowering_transfers_nothing_inside_the_step`), and the planner counts the
-    CPU lowering's structure for every profile."""
+    (`test_the_cpu_lowering_transfers_nothing_inside_the_step`)."""
     phases = (*OFFLOADED_LAYERS, "memory.phases=2")
     assert "tensor<2x64x128xf32>" in _placed(
         _lowered(mesh_for, *phases, platform=platform), "device"
@@ -207,6 +207,21 @@ def test_an_accelerator_lowering_fetches_a_pipelined_stage_once(mesh_for):
     assert "tensor<2x64x256xf32>" in tpu and "tensor<1x64x256xf32>" not in tpu
     cpu = _placed(_lowered(mesh_for, *phases, mesh=(1, 2, 1)), "device")
     assert not {"tensor<2x64x256xf32>", "tensor<1x64x256xf32>"} & cpu
+
+
+def test_the_tpu_profiles_count_a_phase_where_the_tpu_lowering_fetches_one():
+    """The TPU profiles count one phase of the host-resident stack (`updates_in_phases`)
+    where the TPU lowering fetches a phase at a time, without a pipeline, and the stage's
+    whole stack where it fetches that, pipelined (the two tests above); the GPU profiles,
+    whose compiled program no test reads, count the whole stack."""
+
+    def weights(device: str, mesh: tuple, phases: int) -> int:
+        more = (*OFFLOADED_LAYERS, f"memory.phases={phases}", f"memory.device={device}")
+        return plan(make_tiny_cfg(*more, mesh=mesh))["bytes_per_device"]["weights"]
+
+    assert weights("tpu-v5e", (1, 1, 2), 2) < weights("tpu-v5e", (1, 1, 2), 1)
+    assert weights("tpu-v5e", (1, 2, 1), 2) == weights("tpu-v5e", (1, 2, 1), 1)
+    assert weights("h100-80gb", (1, 1, 2), 2) == weights("h100-80gb", (1, 1, 2), 1)
 
 
 @pytest.mark.parametrize("platform", ACCELERATORS)
