@@ -10,7 +10,7 @@
          of the unrolled program over the single-device program on the same global batch)
          against each schedule's theory, on the `--flops-meshes` (default 1x4x1)
 (memory) XLA's compiled device total (device-resident arguments + temporaries) against M on
-         1x4x1, beside the planner's prediction for the same step
+         1x4x1, beside the planner's prediction for the same step, for the `--kinds`
 
 Each measurement runs in a fresh subprocess (the virtual device count is fixed when jax
 starts); ratios are taken between numbers of the same run. Prints tables, writes JSON.
@@ -166,11 +166,11 @@ def bench_flops(meshes: list[tuple[int, ...]], kinds: list[str]) -> tuple[dict, 
     return results, table("(flops) executed / useful FLOPs", header, rows)
 
 
-def bench_memory() -> tuple[dict, str]:
+def bench_memory(kinds: list[str]) -> tuple[dict, str]:
     results, rows = {}, []
     mesh = (1, 4, 1)
-    for kind, extra in SCHEDULES.items():
-        row = [kind]
+    for kind in kinds:
+        extra, row = SCHEDULES[kind], [kind]
         for micro in (4, 8, 16, 32):
             r = run(
                 {"kind": "memory", "mesh": mesh, "overrides": [*extra, f"train.grad_accum={micro}"]}
@@ -192,13 +192,15 @@ def main() -> None:
         out="schedules.json",
     )
     args.add_argument("--flops-meshes", default="1x4x1", help="(flops) meshes, e.g. 1x4x1,2x2x2")
-    args.add_argument("--kinds", default=",".join(SCHEDULES), help="(flops) schedules to run")
+    kinds = ",".join(SCHEDULES)
+    args.add_argument("--kinds", default=kinds, help="(flops, memory) schedules to run")
     args = args.parse_args()
     if serve_worker(args, _worker):
         return
     meshes = [tuple(int(n) for n in m.split("x")) for m in args.flops_meshes.split(",")]
-    flops = lambda: bench_flops(meshes, args.kinds.split(","))  # noqa: E731
-    parts = {"time": lambda: bench_time(args.repeats), "flops": flops, "memory": bench_memory}
+    kinds = args.kinds.split(",")
+    flops, memory = lambda: bench_flops(meshes, kinds), lambda: bench_memory(kinds)  # noqa: E731
+    parts = {"time": lambda: bench_time(args.repeats), "flops": flops, "memory": memory}
     write_report(run_parts(parts, args.only), args.out)
 
 
