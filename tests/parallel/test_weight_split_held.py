@@ -25,8 +25,10 @@ from jaxpod.target.live_ranges import covered
 pytestmark = pytest.mark.engine
 
 GPT = ("model.layers=8", "model.remat=full", "train.grad_accum=4", "optim.warmup_steps=0")
+ZB_H1 = ("train.pipeline_schedule=zb-h1",)
 CASES = {  # name: (overrides, mesh)
-    "zb-h1-1x2x2": (("train.pipeline_schedule=zb-h1",), (1, 2, 2)),
+    "zb-h1-1x2x2": (ZB_H1, (1, 2, 2)),
+    "zb-h1-sp-1x2x2": ((*ZB_H1, "model.sequence_parallel=true"), (1, 2, 2)),
     "zb-v-1x2x1": (("train.pipeline_schedule=zb-v", "train.virtual_stages=2"), (1, 2, 1)),
 }
 
