@@ -10,7 +10,7 @@
          of the unrolled program over the single-device program on the same global batch)
          against each schedule's theory, on the `--flops-meshes` (default 1x4x1)
 (memory) XLA's compiled device total (device-resident arguments + temporaries) against M on
-         1x4x1, beside the planner's prediction for the same step
+         1x4x1, beside the planner's prediction for the same step, for the `--kinds`
 
 Each measurement runs in a fresh subprocess (the virtual device count is fixed when jax
 starts); ratios are taken between numbers of the same run. Prints tables, writes JSON.
@@ -50,6 +50,10 @@ SCHEDULES = {
 }
 MESHES = [(1, 4, 1), (2, 2, 2)]
 LAYERS, D_MODEL, D_FF, SEQ = 8, 256, 1024, 128  # GPT_D256's
+VOCAB = 256  # configs/tiny.yaml's
+# a GPT_D256 layer's forward matmul FLOPs per token, halved: its weights (4d² + 2d·d_ff) and
+# the two weightless attention matmuls (scores, their average over values: 2·seq·d)
+PER_TOKEN = 4 * D_MODEL**2 + 2 * D_MODEL * D_FF + 2 * SEQ * D_MODEL
 
 
 def weight_share(d_model: int = D_MODEL, d_ff: int = D_FF, seq: int = SEQ) -> float:
@@ -64,14 +68,23 @@ def tick_costs(stages: int, v: int) -> dict[int, float]:
     """A stepwise tick's cost in stage forwards under remat `full`, per op code: the forward
     1; the whole backward 3 (recomputation and both gradients); ZB's W the weight matmuls'
     `x.T @ dy` alone, w = `weight_share`, and B the rest, 3 - w (the input-gradient chain
-    holds the whole backward of the weightless attention matmuls). A chunk's backward skips
-    recomputing its last matmul (the MLP's down projection: its output feeds only the chunk's
-    output, whose value the backward does not need): V such skips per stage where a whole
-    stage makes one, (V - 1)·δ with δ that matmul's share of a stage's forward."""
+    holds the whole backward of the weightless attention matmuls). A backward never
+    recomputes its chunk's last matmul (the MLP's down projection: its output feeds only the
+    chunk's output, whose value the backward does not need): V·δ less a stage, V chunks of
+    it, δ that matmul's share of a stage's forward."""
     w = weight_share()
-    per_token = 4 * D_MODEL**2 + 2 * D_MODEL * D_FF + 2 * SEQ * D_MODEL
-    skip = (v - 1) * D_MODEL * D_FF / (LAYERS // stages * per_token)
+    skip = v * D_MODEL * D_FF / (LAYERS // stages * PER_TOKEN)
     return {1: 1.0, 2: 3.0 - skip, 3: 3.0 - w - skip, 4: w}
+
+
+def useful_work() -> float:
+    """The one-device step's work per micro-batch in forwards of the layers (the same in a
+    stage's share of it, per device): 4 under remat `full` (forward, recomputation, both
+    gradients), less λ, the down projections no layer's backward recomputes (each layer is
+    a remat unit, its last matmul's output read only by the residual add: λ = d·d_ff over
+    `PER_TOKEN`), plus the head's three matmuls (its forward and both gradients, d·V a token
+    each) against the layers' forward."""
+    return 4 - D_MODEL * D_FF / PER_TOKEN + 3 * D_MODEL * VOCAB / (LAYERS * PER_TOKEN)
 
 
 MICRO = [4, 8, 16]
@@ -113,16 +126,15 @@ def theory(kind: str, stages: int, micro: int) -> float:
     batches per replica). gpipe and circular compute a stage (a chunk) on every tick, bubbles
     included: (V·M + S - 1) / (V·M). 1f1b runs 2(M + S - 1) ticks, one op each; the cost
     analysis charges a `lax.switch` its dearest branch, the backward (the stage's forward,
-    recomputation shared, and its backward: 3 forwards' worth), while the useful step does 4
-    forwards' worth per micro-batch under remat `full` (forward, recomputation, backward):
-    2(M + S - 1) · 3 / (4M). The other stepwise kinds likewise from their tables' ticks
-    (`tick_costs`, a chunk's tick 1/V)."""
+    recomputation shared, and its backward: 3 - δ forwards' worth, `tick_costs`), against
+    the one-device step's work per micro-batch (`useful_work`): 2(M + S - 1)(3 - δ) / (M·u).
+    The other stepwise kinds likewise from their tables' ticks (a chunk's tick 1/V)."""
     v = 2 if kind in ("circular", "interleaved-1f1b", "zb-v") else 1
     table = make_schedule(kind, stages, micro, v)
     if table.explicit_backward:  # every tick charged its dearest branch, a chunk 1/V
         cost = tick_costs(stages, v)
         dearest = max(cost[int(o)] for o in np.unique(table.op) if o)
-        return table.ticks * dearest / (v * 4 * micro)
+        return table.ticks * dearest / (v * micro * useful_work())
     return (v * micro + stages - 1) / (v * micro)
 
 
@@ -166,11 +178,11 @@ def bench_flops(meshes: list[tuple[int, ...]], kinds: list[str]) -> tuple[dict, 
     return results, table("(flops) executed / useful FLOPs", header, rows)
 
 
-def bench_memory() -> tuple[dict, str]:
+def bench_memory(kinds: list[str]) -> tuple[dict, str]:
     results, rows = {}, []
     mesh = (1, 4, 1)
-    for kind, extra in SCHEDULES.items():
-        row = [kind]
+    for kind in kinds:
+        extra, row = SCHEDULES[kind], [kind]
         for micro in (4, 8, 16, 32):
             r = run(
                 {"kind": "memory", "mesh": mesh, "overrides": [*extra, f"train.grad_accum={micro}"]}
@@ -192,13 +204,15 @@ def main() -> None:
         out="schedules.json",
     )
     args.add_argument("--flops-meshes", default="1x4x1", help="(flops) meshes, e.g. 1x4x1,2x2x2")
-    args.add_argument("--kinds", default=",".join(SCHEDULES), help="(flops) schedules to run")
+    kinds = ",".join(SCHEDULES)
+    args.add_argument("--kinds", default=kinds, help="(flops, memory) schedules to run")
     args = args.parse_args()
     if serve_worker(args, _worker):
         return
     meshes = [tuple(int(n) for n in m.split("x")) for m in args.flops_meshes.split(",")]
-    flops = lambda: bench_flops(meshes, args.kinds.split(","))  # noqa: E731
-    parts = {"time": lambda: bench_time(args.repeats), "flops": flops, "memory": bench_memory}
+    kinds = args.kinds.split(",")
+    flops, memory = lambda: bench_flops(meshes, kinds), lambda: bench_memory(kinds)  # noqa: E731
+    parts = {"time": lambda: bench_time(args.repeats), "flops": flops, "memory": memory}
     write_report(run_parts(parts, args.only), args.out)
 
 

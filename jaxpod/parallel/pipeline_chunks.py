@@ -25,13 +25,14 @@ from jaxpod.parallel.pipeline import mine
 from jaxpod.parallel.pipeline_train import typed_zeros
 from jaxpod.parallel.schedules import BACKWARD_INPUT, Schedule
 from jaxpod.parallel.schedules_split import weight_slots
-from jaxpod.parallel.weight_split import StageSplit
+from jaxpod.parallel.weight_split import StageSplit, no_slot, put_slot, slot_of
 
 
 class _Carry(NamedTuple):
     """`acts[K, *act]` and `grads[K, *act]`: the kept inputs and the waiting gradients;
     `out`: what this tick's op sends; the sums of `grads_sum`, `loss` and `aux`; `held`:
-    B's slots for W with a split (`train_ticks`' `_Carry`), or ()."""
+    B's slots for W with a split (`train_ticks`' `_Carry`), or (); a tick's switch returns
+    one slot's values in their place (`branch`)."""
 
     acts: jax.Array
     grads: jax.Array
@@ -188,8 +189,8 @@ class _Chunks:
 
     def split_input(self, c: _Carry, row: _Row) -> _Carry:
         """B with a split: the chunk with probes, its vjp with respect to its input and the
-        probes; saved operands, cotangents and dL/dx kept in slot `row.held`, dL/dx sent or
-        handed on."""
+        probes; saved operands, cotangents and dL/dx returned to be kept in slot `row.held`
+        (`put_slot`), dL/dx sent or handed on."""
         p, split = self.params, self.split
         embedded = lambda: self.as_act(self.embed(p, self.at(self.inputs, row.m)))  # noqa: E731
         x = jax.lax.cond(row.g == 0, embedded, lambda: c.acts[row.act])
@@ -198,13 +199,13 @@ class _Chunks:
         dx, cts = vjp(c.grads[row.grad])
         dx = self.as_act(dx)
         grads = jnp.where(row.local >= 0, c.grads.at[row.local].set(dx), c.grads)
-        held = jax.tree.map(lambda b, v: b.at[row.held].set(v), c.held, ((saved, cts), dx))
+        held = jax.tree.map(lambda b, v: vary_like(v, b), c.held, ((saved, cts), dx))
         return c._replace(grads=grads, out=dx, held=held)
 
     def split_weight(self, c: _Carry, row: _Row) -> _Carry:
         """W with a split: the chunk's parameter gradients from slot `row.held`, and at
         the first global stage the embedding's."""
-        (saved, cts), dx = jax.tree.map(lambda b: b[row.held], c.held)
+        (saved, cts), dx = slot_of(c.held, row.held)
         dp = self.split.weights(self.params, saved, cts, row.r)
         embedding = lambda p: self.as_act(self.embed(p, self.at(self.inputs, row.m)))  # noqa: E731
         first = lambda: jax.vjp(embedding, self.params)[1](dx)[0]  # noqa: E731
@@ -216,6 +217,21 @@ class _Chunks:
     def idle(self, c: _Carry, row: _Row) -> _Carry:
         return c._replace(out=typed_zeros(self.act))
 
+    def branch(self, o: int):
+        """Op code `o` as a branch of the tick's switch: B's buffers (`held`) read, one
+        slot's values returned in their place, B's to be kept (`put_slot`), the other ops'
+        zeros (`no_slot`)."""
+        ops = [
+            self.idle,
+            self.forward,
+            lambda c, row: self.backward(c, row, True, True),
+            lambda c, row: self.backward(c, row, True, False),
+            lambda c, row: self.backward(c, row, False, True),
+        ]
+        if o == BACKWARD_INPUT:
+            return ops[o]
+        return lambda c, row: ops[o](c, row)._replace(held=no_slot(c.held))
+
     def tick(self, state, table_row):
         """Store what arrived, run this device's op, send its output down or up."""
         c, (from_prev, from_next) = state
@@ -224,17 +240,11 @@ class _Chunks:
         c = c._replace(grads=_store(c.grads, from_prev, row.down_kind == 2, row.down_slot))
         c = c._replace(acts=_store(c.acts, from_next, row.up_kind == 1, row.up_slot))
         c = c._replace(grads=_store(c.grads, from_next, row.up_kind == 2, row.up_slot))
-        ops = [
-            self.idle,
-            self.forward,
-            lambda c, row: self.backward(c, row, True, True),
-            lambda c, row: self.backward(c, row, True, False),
-            lambda c, row: self.backward(c, row, False, True),
-        ]
         used = sorted({0, *np.unique(self.rows[0]).tolist()})  # only the table's ops
-        branch_of = np.zeros(len(ops), np.int32)
+        branch_of = np.zeros(5, np.int32)
         branch_of[used] = np.arange(len(used))
-        c = jax.lax.switch(jnp.asarray(branch_of)[row.op], [ops[o] for o in used], c, row)
+        out = jax.lax.switch(jnp.asarray(branch_of)[row.op], [self.branch(o) for o in used], c, row)
+        c = out._replace(held=put_slot(c.held, row.held, out.held, row.op == BACKWARD_INPUT))
         zero = typed_zeros(self.act)
         n = self.stages
         down = jax.lax.ppermute(

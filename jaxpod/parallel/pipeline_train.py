@@ -36,7 +36,7 @@ from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.pipeline import mine
 from jaxpod.parallel.schedules import BACKWARD, BACKWARD_INPUT, FORWARD, Schedule
 from jaxpod.parallel.schedules_split import weight_slots
-from jaxpod.parallel.weight_split import StageSplit
+from jaxpod.parallel.weight_split import StageSplit, no_slot, put_slot, slot_of
 
 
 def receive_slots(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
@@ -115,7 +115,8 @@ class _Carry(NamedTuple):
     backward (slot `m % k`); `y` and `dx`, what this tick sends down (activation) and up
     (gradient); the sums over the micro-batches so far of the parameter `grads`, the `loss`
     and the head's `aux`; `held`, with a split: B's `(saved, cts)` slots and the gradient at
-    the stage's input (on the first stage, the embedding's), or ()."""
+    the stage's input (on the first stage, the embedding's), or (); a tick's switch returns
+    one slot's values in their place (`branch`)."""
 
     acts: jax.Array
     grads_in: jax.Array
@@ -250,20 +251,20 @@ class _Ticks:
     def split_input(self, carry: _Carry, m, slot) -> _Carry:
         """B m with a split: the stage with probes from its input, its vjp with respect to
         the input and the probes; the saved operands, the probes' cotangents and dL/dx
-        kept in `slot`, dL/dx sent up."""
+        returned to be kept in `slot` (`put_slot`), dL/dx sent up."""
         p, split = self.params, self.split
         x = self.stage_input(p, m, carry.acts[m % self.k])
         fn = lambda x, z: (lambda ys: (self.as_act(ys[0]), ys[1]))(split.forward(p, x, z))  # noqa: E731
         _, vjp, saved = jax.vjp(fn, x, split.probes(), has_aux=True)
         dx, cts = vjp(carry.grads_in[m % self.k])
         dx = self.as_act(dx)
-        held = jax.tree.map(lambda b, v: b.at[slot].set(v), carry.held, ((saved, cts), dx))
+        held = jax.tree.map(lambda b, v: vary_like(v, b), carry.held, ((saved, cts), dx))
         return carry._replace(y=typed_zeros(self.act), dx=dx, held=held)
 
     def split_weight(self, carry: _Carry, m, slot):
         """W m's parameter gradients from B's slot: the layers' (`StageSplit.weights`), and
         on the first stage the embedding's, from the gradient at the stage's input."""
-        (saved, cts), dx = jax.tree.map(lambda b: b[slot], carry.held)
+        (saved, cts), dx = slot_of(carry.held, slot)
         dp = self.split.weights(self.params, saved, cts)
 
         def embedding(p):
@@ -277,6 +278,15 @@ class _Ticks:
         """A bubble: nothing computed, zeros sent."""
         return carry._replace(y=typed_zeros(self.act), dx=typed_zeros(self.act))
 
+    def branch(self, o: int):
+        """Op code `o` as a branch of the tick's switch: it reads B's buffers (`held`) and
+        returns in their place one slot's values, B's to be kept (`put_slot`), the other
+        ops' zeros (`no_slot`)."""
+        ops = [self.idle, self.forward, self.backward, self.backward_input, self.backward_weight]
+        if o == BACKWARD_INPUT:
+            return ops[o]
+        return lambda c, m, slot: ops[o](c, m, slot)._replace(held=no_slot(c.held))
+
     def tick(self, state, row):
         """One row of the table: what arrived stored in its slot, the stage's op
         (`lax.switch`: only the live branch runs), its outputs sent down and up."""
@@ -288,9 +298,10 @@ class _Ticks:
             grad_slot >= 0, carry.grads_in.at[grad_slot % k].set(recv_grad), carry.grads_in
         )
         carry = carry._replace(acts=acts, grads_in=grads_in)
-        ops = [self.idle, self.forward, self.backward, self.backward_input, self.backward_weight]
         branch = jnp.asarray(self.branch_of)[op]  # only the table's ops become branches
-        out = jax.lax.switch(branch, [ops[o] for o in self.used], carry, m, jnp.maximum(slot, 0))
+        slot = jnp.maximum(slot, 0)
+        out = jax.lax.switch(branch, [self.branch(o) for o in self.used], carry, m, slot)
+        out = out._replace(held=put_slot(carry.held, slot, out.held, op == BACKWARD_INPUT))
         down = [(i, i + 1) for i in range(self.stages - 1)]
         up = [(i + 1, i) for i in range(self.stages - 1)]
         sent = (jax.lax.ppermute(out.y, axis, down), jax.lax.ppermute(out.dx, axis, up))

@@ -158,6 +158,27 @@ def _run(eqns, env: dict, added: dict, into: dict | None = None, named=frozenset
             into[v] = checkpoint_name(out, SAVED) if v in named else out
 
 
+def slot_of(held, slot: jax.Array):
+    """Slot `slot` of B's buffers `held` (leaves `[slots, ...]`)."""
+    return jax.tree.map(lambda b: b[slot], held)
+
+
+def no_slot(held):
+    """Zeros in one slot's types of B's buffers `held`: what a tick's op other than B
+    returns for them (`put_slot` writes nothing then)."""
+    return jax.tree.map(lambda b: vary_like(jax.numpy.zeros(b.shape[1:], b.dtype), b), held)
+
+
+def put_slot(held, slot: jax.Array, values, when: jax.Array):
+    """`held` with one slot's `values` written into `slot` where `when` (B ran this tick),
+    after the tick's `lax.switch`. The switch's branches read the buffers and return only
+    the slot's values, so XLA updates the scan's carry in place: a switch that returned the
+    buffers updated would hold them twice (the carry, and the copy its branches write). The
+    write goes out of bounds (dropped) where not `when`: no read of the slot to write back."""
+    put = lambda b, v: b.at[jax.numpy.where(when, slot, len(b))].set(v, mode="drop")  # noqa: E731
+    return jax.tree.map(put, held, values)
+
+
 class StageSplit:
     """A stage's layers for B and W: `layer(x, p_l) -> y` one layer, `stack_of(p, r)` the
     `[L_r, ...]` layer params of this stage's chunk r, a function of the whole params (its

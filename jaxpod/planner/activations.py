@@ -211,10 +211,11 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int, profile: DeviceProfile) ->
         if kind in SPLIT_KINDS and cfg.memory.stream == "layer":
             # B's slots for W: each layer's kept operands and cotangents, the stage input's
             # gradient (`weight_slots`: the most chunks between their B and their W), held
-            # twice: the tick scan's carry and the copy the tick's `lax.switch` updates (XLA:CPU,
-            # `bench_schedules.py --only memory` on 1x4x1: 0.95 to 0.99 of its device total)
+            # once in the tick scan's carry (tests/parallel/test_weight_split_held.py), and
+            # one slot more: the values B's branch of a tick's `lax.switch` returns, written
+            # into the carry after it (`put_slot`)
             slots = weight_slots(make_schedule(kind, stages, micro, virtual))[1]
-            saved += 2 * slots * (per_tick * sets["split"] + sets["btd"])
+            saved += (slots + 1) * (per_tick * sets["split"] + sets["btd"])
         buffers = per_tick * sets["saved"]
         head_tokens = tr.micro_batch * md.seq_len
     return {

@@ -204,8 +204,13 @@ def layer_sets(cfg: Config, cb: int, sb: int, fused: bool = False, converted: bo
 
 def _split_kept(cfg: Config, r: _Rows) -> int:
     """Scalars of one layer B keeps for its W (`jaxpod.parallel.weight_split`): the operands
-    of its weights' uses (both LNs' normalised rows, the inputs of W_qkv, W_o and W_in: 5
-    [b, T, D]; W_out's, [b, T, F/t]) and the cotangents at their outputs (both LNs', W_o's
-    and W_out's [b, T, D], W_qkv's q, k, v, W_in's hidden units)."""
-    qkv = r.qkvo - r.btd // cfg.mesh.tensor
-    return 9 * r.btd + qkv + (3 if r.gated else 2) * r.btf
+    of its weights' uses (both LNs' normalised rows, residual rows; the inputs of W_qkv and
+    W_in, [b, T, D] (all-gathered under sequence parallelism); W_o's, the heads' outputs
+    [b, T, D/t]; W_out's, [b, T, F/t]) and the cotangents at their outputs (both LNs',
+    W_qkv's q, k, v, W_in's hidden units; W_o's and W_out's twice: the matmul's partial sums
+    [b, T, D], read by their reduction over `tensor`, and the bias added after it, a residual
+    row, each a use) (tests/parallel/test_weight_split_held.py)."""
+    t = cfg.mesh.tensor
+    qkv = r.qkvo - r.btd // t
+    rows = 6 * r.res + 4 * r.btd + r.btd // t
+    return rows + qkv + (3 if r.gated else 2) * r.btf
