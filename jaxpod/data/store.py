@@ -46,6 +46,12 @@ def filesystem(key: str, url: str) -> tuple[Any, str]:
             f"{key}={url}: no fsspec filesystem knows {protocol}://; use gs:// (gcsfs), s3:// "
             "(s3fs), another fsspec URL, or a local path"
         ) from None
+    except Exception as exc:  # the filesystem's own check of its settings (e.g. dir:// unset)
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"{key}={url}: its {protocol}:// filesystem cannot be opened ({why}); check the URL "
+            "and that filesystem's settings"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class StoredFile:
         return self.fs.open(self.path, "rb")
 
 
-def _stamp(info: dict) -> str:
+def stamp(info: dict) -> str:
     """The object's size and change markers, as one string (the whole entry if it has none)."""
     marks = {k: info[k] for k in (*VERSION_FIELDS, *TIME_FIELDS) if info.get(k) is not None}
     if not marks:
@@ -88,7 +94,7 @@ def stored_files(url: str, what: str = "a directory of text files") -> list[Stor
             continue
         rel = path.rsplit("/", 1)[-1] if path.rstrip("/") == root else path[len(root) + 1 :]
         if not any(part.startswith(".") for part in rel.split("/")):
-            files.append(StoredFile(fs, path, rel, _stamp(info)))
+            files.append(StoredFile(fs, path, rel, stamp(info)))
     return sorted(files, key=lambda f: f.rel.split("/"))
 
 
