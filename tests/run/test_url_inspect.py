@@ -1,0 +1,75 @@
+"""`jaxpod runs` on a URL, in an in-memory object store
+(`testbucket://`): the rows equal those of the same runs in a local folder, only the small
+record files are read, and the URL never becomes a local path (no `testbucket:` folder in the
+working directory, which the `bucket` fixture puts in `tmp_path`)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from helpers.bucket import BucketFileSystem, upload
+from helpers.records import write_run
+
+from jaxpod.errors import UserError
+from jaxpod.inspect.runs import format_runs, list_runs, runs_json
+
+URL = "testbucket://b/runs"
+
+
+@pytest.fixture
+def runs(tmp_path, bucket):
+    """Three runs in `tmp_path/local/runs`, oldest first, and the same in the store."""
+    root = tmp_path / "local" / "runs"
+    write_run(root / "b-pod", "train.steps=4", losses=[5.5, 5.0, 4.5, 4.25], mtime=100)
+    write_run(root / "group" / "a-one", "devices=4", "mesh.replica=1", losses=[6.0], mtime=200)
+    write_run(root / "c-empty", mtime=300)
+    for run in ("b-pod", "group/a-one", "c-empty"):  # the store's times in the same order
+        upload(bucket, root / run, f"{URL}/{run}")
+    return root
+
+
+def _without_path(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "path"} for row in rows]
+
+
+def test_runs_of_a_url_are_those_of_the_same_folder(runs, tmp_path, monkeypatch):
+    read = []
+    cat_file = BucketFileSystem.cat_file
+    monkeypatch.setattr(
+        BucketFileSystem,
+        "cat_file",
+        lambda fs, path, *a, **k: read.append(path) or cat_file(fs, path, *a, **k),
+    )
+    local, stored = list_runs(runs), list_runs(URL)
+    assert [r["name"] for r in stored] == ["b-pod", "group/a-one", "c-empty"]
+    assert format_runs(stored) == format_runs(local)
+    assert json.loads(runs_json(_without_path(stored))) == json.loads(
+        runs_json(_without_path(local))
+    )
+    assert [r["path"] for r in stored] == [f"{URL}/{r['name']}" for r in stored]
+    assert stored[0]["loss"] == 4.25 and stored[0]["val_loss"] == 4.75  # read, not dashes
+    assert {p.rpartition("/")[2] for p in read} == {"config.yaml", "metrics.jsonl", "eval.json"}
+    assert not [p for p in read if "checkpoints" in p]  # no checkpoint is downloaded
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]  # no testbucket:
+
+
+def test_a_url_run_directory_is_one_row_named_as_its_folder(runs):
+    (row,) = list_runs(f"{URL}/b-pod")
+    assert _without_path([row]) == _without_path(list_runs(runs / "b-pod"))
+    assert row["path"] == f"{URL}/b-pod"
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        (f"{URL}/nothing", "does not exist (nothing there)"),
+        (f"{URL}/b-pod/config.yaml", "is a file; pass the prefix of runs"),
+        ("nosuchfs://b/runs", "no fsspec filesystem knows nosuchfs://"),
+    ],
+)
+def test_a_url_without_runs_is_one_line(runs, url, needle):
+    with pytest.raises(UserError, match=re.escape(needle)) as err:
+        list_runs(url)
+    assert url in str(err.value) and "\n" not in str(err.value)
