@@ -1,4 +1,4 @@
-"""`jaxpod runs` on a URL, in an in-memory object store
+"""`jaxpod runs` and `jaxpod tensorboard`'s mirror on a URL, in an in-memory object store
 (`testbucket://`): the rows equal those of the same runs in a local folder, only the small
 record files are read, and the URL never becomes a local path (no `testbucket:` folder in the
 working directory, which the `bucket` fixture puts in `tmp_path`)."""
@@ -10,9 +10,10 @@ import re
 
 import pytest
 from helpers.bucket import BucketFileSystem, upload
-from helpers.records import write_run
+from helpers.records import TRACE, write_run
 
 from jaxpod.errors import UserError
+from jaxpod.inspect.mirror import open_mirror, wanted
 from jaxpod.inspect.runs import format_runs, list_runs, runs_json
 
 URL = "testbucket://b/runs"
@@ -73,3 +74,52 @@ def test_a_url_without_runs_is_one_line(runs, url, needle):
     with pytest.raises(UserError, match=re.escape(needle)) as err:
         list_runs(url)
     assert url in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_mirror_holds_the_event_and_profile_files_only(runs, bucket):
+    mirror = open_mirror(URL)
+    try:
+        local = {p.relative_to(runs).as_posix() for p in runs.rglob("*") if p.is_file()}
+        want = {rel for rel in local if wanted(rel)}
+        assert {rel for rel in want if rel.endswith("xplane.pb")} == {
+            f"{run}/{TRACE.as_posix()}" for run in ("b-pod", "group/a-one", "c-empty")
+        }
+        assert len([rel for rel in want if "tfevents" in rel]) == 3
+        got = {p.relative_to(mirror.local).as_posix() for p in mirror.local.rglob("*")}
+        assert {rel for rel in got if (mirror.local / rel).is_file()} == want
+        assert all((mirror.local / rel).read_bytes() == (runs / rel).read_bytes() for rel in want)
+    finally:
+        mirror.remove()
+    assert not mirror.local.exists()
+
+
+def test_a_refresh_appends_grown_event_files_and_drops_removed_files(runs, bucket):
+    (events,) = (p.relative_to(runs).as_posix() for p in runs.glob("b-pod/events.out*"))
+    whole = (runs / events).read_bytes()
+    bucket.pipe_file(f"{URL}/{events}", whole[:100])  # the store's copy before the run went on
+    mirror = open_mirror(URL)
+    try:
+        copy = mirror.local / events
+        inode = copy.stat().st_ino
+        assert copy.read_bytes() == whole[:100]
+        bucket.pipe_file(f"{URL}/{events}", whole)
+        bucket.rm(f"{URL}/c-empty", recursive=True)
+        assert mirror.refresh() == 3  # the grown event file, c-empty's events and trace
+        assert copy.read_bytes() == whole
+        assert copy.stat().st_ino == inode  # appended: a reader of the file reads on
+        assert not (mirror.local / "c-empty").exists()  # a run gone from the store is gone
+        bucket.pipe_file(f"{URL}/{events}", b"rewritten")  # not a continuation: replaced
+        assert mirror.refresh() == 1 and copy.read_bytes() == b"rewritten"
+        assert mirror.refresh() == 0  # nothing changed, nothing downloaded
+    finally:
+        mirror.remove()
+
+
+def test_a_mirror_of_nothing_is_one_line_and_leaves_no_folder(bucket, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(UserError, match=re.escape(f"LOGDIR {URL}/none does not exist")):
+        open_mirror(f"{URL}/none")
+    assert not list((tmp_path / "tmp").iterdir())
