@@ -113,3 +113,12 @@ def test_tensorboard_serves_a_url_as_its_folder(store, tmp_path):
     assert servers[0].returncode == 128 + signal.SIGTERM
     assert not list((tmp_path / "tmp").glob("jaxpod-tensorboard-*"))  # the mirror is removed
     assert not list(work.iterdir())  # no dir: folder
+
+
+def test_profile_on_a_url_says_how_to_trace_a_url_run(store):
+    env, _, work = store
+    proc = jaxpod("profile", "tiny", "train.logdir=dir://bucket/p", cwd=work, env=env)
+    assert_user_error(
+        proc, "train.logdir=dir://bucket/p is a URL", "train.profile_steps=", "tensorboard dir://"
+    )
+    assert not list(work.iterdir())
