@@ -93,6 +93,8 @@ def serve_url(url: str, host: str, port: int) -> None:
             child.wait()
     finally:
         mirror.remove()
+    if child.returncode:
+        raise UserError(f"TensorBoard ended with exit code {child.returncode}; its lines say why")
 
 
 def _refresh_until_done(mirror, child: subprocess.Popen) -> None:
@@ -106,5 +108,9 @@ def _refresh_until_done(mirror, child: subprocess.Popen) -> None:
             pass
         try:
             mirror.refresh()
-        except (UserError, OSError) as err:
-            print(f"jaxpod: warning: {err}; the mirror stays as it was", file=sys.stderr)
+        except Exception as err:  # a store's passing error (network) must not stop the server
+            why = str(err).splitlines()[0] if str(err) else type(err).__name__
+            print(
+                f"jaxpod: warning: refreshing the mirror: {why}; it stays as it was",
+                file=sys.stderr,
+            )
