@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import signal
 import subprocess
 import time
@@ -18,7 +19,7 @@ import urllib.request
 import pytest
 from helpers import free_port
 from helpers.cli import assert_user_error, cli_cmd, cli_env, jaxpod
-from helpers.records import write_run
+from helpers.records import TRACE, write_run
 
 pytestmark = pytest.mark.cli
 URL = "dir://bucket/runs"
@@ -79,13 +80,17 @@ ASKED = [
     "/data/plugin/scalars/scalars?run=b-pod&tag=train/loss",
     "/data/plugin/scalars/scalars?run=group/a-one&tag=val/val_loss",
     "/data/plugin/profile/runs",
+    f"/data/plugin/profile/run_tools?run=b-pod/{TRACE.parent.name}",  # writes its tools cache
 ]
 
 
 def test_tensorboard_serves_a_url_as_its_folder(store, tmp_path):
-    """Scalars and the profile tab's runs equal those of the folder; the mirror folder is
-    said in one line and removed when the command ends (SIGTERM)."""
+    """Runs, scalars and the profile tab's runs and tools equal those of a copy of the folder;
+    the mirror is said in one line and removed when the command ends (SIGTERM); the
+    `.cached_tools.json` TensorBoard writes next to a trace lands in the mirror, not the store."""
     env, folder, work = store
+    before = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+    copy = shutil.copytree(folder, tmp_path / "copy")  # the folder TensorBoard may write to
     ports = free_port(), free_port()
     servers = [
         subprocess.Popen(
@@ -96,7 +101,7 @@ def test_tensorboard_serves_a_url_as_its_folder(store, tmp_path):
             stderr=subprocess.PIPE,
             text=True,
         )
-        for where, port in zip((URL, str(folder)), ports, strict=True)
+        for where, port in zip((URL, str(copy)), ports, strict=True)
     ]
     try:
         assert _loaded(ports[0]) == _loaded(ports[1])
@@ -112,6 +117,8 @@ def test_tensorboard_serves_a_url_as_its_folder(store, tmp_path):
     assert line.startswith(f"jaxpod: LOGDIR {URL} is a URL: TensorBoard serves a local mirror")
     assert servers[0].returncode == 128 + signal.SIGTERM
     assert not list((tmp_path / "tmp").glob("jaxpod-tensorboard-*"))  # the mirror is removed
+    assert list(copy.rglob(".cached_tools.json"))  # what TensorBoard writes to a folder...
+    assert {p: p.stat().st_mtime_ns for p in folder.rglob("*")} == before  # ...not the store's
     assert not list(work.iterdir())  # no dir: folder
 
 
