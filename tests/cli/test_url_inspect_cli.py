@@ -23,7 +23,7 @@ from helpers.records import TRACE, write_run
 
 pytestmark = pytest.mark.cli
 URL = "dir://bucket/runs"
-RUNS = ["b-pod", "group/a-one"]
+RUNS = ["group/a-one", "b-pod"]  # oldest first: not the order of their names
 
 
 @pytest.fixture
@@ -31,8 +31,8 @@ def store(tmp_path):
     """`(environment, the folder behind URL, an empty working directory)`; temporary folders
     (TensorBoard's mirror) in `tmp_path/tmp`."""
     folder = tmp_path / "store" / "bucket" / "runs"
-    write_run(folder / "b-pod", "train.steps=4", losses=[5.5, 5.0, 4.5, 4.25], mtime=100)
-    write_run(folder / "group" / "a-one", "devices=4", "mesh.replica=1", losses=[6.0], mtime=200)
+    write_run(folder / "b-pod", "train.steps=4", losses=[5.5, 5.0, 4.5, 4.25], mtime=200)
+    write_run(folder / "group" / "a-one", "devices=4", "mesh.replica=1", losses=[6.0], mtime=100)
     backing = {"path": str(tmp_path / "store"), "target_protocol": "file"}
     (tmp_path / "tmp").mkdir()
     (tmp_path / "work").mkdir()
@@ -67,7 +67,7 @@ def _loaded(port: int) -> dict:
     while time.monotonic() < deadline:
         try:
             tags = _get(port, "/data/plugin/scalars/tags")
-            if sorted(tags) == RUNS and all("train/loss" in t for t in tags.values()):
+            if sorted(tags) == sorted(RUNS) and all("train/loss" in t for t in tags.values()):
                 return tags
         except OSError:
             pass

@@ -76,6 +76,15 @@ def test_a_url_without_runs_is_one_line(runs, url, needle):
     assert url in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_filesystem_that_cannot_open_is_one_line(monkeypatch):
+    """fsspec's `dir://` needs its folder (`FSSPEC_DIR`); without it fsspec fails inside."""
+    import fsspec.config
+
+    monkeypatch.delitem(fsspec.config.conf, "dir", raising=False)
+    with pytest.raises(UserError, match=re.escape("DIR=dir://b/runs: its dir:// filesystem")):
+        list_runs("dir://b/runs")
+
+
 def test_the_mirror_holds_the_event_and_profile_files_only(runs, bucket):
     mirror = open_mirror(URL)
     try:
