@@ -7,13 +7,17 @@ install (gcsfs for gs://, s3fs for s3://). `stored_files` lists the files under 
 relative to the prefix and its `stamp`: its size and the markers the store changes when the
 object is rewritten (etag, checksum, generation or modification time, from the listing), so
 a cache keyed on the stamps of a corpus sees an edited object as a local folder sees an
-edited file by its stat. `read_bytes` reads one whole object. jax-free.
+edited file by its stat. `read_bytes` reads one whole object. `quiet(fs)` mutes the log of
+the filesystem's package while a command whose errors are one line uses it. jax-free.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,3 +112,16 @@ def read_bytes(key: str, url: str, what: str) -> bytes:
         raise DataError(f"{key}={url!r} is no file; name {what}") from None
     except OSError as exc:
         raise DataError(f"{key}={url!r} cannot be read ({exc}); name {what}") from None
+
+
+@contextlib.contextmanager
+def quiet(fs: Any) -> Iterator[None]:
+    """Mute every logger of `fs`'s package (gcsfs logs each failed retry with a traceback)
+    inside the block; the one-line error that follows says why."""
+    log = logging.getLogger(type(fs).__module__.partition(".")[0])
+    level = log.level
+    log.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        log.setLevel(level)

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from jaxpod.data.store import filesystem, stamp
+from jaxpod.data.store import filesystem, quiet, stamp
 from jaxpod.errors import UserError
 
 EVENTS = "events.out.tfevents."  # the start of an event file's name
@@ -69,6 +69,10 @@ class Mirror:
 
     def refresh(self) -> int:
         """Bring the mirror up to the store (see the module); the number of files changed."""
+        with quiet(self.fs):
+            return self._refresh()
+
+    def _refresh(self) -> int:
         listed = self._listing()
         changed = 0
         for rel, info in sorted(listed.items()):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from jaxpod.data.store import TIME_FIELDS, filesystem
+from jaxpod.data.store import TIME_FIELDS, filesystem, quiet
 from jaxpod.errors import UserError
 from jaxpod.inspect.runs import describe
 
@@ -76,7 +76,12 @@ def _runs(files: dict[str, dict]) -> list[str]:
 def list_stored_runs(url: str) -> list[dict]:
     """`describe` of every run under the URL prefix `url`, oldest first (see the module)."""
     fs, root = filesystem("DIR", url)
-    root, url = root.rstrip("/"), url.rstrip("/")
+    with quiet(fs):
+        return _rows(fs, root.rstrip("/"), url.rstrip("/"))
+
+
+def _rows(fs: Any, root: str, url: str) -> list[dict]:
+    """The rows of the runs under `root`, the store's path of `url`."""
     rows = []
     for run in _runs(_listing(fs, root, url)):
         where = f"{root}/{run}" if run else root

@@ -6,6 +6,7 @@ working directory, which the `bucket` fixture puts in `tmp_path`)."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
@@ -83,6 +84,24 @@ def test_a_filesystem_that_cannot_open_is_one_line(monkeypatch):
     monkeypatch.delitem(fsspec.config.conf, "dir", raising=False)
     with pytest.raises(UserError, match=re.escape("DIR=dir://b/runs: its dir:// filesystem")):
         list_runs("dir://b/runs")
+
+
+@pytest.mark.parametrize("command", [list_runs, open_mirror], ids=["runs", "tensorboard"])
+def test_the_store_s_own_log_is_muted_while_it_is_read(bucket, monkeypatch, caplog, command):
+    """A store that logs a traceback for each failed try (gcsfs does), then fails: the command
+    fails in one line, the store's log muted meanwhile and as it was after."""
+    log = logging.getLogger("helpers.bucket")  # a logger of the test store's package
+
+    def find(fs, path, **kwargs):
+        log.error("a try failed", exc_info=True)
+        raise OSError("no route to the store")
+
+    monkeypatch.setattr(BucketFileSystem, "find", find)
+    with caplog.at_level(logging.INFO):
+        with pytest.raises(UserError, match=re.escape("cannot be listed (no route to the store)")):
+            command(URL)
+        log.error("after the command")
+    assert [r.getMessage() for r in caplog.records] == ["after the command"]
 
 
 def test_the_mirror_holds_the_event_and_profile_files_only(runs, bucket):
