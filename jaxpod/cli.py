@@ -8,8 +8,8 @@ CONFIG is a YAML file or the name of a shipped preset (`tiny`, `demo`: jaxpod/co
     jaxpod profile CONFIG [KEY=VALUE ...] [--steps N] [--warmup W] [same multi-host flags]
     jaxpod plan CONFIG [KEY=VALUE ...] [--json] [--chart FILE.png]
     jaxpod compile CONFIG [KEY=VALUE ...] [--json] [--target TARGET]
-    jaxpod runs [DIR] [--json]
-    jaxpod tensorboard [LOGDIR] [--host H] [--port P]
+    jaxpod runs [DIR | URL] [--json]
+    jaxpod tensorboard [LOGDIR | URL] [--host H] [--port P]
 
 User mistakes (config, data, mesh, flags) and failed runs print one line `jaxpod: error: ...`
 and exit 2, with no traceback; the config and the checks before training (`jaxpod.run.preflight`:
@@ -316,13 +316,15 @@ def _add_inspect_commands(sub) -> None:
 
     add_pod_commands(sub, _split_config_and_overrides)
 
-    runs = sub.add_parser("runs", help="a table of the runs under DIR (default: runs)")
-    runs.add_argument("dir", nargs="?", default="runs")
+    runs = sub.add_parser("runs", help="a table of the runs under DIR or a URL (default: runs)")
+    runs.add_argument("dir", nargs="?", default="runs", metavar="DIR", help="a folder or a URL")
     runs.add_argument("--json", action="store_true", help="print a JSON list instead")
     runs.set_defaults(run=_runs)
 
     tb = sub.add_parser("tensorboard", help="serve TensorBoard on the runs directory")
-    tb.add_argument("logdir", nargs="?", default="runs")
+    tb.add_argument(
+        "logdir", nargs="?", default="runs", help="a folder, or a URL (served from a local mirror)"
+    )
     tb.add_argument("--host", default="127.0.0.1", help="interface (default: loopback only)")
     tb.add_argument("--port", type=int, default=6006)
     tb.set_defaults(run=_tensorboard)

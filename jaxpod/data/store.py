@@ -7,13 +7,17 @@ install (gcsfs for gs://, s3fs for s3://). `stored_files` lists the files under 
 relative to the prefix and its `stamp`: its size and the markers the store changes when the
 object is rewritten (etag, checksum, generation or modification time, from the listing), so
 a cache keyed on the stamps of a corpus sees an edited object as a local folder sees an
-edited file by its stat. `read_bytes` reads one whole object. jax-free.
+edited file by its stat. `read_bytes` reads one whole object. `quiet(fs)` mutes the log of
+the filesystem's package while a command whose errors are one line uses it. jax-free.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +50,12 @@ def filesystem(key: str, url: str) -> tuple[Any, str]:
             f"{key}={url}: no fsspec filesystem knows {protocol}://; use gs:// (gcsfs), s3:// "
             "(s3fs), another fsspec URL, or a local path"
         ) from None
+    except Exception as exc:  # the filesystem's own check of its settings (e.g. dir:// unset)
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"{key}={url}: its {protocol}:// filesystem cannot be opened ({why}); check the URL "
+            "and that filesystem's settings"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,7 @@ class StoredFile:
         return self.fs.open(self.path, "rb")
 
 
-def _stamp(info: dict) -> str:
+def stamp(info: dict) -> str:
     """The object's size and change markers, as one string (the whole entry if it has none)."""
     marks = {k: info[k] for k in (*VERSION_FIELDS, *TIME_FIELDS) if info.get(k) is not None}
     if not marks:
@@ -88,7 +98,7 @@ def stored_files(url: str, what: str = "a directory of text files") -> list[Stor
             continue
         rel = path.rsplit("/", 1)[-1] if path.rstrip("/") == root else path[len(root) + 1 :]
         if not any(part.startswith(".") for part in rel.split("/")):
-            files.append(StoredFile(fs, path, rel, _stamp(info)))
+            files.append(StoredFile(fs, path, rel, stamp(info)))
     return sorted(files, key=lambda f: f.rel.split("/"))
 
 
@@ -102,3 +112,16 @@ def read_bytes(key: str, url: str, what: str) -> bytes:
         raise DataError(f"{key}={url!r} is no file; name {what}") from None
     except OSError as exc:
         raise DataError(f"{key}={url!r} cannot be read ({exc}); name {what}") from None
+
+
+@contextlib.contextmanager
+def quiet(fs: Any) -> Iterator[None]:
+    """Mute every logger of `fs`'s package (gcsfs logs each failed retry with a traceback)
+    inside the block; the one-line error that follows says why."""
+    log = logging.getLogger(type(fs).__module__.partition(".")[0])
+    level = log.level
+    log.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        log.setLevel(level)

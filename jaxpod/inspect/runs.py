@@ -16,11 +16,13 @@ import json
 import math
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from jaxpod.config.safe_yaml import safe_yaml
+from jaxpod.data.store import is_url
 from jaxpod.errors import UserError
 from jaxpod.run.metrics import EVAL_FILE, METRICS_FILE
 
@@ -30,6 +32,7 @@ UNITS = {"tokens": "tok/s", "images": "img/s"}  # what a step's throughput count
 
 
 CELL = 40  # the widest a text cell of the table gets
+Reader = Callable[[str], str]  # a run's file name -> its text (OSError if it cannot be read)
 
 
 def _text(path: Path) -> str:
@@ -44,11 +47,11 @@ def _text(path: Path) -> str:
         os.close(fd)
 
 
-def _records(path: Path) -> list[dict]:
+def _records(read: Reader) -> list[dict]:
     """The parseable records of a `metrics.jsonl` (a line cut short by a kill is skipped)."""
     out = []
     try:
-        lines = _text(path).splitlines()
+        lines = read(METRICS_FILE).splitlines()
     except OSError:
         return out
     for line in lines:
@@ -61,17 +64,17 @@ def _records(path: Path) -> list[dict]:
     return out
 
 
-def _read_yaml(path: Path) -> dict:
+def _read_yaml(read: Reader, name: str) -> dict:
     try:
-        raw = safe_yaml(_text(path))
+        raw = safe_yaml(read(name))
     except (OSError, yaml.YAMLError):
         return {}
     return raw if isinstance(raw, dict) else {}
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(read: Reader, name: str) -> dict:
     try:
-        raw = json.loads(_text(path))
+        raw = json.loads(read(name))
     except (OSError, ValueError):
         return {}
     return raw if isinstance(raw, dict) else {}
@@ -106,26 +109,33 @@ def runs_json(rows: list[dict]) -> str:
 
 
 def describe_run(run: Path, root: Path) -> dict:
-    """One row: name (path relative to `root`), config, mesh, steps, losses, and the mean
-    throughput `tokens_per_s` (token models) or `images_per_s` (classifiers), named by `unit`.
+    """`describe` of the run directory `run`, named by its path relative to `root`."""
+    name = str(run.relative_to(root)) if run != root else run.name
+    return describe(lambda file: _text(run / file), name, str(run))
+
+
+def describe(read: Reader, name: str, path: str) -> dict:
+    """One row: name, config, mesh, steps, losses, and the mean throughput `tokens_per_s`
+    (token models) or `images_per_s` (classifiers), named by `unit`; `read(file)` is the text
+    of one of the run's files (OSError if it cannot be read), `path` where the run is.
 
     Missing values are `None` (a run without metrics has only name, config, mesh, steps_total).
     """
-    cfg = _read_yaml(run / "config.yaml")
+    cfg = _read_yaml(read, "config.yaml")
     model, mesh, train = _section(cfg, "model"), _section(cfg, "mesh"), _section(cfg, "train")
-    records = _records(run / METRICS_FILE)
+    records = _records(read)
     losses = [r for r in records if _number(r.get("loss")) is not None]
     vals = [r for r in records if _number(r.get("val_loss")) is not None]
     unit = "images" if model.get("name") == "efficientnet" else "tokens"
     speeds = [_number(r.get(f"{unit}_per_s")) for r in losses]
     speeds = [s for s in speeds if s is not None]
-    evals = _read_json(run / EVAL_FILE)
+    evals = _read_json(read, EVAL_FILE)
     val = _number(evals.get("final_val_loss"))
     if val is None and vals:
         val = float(vals[-1]["val_loss"])
     shape = [mesh.get(k) for k in ("replica", "pipeline", "tensor")]
     return {
-        "name": str(run.relative_to(root)) if run != root else run.name,
+        "name": name,
         "config": _model_name(cfg),
         "mesh": "x".join(str(s) for s in shape) if None not in shape else None,
         "steps_done": max((r["step"] for r in records), default=None),
@@ -134,7 +144,7 @@ def describe_run(run: Path, root: Path) -> dict:
         "val_loss": val,
         f"{unit}_per_s": sum(speeds) / len(speeds) if speeds else None,
         "unit": unit,
-        "path": str(run),
+        "path": path,
     }
 
 
@@ -151,7 +161,12 @@ def find_runs(root: str | Path) -> list[Path]:
 
 
 def list_runs(root: str | Path = "runs") -> list[dict]:
-    """`describe_run` of every run under `root`, oldest first."""
+    """`describe_run` of every run under `root` (a folder or a URL: `stored_runs`), oldest
+    first."""
+    if is_url(root):
+        from jaxpod.inspect.stored_runs import list_stored_runs
+
+        return list_stored_runs(root)
     return [describe_run(run, Path(root).expanduser()) for run in find_runs(root)]
 
 

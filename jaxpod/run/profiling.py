@@ -130,8 +130,10 @@ def profile_overrides(config: str, overrides: list[str], steps: int, warmup: int
     logdir = _configured_logdir(config, overrides)
     if is_url(logdir):
         raise ConfigError(
-            f"train.logdir={logdir} is a URL; jaxpod profile writes to a local directory: "
-            "pass train.logdir=DIR"
+            f"train.logdir={logdir} is a URL; jaxpod profile writes its short run to a local "
+            "directory: pass train.logdir=DIR, or trace a run at the URL with jaxpod train CONFIG "
+            f"train.logdir={logdir} train.profile_steps=[START,STOP] (its trace is uploaded "
+            f"with the run) and open it with jaxpod tensorboard {logdir}"
         )
     if user_logdir:
         if (Path(logdir) / CHECKPOINTS).is_dir():
