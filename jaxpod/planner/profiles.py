@@ -48,7 +48,8 @@ class DeviceProfile:
     shares_host_memory: bool = False  # host memory kinds are device memory: no moved-in copy
     # with float32 masters a stacked layer's 16-bit weights are cast one layer at a time inside
     # the layer loops: no whole 16-bit (or widened) stack is stored, and the stack's gradients,
-    # the loops' carries and the accumulator, are float32 (XLA:CPU; benchmarks/xla_peak.py)
+    # the loops' carries and the accumulator, are float32 (XLA:CPU, benchmarks/xla_peak.py;
+    # XLA:TPU, tests/target/test_masters_tpu.py)
     casts_in_layer_loops: bool = False
     # a depthwise conv's weight gradient is computed from a dense [k, k, C, C] float32 kernel
     # (XLA:CPU; benchmarks/xla_peak.py), which the planner counts in its stage's backward
@@ -98,6 +99,7 @@ class DeviceProfile:
 # what XLA:TPU's programs do, the same on every TPU generation read (tests/target/)
 XLA_TPU = dict(
     tile=Tile(),
+    casts_in_layer_loops=True,
     converts_matrices=True,
     fuses_recomputation=True,
     offloads_activations=True,
