@@ -261,6 +261,16 @@ def fused_head(cfg: Config, profile: DeviceProfile) -> bool:
     return profile.head_grads_at_once and gpt32 and whole and cfg.mesh.pipeline == 1
 
 
+def rounded_head(cfg: Config, profile: DeviceProfile, chunks: int) -> bool:
+    """Whether a 16-bit loss head holds at most one float32 logits value and one in the
+    compute dtype at its peak (`head_grads_at_once`: XLA:TPU; BERT and GPT, without a
+    pipeline and under GPipe, tests/target/test_head_tpu.py), not two float32 ones; the
+    head whole (no chunks or vocabulary slices, not read)."""
+    sixteen = cfg.precision.compute != "float32"
+    whole = chunks == 1 and cfg.memory.vocab_slices == 1
+    return profile.head_grads_at_once and sixteen and whole
+
+
 def _head_logits(cfg: Config, tokens: int, cb: int, profile: DeviceProfile) -> tuple[int, int]:
     """`(head, chunks)`: bytes of the loss head at its peak over `tokens` tokens, in `chunks`
     chunks (`sequence_chunks`, as the engine divides the head's tokens): float32 logits over
@@ -274,7 +284,10 @@ def _head_logits(cfg: Config, tokens: int, cb: int, profile: DeviceProfile) -> t
         copies = min(copies, ROUNDED_HEAD_LOGIT_COPIES)
     if fused_head(cfg, profile):
         copies = 1
-    head = tokens * vocab_rows * 4 * copies // chunks
+    logit_bytes = 4 * copies
+    if rounded_head(cfg, profile, chunks):
+        logit_bytes = 4 + cb  # the float32 logits and the compute dtype's
+    head = tokens * vocab_rows * logit_bytes // chunks
     head += tokens * md.d_model * cb * (4 if md.name == "gpt" else 9) // chunks
     return head, chunks
 
