@@ -118,14 +118,14 @@ def _packed_activation_bytes(cfg: Config, profile: DeviceProfile, cb: int) -> di
     # float32 with optim.moments=float32: the 16-bit ones are rounded stochastically
     master16 = prec.master != "float32" and pb < 4
     moments, opt16 = MOMENTS[cfg.optim.name], master16 and cfg.optim.moments != "float32"
-    sr_rows = master16 + moments * opt16
     return efficientnet.activation_bytes(
         cfg,
         cb,
         act,
         row,
         pb,
-        sr_rows,
+        moments * opt16,
+        pb * master16,
         pb,
         stage_params,
         0 if opt16 else moments,
