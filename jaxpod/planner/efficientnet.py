@@ -13,8 +13,9 @@ blocks, head) holds per image is `jaxpod.planner.efficientnet_pieces`; here, per
   as its backward starts, with the recomputed forward's values (`forward_values`). Pipelined
   without remat every branch of the switch saves the union of all stages' residuals.
 - `grad_rows`: pipelined without remat, the row the gradients accumulate in beside the
-  backward; otherwise nothing beside the stage's work (the row is one `concatenate` of the
-  leaves' gradients, `StagePacking.unpack`, after the activations are dead).
+  backward; otherwise nothing beside the stage's work: the row is one `concatenate` of the
+  leaves' gradients (`StagePacking.unpack`) after the activations are dead, a moment of its
+  own holding its operands and the row (`ROW_CONCAT_ROWS`).
 - `carries`: the schedule's float32 `[mb, A]` buffers (GPipe: every tick's input and its
   output's cotangent, with replicas also the collected outputs; 1F1B: two ring buffers).
 - `update_work`: the update on whole rows: float32 copies of the row and, with 16-bit rows,
@@ -32,6 +33,10 @@ from jaxpod.planner.tiles import Tile
 # into the accumulated row (the planner's `grads`): one more row is live, the float32 row
 # being added or, 16-bit, the row updated in place (`dynamic-update-slice`).
 RUNNING_SUM_ROWS = 1
+# Otherwise a micro-batch's gradient row is one concatenate as the stage's backward ends: its
+# operands (the leaves' gradients, a shorter stage's with a block of zeros padding them to
+# n_max) and the row are live together, two rows in the gradients' dtype.
+ROW_CONCAT_ROWS = 2
 # The update's float32 rows: the unscaled gradient row (live from the backward's end through
 # the update) and the update row (`pack_row(updates)`, then the new float32 weights).
 UPDATE_F32_ROWS = 2
@@ -191,7 +196,8 @@ def activation_bytes(
     the rounded rows' element bytes (0: nothing rounded);
     `param_bytes`: a weight's bytes (kernels narrower than `cb` are held widened);
     `stage_params`: each stage's parameter count (autodiff saves the weights without remat;
-    default: every stage's row full); `moments`: the optimizer's float32 state rows;
+    default: every stage's row full); `moments`: the optimizer's float32 state rows
+    whose new leaves are not the update's;
     `dense_depthwise`: the device builds a depthwise conv's weight gradient from a dense
     [k, k, C, C] float32 kernel, live in its stage's backward (read on 1- and 2-stage probes
     of the digits config with `model.g16=false`, benchmarks/xla_peak.py); `tile`: the
@@ -207,6 +213,7 @@ def activation_bytes(
     else:
         widened = cb > param_bytes  # 16-bit kernels convolved in float32 on this device
         stage_work = max(_stage_works(cfg, stages, cb, act, widened, dense_depthwise))
+        stage_work = max(stage_work, ROW_CONCAT_ROWS * row_elements * grad_bytes)
         grad_rows = 0
     return {
         "saved": carries,

@@ -54,3 +54,39 @@ def test_lamb_16_bit_moments_round_as_one_row(mesh_for):
     ratio = planned_over_xla(cfg, compiled, CPU)
     print(f"planned / XLA {ratio:.3f}")
     assert ratio == pytest.approx(1.0, abs=0.10)
+
+
+def test_float32_master_rows_store_no_16_bit_row(mesh_for):
+    """With float32 masters (LARS) the stage casts its leaves to float16 inside each tick:
+    XLA:CPU stores no 16-bit value of a row's size (no working copy), and the gradients
+    accumulate in a float32 row through the tick loops. Its peak is a micro-batch's gradient
+    row concatenated beside that accumulator; LARS's new momentum is its update (no row of
+    its own). The planner counts float32 gradients, no working copy, that concatenate's two
+    rows and an update of two float32 rows, and its plan is within 10 %."""
+    from jaxpod.inspect.compile import inspect_options
+    from jaxpod.planner.bytes import _state_bytes
+    from jaxpod.planner.counts import param_layout
+
+    cfg = digits_cfg("precision.master=float32")
+    n = max(efficientnet_stage_params(cfg))
+    _, compiled, (values, ranges, schedule) = dumped_step(cfg, mesh_for(cfg), inspect_options())
+    steps = max(schedule) + 1
+    shapes = {v: (shape[:3], dims_of(shape)) for v, (_, _, shape) in values.items()}
+    assert not [v for v, (dt, dims) in shapes.items() if dt == "f16" and sum(dims) >= n // 2]
+    carried = [
+        v for v, (a, b) in ranges.items() if shapes[v] == ("f32", (n,)) and b - a > steps // 3
+    ]
+    assert carried, "no float32 gradient row carried through the ticks"
+    peak = peak_position(values, ranges)
+    alive = _alive(values, ranges, peak)
+    assert values[schedule[peak]][2].startswith(f"f32[{n}]"), schedule[peak]
+    assert schedule[peak].startswith("concatenate")
+    rows = sum(1 for dt, dims, _, _ in alive.values() if (dt, dims) == ("f32", (n,)))
+    assert rows == 2, alive  # the accumulator and the concatenated row
+    acts = activation_bytes(cfg, CPU)
+    assert acts["update_work"] == 2 * n * 4 and acts["layer_work"] == 2 * n * 4
+    s = _state_bytes(cfg, param_layout(cfg), CPU)
+    assert s["weights"] == s["master"] and s["grads_update"] == n * 4
+    ratio = planned_over_xla(cfg, compiled, CPU)
+    print(f"planned / XLA {ratio:.3f}")
+    assert ratio == pytest.approx(1.0, abs=0.10)
