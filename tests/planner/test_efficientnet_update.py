@@ -4,6 +4,8 @@ two 16-bit moments are one row of `2 n_max`, rounded in one go; its peak is that
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from helpers import digits_cfg
 from helpers.dumps import dims_of, dumped_step, peak_position, planned_over_xla
@@ -60,9 +62,9 @@ def test_float32_master_rows_store_no_16_bit_row(mesh_for):
     """With float32 masters (LARS) the stage casts its leaves to float16 inside each tick:
     XLA:CPU stores no 16-bit value of a row's size (no working copy), and the gradients
     accumulate in a float32 row through the tick loops. Its peak is a micro-batch's gradient
-    row concatenated beside that accumulator; LARS's new momentum is its update (no row of
-    its own). The planner counts float32 gradients, no working copy, that concatenate's two
-    rows and an update of two float32 rows, and its plan is within 10 %."""
+    row concatenated beside that accumulator. The planner counts float32 gradients, no
+    working copy, that concatenate's two rows and an update of two float32 rows (LARS's new
+    momentum is its update), and its plan is within 10 %."""
     from jaxpod.inspect.compile import inspect_options
     from jaxpod.planner.bytes import _state_bytes
     from jaxpod.planner.counts import param_layout
@@ -72,7 +74,7 @@ def test_float32_master_rows_store_no_16_bit_row(mesh_for):
     _, compiled, (values, ranges, schedule) = dumped_step(cfg, mesh_for(cfg), inspect_options())
     steps = max(schedule) + 1
     shapes = {v: (shape[:3], dims_of(shape)) for v, (_, _, shape) in values.items()}
-    assert not [v for v, (dt, dims) in shapes.items() if dt == "f16" and sum(dims) >= n // 2]
+    assert not [v for v, (dt, dims) in shapes.items() if dt == "f16" and math.prod(dims) >= n // 2]
     carried = [
         v for v, (a, b) in ranges.items() if shapes[v] == ("f32", (n,)) and b - a > steps // 3
     ]
