@@ -60,11 +60,12 @@ def grad_bytes(cfg: Config, profile: DeviceProfile | None = None) -> int:
 
 
 def casts_in_layer_loops(cfg: Config, profile: DeviceProfile) -> bool:
-    """Whether the step casts a float32 master stack to 16-bit weights one layer at a time
-    inside its layer loops (`DeviceProfile.casts_in_layer_loops`; stacked models)."""
+    """Whether the step casts float32 masters to 16-bit weights a piece at a time inside its
+    loops (`DeviceProfile.casts_in_layer_loops`): a stack one layer at a time in the layer
+    loops, packed rows leaf by leaf in each tick's stage function (`jaxpod.engine.packed`)."""
     prec = cfg.precision
     sixteen = DTYPE_BYTES[prec.params] == 2 and prec.master == "float32"
-    return profile.casts_in_layer_loops and sixteen and cfg.kind.stages == "stacked"
+    return profile.casts_in_layer_loops and sixteen
 
 
 def _head_kept(cfg: Config, tokens: int, sb: int, profile: DeviceProfile) -> int:
@@ -118,17 +119,19 @@ def _packed_activation_bytes(cfg: Config, profile: DeviceProfile, cb: int) -> di
     # float32 with optim.moments=float32: the 16-bit ones are rounded stochastically
     master16 = prec.master != "float32" and pb < 4
     moments, opt16 = MOMENTS[cfg.optim.name], master16 and cfg.optim.moments != "float32"
-    sr_rows = master16 + moments * opt16
+    # LARS ends in its momentum's trace: the new momentum is the update, one set of leaves
+    new_state = moments - (cfg.optim.name == "lars")
     return efficientnet.activation_bytes(
         cfg,
         cb,
         act,
         row,
-        pb,
-        sr_rows,
+        grad_bytes(cfg, profile),
+        moments * opt16,
+        pb * master16,
         pb,
         stage_params,
-        0 if opt16 else moments,
+        0 if opt16 else new_state,
         dense_depthwise=profile.dense_depthwise_grads,
         tile=profile.tile,
     )

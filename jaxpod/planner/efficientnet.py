@@ -13,8 +13,9 @@ blocks, head) holds per image is `jaxpod.planner.efficientnet_pieces`; here, per
   as its backward starts, with the recomputed forward's values (`forward_values`). Pipelined
   without remat every branch of the switch saves the union of all stages' residuals.
 - `grad_rows`: pipelined without remat, the row the gradients accumulate in beside the
-  backward; otherwise nothing beside the stage's work (the row is one `concatenate` of the
-  leaves' gradients, `StagePacking.unpack`, after the activations are dead).
+  backward; otherwise nothing beside the stage's work: the row is one `concatenate` of the
+  leaves' gradients (`StagePacking.unpack`) after the activations are dead, a moment of its
+  own holding its operands and the row (`ROW_CONCAT_ROWS`).
 - `carries`: the schedule's float32 `[mb, A]` buffers (GPipe: every tick's input and its
   output's cotangent, with replicas also the collected outputs; 1F1B: two ring buffers).
 - `update_work`: the update on whole rows: float32 copies of the row and, with 16-bit rows,
@@ -32,12 +33,21 @@ from jaxpod.planner.tiles import Tile
 # into the accumulated row (the planner's `grads`): one more row is live, the float32 row
 # being added or, 16-bit, the row updated in place (`dynamic-update-slice`).
 RUNNING_SUM_ROWS = 1
+# Otherwise a micro-batch's gradient row is one concatenate as the stage's backward ends: its
+# operands (the leaves' gradients, a shorter stage's with a block of zeros padding them to
+# n_max) and the row are live together, two rows in the gradients' dtype.
+ROW_CONCAT_ROWS = 2
 # The update's float32 rows: the unscaled gradient row (live from the backward's end through
 # the update) and the update row (`pack_row(updates)`, then the new float32 weights).
 UPDATE_F32_ROWS = 2
 # Stochastic rounding draws one uint32 per element with threefry2x32: its two lanes for the
 # row being rounded and their two copies in the rounding loop are live together (4 rows).
 SR_BIT_ROWS = 4
+# The optimizer's 16-bit moments are one row (one buffer per dtype, `jaxpod.parallel.packing`)
+# of `moments * n_max`, rounded in one go after its bits are drawn: at its rounding XLA:CPU
+# holds, per element, the two uint32 lanes, the row in float32 and the new moments' float32
+# leaves (the update direction reads them after), as float32 words, and the rounded row.
+MOMENT_ROUNDING_WORDS = 4
 
 
 def carry_size(stages: list[list[dict]]) -> int:
@@ -148,14 +158,18 @@ def _switch_union(
     return stage_work
 
 
-def _update_work(row_elements: int, sr_rows: int, f32_moments: int) -> int:
+def _update_work(row_elements: int, sr_moments: int, f32_moments: int, sr_bytes: int) -> int:
     """Bytes of the packed update's working set on whole rows of `row_elements`: float32
-    copies of the row and, with 16-bit rows (`sr_rows` rounded stochastically), one row's
-    random bits; with float32 optimizer rows (`f32_moments` of them, whatever the weights'
-    dtype) the new optimizer state's leaves."""
+    copies of the row and, with 16-bit rows, the weights' row's random bits, or where larger
+    the rounding of the optimizer's 16-bit row of `sr_moments` moments (`sr_bytes` each);
+    with float32 optimizer rows (`f32_moments` of them, whatever the weights' dtype) the new
+    optimizer state's leaves."""
     update_work = UPDATE_F32_ROWS * row_elements * F32
-    if sr_rows:  # the rows are rounded one after another: one row's bits are live
+    if sr_bytes:  # the rows are rounded one after another: one row's bits are live
         update_work += SR_BIT_ROWS * row_elements * F32
+        moment_row = sr_moments * row_elements  # beside the unscaled gradient row
+        rounding = moment_row * (MOMENT_ROUNDING_WORDS * F32 + sr_bytes) + row_elements * F32
+        update_work = max(update_work, rounding)
     # float32 optimizer rows are not rounded: the new state's leaves wait for their concatenate
     return update_work + f32_moments * row_elements * F32
 
@@ -166,7 +180,8 @@ def activation_bytes(
     act: int,
     row_elements: int,
     grad_bytes: int,
-    sr_rows: int = 0,
+    sr_moments: int = 0,
+    sr_bytes: int = 0,
     param_bytes: int = F32,
     stage_params: list[int] | None = None,
     moments: int = 0,
@@ -177,10 +192,12 @@ def activation_bytes(
     packed update's working set (`update_work`). `cb`: bytes of a conv's operand or output
     (the compute dtype's, or 4 on a device that widens 16-bit); `act`: the compute dtype's
     bytes; `row_elements`: the packed row's length n_max; `grad_bytes`: a gradient's bytes;
-    `sr_rows`: how many rows of that length the update rounds stochastically;
+    `sr_moments`: the optimizer's moments the update rounds stochastically and `sr_bytes`
+    the rounded rows' element bytes (0: nothing rounded);
     `param_bytes`: a weight's bytes (kernels narrower than `cb` are held widened);
     `stage_params`: each stage's parameter count (autodiff saves the weights without remat;
-    default: every stage's row full); `moments`: the optimizer's float32 state rows;
+    default: every stage's row full); `moments`: the optimizer's float32 state rows
+    whose new leaves are not the update's;
     `dense_depthwise`: the device builds a depthwise conv's weight gradient from a dense
     [k, k, C, C] float32 kernel, live in its stage's backward (read on 1- and 2-stage probes
     of the digits config with `model.g16=false`, benchmarks/xla_peak.py); `tile`: the
@@ -196,6 +213,7 @@ def activation_bytes(
     else:
         widened = cb > param_bytes  # 16-bit kernels convolved in float32 on this device
         stage_work = max(_stage_works(cfg, stages, cb, act, widened, dense_depthwise))
+        stage_work = max(stage_work, ROW_CONCAT_ROWS * row_elements * grad_bytes)
         grad_rows = 0
     return {
         "saved": carries,
@@ -204,7 +222,7 @@ def activation_bytes(
         "layer_work": int(stage_work),
         "grad_rows": int(grad_rows),
         "sr_bits": 0,
-        "update_work": int(_update_work(row_elements, sr_rows, moments)),
+        "update_work": int(_update_work(row_elements, sr_moments, moments, sr_bytes)),
         "ticks": ticks,
         "total": int(carries + stage_work + grad_rows),
         "estimated": False,

@@ -47,9 +47,10 @@ class DeviceProfile:
     stores_in_float32: tuple[str, ...] = ()
     shares_host_memory: bool = False  # host memory kinds are device memory: no moved-in copy
     # with float32 masters a stacked layer's 16-bit weights are cast one layer at a time inside
-    # the layer loops: no whole 16-bit (or widened) stack is stored, and the stack's gradients,
-    # the loops' carries and the accumulator, are float32 (XLA:CPU, benchmarks/xla_peak.py;
-    # XLA:TPU, tests/target/test_masters_tpu.py)
+    # the layer loops (packed rows leaf by leaf in each tick's stage): no whole 16-bit (or
+    # widened) stack or row is stored, and the gradients, the loops' carries and the
+    # accumulator, are float32 (XLA:CPU, benchmarks/xla_peak.py; XLA:TPU's stacked layers,
+    # tests/target/test_masters_tpu.py; its packed rows not read)
     casts_in_layer_loops: bool = False
     # a depthwise conv's weight gradient is computed from a dense [k, k, C, C] float32 kernel
     # (XLA:CPU; benchmarks/xla_peak.py), which the planner counts in its stage's backward

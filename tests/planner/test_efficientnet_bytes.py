@@ -10,6 +10,7 @@ from helpers import digits_cfg, mesh_for
 from jaxpod.planner.activations import activation_bytes
 from jaxpod.planner.backend import backend_plan
 from jaxpod.planner.efficientnet import (
+    MOMENT_ROUNDING_WORDS,
     SR_BIT_ROWS,
     UPDATE_F32_ROWS,
     carry_size,
@@ -120,8 +121,11 @@ def test_update_rounds_with_four_uint32_rows():
     """16-bit rows: the update holds two float32 rows and four uint32 rows of threefry bits
     (two lanes and their loop copies); float32 rows draw no bits; float32 optimizer rows,
     beside rows of either dtype, hold the new optimizer state's leaves until they are
-    concatenated (SGD: one row; calibration row f32-w1-32-1x2x1, whose peak is the update).
-    No bits before the backward: the memory scheduler draws them at the update."""
+    concatenated (SGD: one row; calibration row f32-w1-32-1x2x1, whose peak is the update),
+    except LARS's momentum, whose trace is the update itself.
+    LAMB's two 16-bit moments are one row of 2 n, whose rounding holds more (10 float32
+    rows of n: tests/planner/test_efficientnet_update.py finds them). No bits before the
+    backward: the memory scheduler draws them at the update."""
     from jaxpod.planner.counts import efficientnet_stage_params
 
     lamb32 = ["optim.name=lamb", "optim.moments=float32"]
@@ -130,12 +134,14 @@ def test_update_rounds_with_four_uint32_rows():
         ([], UPDATE_F32_ROWS + SR_BIT_ROWS),
         (F32, UPDATE_F32_ROWS + 1),
         (lamb32, UPDATE_F32_ROWS + SR_BIT_ROWS + 2),  # float32 moments beside 16-bit rows
-        (master32, UPDATE_F32_ROWS + 1),  # nothing rounded: the rows are the float32 masters
+        # nothing rounded: the rows are the float32 masters; LARS's new momentum is its update
+        (master32, UPDATE_F32_ROWS),
+        (["optim.name=lamb"], 1 + 2 * (MOMENT_ROUNDING_WORDS + 2 / 4)),  # the moments' row
     ):
         cfg = _cfg(1, 2, *over)
         n_max = max(efficientnet_stage_params(cfg))
         assert activation_bytes(cfg, CPU)["update_work"] == rows * n_max * 4
-    assert (UPDATE_F32_ROWS, SR_BIT_ROWS) == (2, 4)
+    assert (UPDATE_F32_ROWS, SR_BIT_ROWS, MOMENT_ROUNDING_WORDS) == (2, 4, 4)
     assert activation_bytes(_cfg(1, 1, "model.pipeline_splits=[]"), CPU)["sr_bits"] == 0
 
 
