@@ -125,7 +125,7 @@ def _recomputed(cfg: Config, r: _Rows, cb: int, attention_work: int) -> tuple[in
     return attention, mlp_in, mlp_in + (6 if r.gated else 4) * hidden * cb
 
 
-def _backward_work(cfg: Config, r: _Rows, cb: int, kept: int) -> int:
+def _backward_work(cfg: Config, r: _Rows, cb: int, kept: int, fused: bool = False) -> int:
     """Bytes of one layer's backward working set beyond its saved input (`kept`: what the
     policy keeps besides the input, in compute bytes `cb`).
 
@@ -139,7 +139,10 @@ def _backward_work(cfg: Config, r: _Rows, cb: int, kept: int) -> int:
     counted."""
     md, t, mem = cfg.model, cfg.mesh.tensor, cfg.memory
     chunked = md.sequence_chunks > 1
-    attention_work = (5 * cb + 1) * r.chunk_scores if chunked else 0  # masked, exp, probs, 2 grads
+    # a chunk's masked scores, exp, probabilities and two gradients (and the mask); fused into
+    # the backward's matmuls (XLA:TPU) at most three in the compute dtype
+    per_score = 3 * cb if fused else 5 * cb + 1
+    attention_work = per_score * r.chunk_scores if chunked else 0
     if md.remat == "none":  # backward temporaries: score/prob grads, MLP hidden grad(s)
         hidden = (2 if r.gated else 1) * r.btf
         return (2 * r.kept_scores + hidden + 2 * r.btd) * cb + attention_work
@@ -197,7 +200,7 @@ def layer_sets(cfg: Config, cb: int, sb: int, fused: bool = False, converted: bo
         scalars = _policy_scalars(cfg, r)[remat]
         saved, kept = scalars * sb, (scalars - r.res) * cb
     fused_work = _fused_work(cfg, r, cb, kept) if fused else None
-    work = _backward_work(cfg, r, cb, kept) if fused_work is None else fused_work
+    work = _backward_work(cfg, r, cb, kept, fused) if fused_work is None else fused_work
     split = _split_kept(cfg, r) * sb
     return {"all": every, "saved": saved, "work": work, "btd": r.res * sb, "split": split}
 
