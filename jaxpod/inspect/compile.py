@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from jaxpod.config import Config
 from jaxpod.engine import Engine, TrainState, abstract_engine
+from jaxpod.errors import UserError
 from jaxpod.planner.backend import backend_plan
 from jaxpod.planner.report import format_bytes
 from jaxpod.run.mapping import most_on_one_device
@@ -131,10 +132,25 @@ def compile_for_target(cfg: Config, target: Target, progress: TextIO | None = No
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         result = compile_step(cfg, mesh, profile=target.profile, progress=progress)
+    except jax.errors.JaxRuntimeError as exc:
+        raise refused(exc, target.text) from None
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
     layout = torus_layout(mesh)
     return {"target": target.text, "layout": describe_layout(layout) if layout else "", **result}
+
+
+def refused(exc: Exception, target: str) -> UserError:
+    """XLA's refusal to compile the step for `target` as one line: out of HBM where its
+    message says so, else its own first line (an internal check of one of its passes: the
+    mapping is valid for jaxpod, and another one may compile)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "RESOURCE_EXHAUSTED" in first or "out of memory" in first.lower():
+        return UserError(f"the step does not fit {target}'s memory, as XLA compiles it: {first}")
+    return UserError(
+        f"XLA could not compile the step for {target} ({first}); the config is valid for "
+        "jaxpod: try another mapping, or report it to XLA with the config"
+    )
 
 
 def read_program(compiled: jax.stages.Compiled, args: tuple, spaces: dict | None = None) -> dict:

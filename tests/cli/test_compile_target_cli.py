@@ -82,6 +82,18 @@ def test_a_target_that_does_not_fit_is_one_line(args, needle):
     assert_user_error(jaxpod("compile", TINY, *args), needle)
 
 
+# a valid mapping one of XLA:TPU's passes (while-loop all-reduce code motion) fails a check on
+REFUSED = ("mesh.replica=4", "mesh.pipeline=1", "mesh.tensor=1", "model.name=bert")
+REFUSED += ("model.d_model=512", "model.heads=8", "model.d_ff=2048", "model.seq_len=256")
+REFUSED += ("model.vocab=8192", "train.grad_accum=4", "model.remat=full", "memory.rts=4")
+REFUSED += ("precision.compute=bfloat16", "precision.params=bfloat16", "precision.master=float32")
+
+
+def test_a_step_xla_cannot_compile_is_one_line():
+    proc = jaxpod("compile", TINY, *REFUSED, "--target", "tpu-v5p:2x2x1", "--json")
+    assert_user_error(proc, "XLA could not compile the step for tpu-v5p:2x2x1 (INTERNAL")
+
+
 def test_a_gpu_compile_reports_every_key():
     """XLA:GPU for 8 compile-only H100s (jax's CUDA plugin, which `make` installs apart)."""
     proc = jaxpod("compile", TINY, "--target", "h100:8", "--json")
