@@ -11,7 +11,7 @@ bench_schedules' executed / useful FLOPs:
     busy      the ops a device runs, on average (a bubble costs nothing): what a host with
               fewer cores than devices pays, the idle devices' cores lent to the busy ones
     MPMD      each device runs its table's ops in order, each as soon as its input exists
-              (`needs`) and the device is free, no ticks: the papers' ideal
+              and the device is free, no ticks (`schedule_time.mpmd_time`): the papers' ideal
 """
 
 from __future__ import annotations
@@ -25,53 +25,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_schedules import tick_costs, useful_work  # noqa: E402
 from common import options, table  # noqa: E402
 
-from jaxpod.parallel.schedules import IDLE, Schedule, global_stage, make_schedule, needs  # noqa: E402
+from jaxpod.parallel.schedule_time import mpmd_time  # noqa: E402
+from jaxpod.parallel.schedules import Schedule, make_schedule  # noqa: E402
 
 KINDS = {"1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2, "zb-v": 2}  # kind: V
 
 
-def op_costs(schedule: Schedule) -> np.ndarray:
-    """`[ticks, stages]`: each op's cost in stage forwards (a chunk's 1/V), 0 when idle."""
+def op_costs(schedule: Schedule) -> dict[int, float]:
+    """Each op code's cost in stage forwards (a chunk's 1/V of a stage's)."""
     cost = tick_costs(schedule.stages, schedule.virtual)
-    lookup = np.array([0.0, *(cost[o] for o in (1, 2, 3, 4))]) / schedule.virtual
-    return lookup[schedule.op]
-
-
-def mpmd_time(schedule: Schedule, costs: np.ndarray) -> float:
-    """The makespan when each device runs its ops in the table's order, each starting once
-    the op it needs has finished and the device is free (no communication time)."""
-    s_, v = schedule.stages, schedule.virtual
-    orders = [[t for t in range(schedule.ticks) if schedule.op[t, s] != IDLE] for s in range(s_)]
-    finish: dict[tuple[int, int, int], float] = {}
-    free, nxt = [0.0] * s_, [0] * s_
-    while any(n < len(o) for n, o in zip(nxt, orders, strict=True)):
-        moved = False
-        for s in range(s_):
-            while nxt[s] < len(orders[s]):
-                t = orders[s][nxt[s]]
-                o, m, r = (
-                    int(a[t, s])
-                    for a in (schedule.op, schedule.micro_index, schedule.virtual_stage)
-                )
-                need = needs(schedule.kind, o, m, r, s, s_, v)
-                if need is not None and need not in finish:
-                    break
-                start = max(free[s], finish[need] if need else 0.0)
-                free[s] = start + costs[t, s]
-                finish[(o, m, global_stage(schedule.kind, s, r, s_))] = free[s]
-                nxt[s], moved = nxt[s] + 1, True
-        if not moved:
-            raise ValueError(f"{schedule.kind}: the table's order deadlocks")
-    return max(free)
+    return {0: 0.0, **{o: c / schedule.virtual for o, c in cost.items()}}
 
 
 def row(kind: str, stages: int, micro: int) -> list:
     schedule = make_schedule(kind, stages, micro, KINDS[kind])
-    costs = op_costs(schedule)
+    cost = op_costs(schedule)
+    costs = np.vectorize(cost.get)(schedule.op)
     scale = micro * useful_work()
     lockstep = costs.max(axis=1).sum() / scale
     busy = costs.sum() / (stages * scale)
-    mpmd = mpmd_time(schedule, costs) / scale
+    mpmd = mpmd_time(schedule, cost) / scale
     return [kind, micro, schedule.ticks, f"{lockstep:.3f}", f"{busy:.3f}", f"{mpmd:.3f}"]
 
 
