@@ -1,11 +1,11 @@
 """Pipeline schedules measured: step time, executed FLOPs and compiled memory against M.
 
     python benchmarks/bench_schedules.py [--only time,flops,memory] [--repeats N] [--out FILE]
-        [--flops-meshes 1x4x1,2x2x2] [--kinds 1f1b,zb-h1,zb-v]
+        [--flops-meshes 1x4x1,2x2x2] [--kinds 1f1b,zb-h1,zb-v] [--micro 4,8,16]
 
-(time)   step time of every schedule (V = 2 where chunked) on 1x4x1 and 2x2x2, M = 4, 8, 16
-         micro-batches, gpipe and circular also with `train.skip_bubbles` (lax.cond on a
-         tick's liveness): does skipping pay on this backend?
+(time)   step time (wall, and the process's CPU time) of every schedule (V = 2 where
+         chunked) on 1x4x1 and 2x2x2, M = 4, 8, 16 micro-batches (`--micro`), gpipe and
+         circular also with `train.skip_bubbles` (lax.cond on a tick's liveness)
 (flops)  executed / useful FLOPs of the train step's loss and gradients (XLA's cost analysis
          of the unrolled program over the single-device program on the same global batch)
          against each schedule's theory, on the `--flops-meshes` (default 1x4x1)
@@ -92,6 +92,8 @@ MICRO = [4, 8, 16]
 
 def _worker(job: dict) -> dict:
     """Runs inside a subprocess whose XLA_FLAGS already hold the device count."""
+    import time
+
     import jax
     import numpy as np
 
@@ -112,8 +114,11 @@ def _worker(job: dict) -> dict:
     tokens = np.random.default_rng(0).integers(0, 256, shape).astype(np.int32)
     batch = jax.device_put((tokens,), engine.batch_sharding)
     step = engine.train_step.lower(state, batch).compile()
-    state, metrics, times = time_steps(step, state, batch, job["repeats"])
-    return {"step_s": float(np.median(times)), "step_s_min": float(np.min(times))}
+    state, _, _ = time_steps(step, state, batch, 0)  # the warm-up steps
+    cpu = time.process_time()
+    _, _, times = time_steps(step, state, batch, job["repeats"], warmup=0)
+    cpu = (time.process_time() - cpu) / job["repeats"]
+    return {"step_s": float(np.median(times)), "step_s_min": float(np.min(times)), "cpu_s": cpu}
 
 
 def run(job: dict) -> dict:
@@ -138,7 +143,10 @@ def theory(kind: str, stages: int, micro: int) -> float:
     return (v * micro + stages - 1) / (v * micro)
 
 
-def bench_time(repeats: int) -> tuple[dict, str]:
+def bench_time(repeats: int, micros: list[int]) -> tuple[dict, str]:
+    """Each schedule's median wall time of a step and, in parentheses, the process's CPU
+    time a step (all its threads, the timed steps' mean): the host is shared, and CPU time
+    moves less with its load than wall time does."""
     results, rows = {}, []
     for mesh in MESHES:
         m_id = "x".join(map(str, mesh))
@@ -146,14 +154,14 @@ def bench_time(repeats: int) -> tuple[dict, str]:
             for skip in [False, True] if kind in ("gpipe", "circular") else [False]:
                 name = kind + (" + skip" if skip else "")
                 row = [m_id, name]
-                for micro in MICRO:
+                for micro in micros:
                     over = [*extra, f"train.grad_accum={micro}"]
                     over += [f"train.skip_bubbles={str(skip).lower()}"]
                     r = run({"kind": "time", "mesh": mesh, "overrides": over, "repeats": repeats})
                     results[f"{m_id} {name} M={micro}"] = r
-                    row.append(f"{r['step_s'] * 1e3:.0f}")
+                    row.append(f"{r['step_s'] * 1e3:.0f} ({r['cpu_s'] * 1e3:.0f})")
                 rows.append(row)
-    header = ["mesh", "schedule", *[f"ms @ M={m}" for m in MICRO]]
+    header = ["mesh", "schedule", *[f"ms @ M={m}" for m in micros]]
     return results, table("(time) step time, GPT 8 x d256, seq 128, micro-batch 2", header, rows)
 
 
@@ -204,6 +212,8 @@ def main() -> None:
         out="schedules.json",
     )
     args.add_argument("--flops-meshes", default="1x4x1", help="(flops) meshes, e.g. 1x4x1,2x2x2")
+    micros = ",".join(map(str, MICRO))
+    args.add_argument("--micro", default=micros, help="(time) micro-batch counts")
     kinds = ",".join(SCHEDULES)
     args.add_argument("--kinds", default=kinds, help="(flops, memory) schedules to run")
     args = args.parse_args()
@@ -212,7 +222,11 @@ def main() -> None:
     meshes = [tuple(int(n) for n in m.split("x")) for m in args.flops_meshes.split(",")]
     kinds = args.kinds.split(",")
     flops, memory = lambda: bench_flops(meshes, kinds), lambda: bench_memory(kinds)  # noqa: E731
-    parts = {"time": lambda: bench_time(args.repeats), "flops": flops, "memory": memory}
+    parts = {
+        "time": lambda: bench_time(args.repeats, [int(m) for m in args.micro.split(",")]),
+        "flops": flops,
+        "memory": memory,
+    }
     write_report(run_parts(parts, args.only), args.out)
 
 

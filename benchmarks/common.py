@@ -114,9 +114,10 @@ def time_steps(step, state, batch, repeats: int, warmup: int = 2):
 
     import jax
 
+    metrics = None
     for _ in range(warmup):
         state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
+    jax.block_until_ready((state, metrics))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -23,21 +23,36 @@ from jaxpod.parallel.chunk_routes import routes
 from jaxpod.parallel.manual import vary_like
 from jaxpod.parallel.pipeline import mine
 from jaxpod.parallel.pipeline_train import typed_zeros
-from jaxpod.parallel.schedules import BACKWARD_INPUT, Schedule
+from jaxpod.parallel.schedules import BACKWARD, BACKWARD_INPUT, FORWARD, Schedule
 from jaxpod.parallel.schedules_split import weight_slots
 from jaxpod.parallel.weight_split import StageSplit, no_slot, put_slot, slot_of
 
 
 class _Carry(NamedTuple):
-    """`acts[K, *act]` and `grads[K, *act]`: the kept inputs and the waiting gradients;
-    `out`: what this tick's op sends; the sums of `grads_sum`, `loss` and `aux`; `held`:
-    B's slots for W with a split (`train_ticks`' `_Carry`), or (); a tick's switch returns
-    one slot's values in their place (`branch`)."""
+    """`acts[K, *act]` and `grads[K, *act]`: the kept inputs and the waiting gradients; the
+    sums of `grads_sum`, `loss` and `aux`; `held`: B's slots for W with a split
+    (`train_ticks`' `_Carry`), or (). Only `_Chunks.tick` writes them, after the switch."""
 
     acts: jax.Array
     grads: jax.Array
-    out: jax.Array
     grads_sum: Any
+    loss: jax.Array
+    aux: Any
+    held: Any
+
+
+class _Done(NamedTuple):
+    """What a tick's op returns, one micro-batch's values, written into the carry after the
+    tick's switch (`_Chunks.tick`): `out` sent, and kept at `row.local` (the forward's
+    output in `acts`, a backward's dL/dx in `grads`); the forward's input `x` (kept at
+    `row.act`) and the head's `dy` (at `row.grad`); `dp`, `loss` and `aux` to add; B's slot
+    `held`. A switch that returned the buffers updated would copy them in every branch
+    that passes them through."""
+
+    out: jax.Array
+    x: jax.Array
+    dy: jax.Array
+    dp: Any
     loss: jax.Array
     aux: Any
     held: Any
@@ -70,7 +85,7 @@ def train_chunk_ticks(
     if split is not None and (schedule.op == BACKWARD_INPUT).any():
         split.prepare(params, act)
         held, ticks.split = (split.held(count, bubble_fill, act), fill((count, *act.shape))), split
-    carry = _Carry(buffer, buffer, typed_zeros(act), *zeros, held)
+    carry = _Carry(buffer, buffer, *zeros, held)
     rows = tuple(jnp.asarray(a) for a in ticks.rows)
     sent = (fill(act.shape), fill(act.shape))
     (carry, _), _ = jax.lax.scan(ticks.tick, (carry, sent), rows, unroll=unroll)
@@ -151,7 +166,14 @@ class _Chunks:
         zeros = jax.tree.map(typed_zeros, (self.out0[0], self.out0[1], self.params))
         return zeros[0], zeros[1], zeros[2], typed_zeros(self.act)
 
-    def forward(self, c: _Carry, row: _Row) -> _Carry:
+    def done(self, c: _Carry, out=None, **values) -> _Done:
+        """An op's `_Done`: zeros (B's slot `no_slot`) where it leaves `values` out."""
+        zero = typed_zeros(self.act)
+        loss, aux, dp = jax.tree.map(typed_zeros, (self.out0[0], self.out0[1], self.params))
+        out = zero if out is None else out
+        return _Done(out, zero, zero, dp, loss, aux, no_slot(c.held))._replace(**values)
+
+    def forward(self, c: _Carry, row: _Row) -> _Done:
         """The chunk's input kept (embedded at the first global stage), its output sent or
         handed to this device's next chunk; at the last global stage the head."""
         x = jax.lax.cond(
@@ -159,22 +181,11 @@ class _Chunks:
             lambda: self.as_act(self.embed(self.params, self.at(self.inputs, row.m))),
             lambda: c.acts[row.act],
         )
-        acts = c.acts.at[row.act].set(x)
         y = self.as_act(self.stage(self.params, x, row.r))
         loss, aux, dp, dy = jax.lax.cond(row.g == self.last, self.head_grads, self.no_head, y, row)
-        grads = jnp.where(row.g == self.last, c.grads.at[row.grad].set(dy), c.grads)
-        acts = jnp.where(row.local >= 0, acts.at[row.local].set(y), acts)
-        return _Carry(
-            acts,
-            grads,
-            y,
-            jax.tree.map(jnp.add, c.grads_sum, dp),
-            c.loss + loss,
-            jax.tree.map(jnp.add, c.aux, aux),
-            c.held,
-        )
+        return self.done(c, y, x=x, dy=dy, dp=dp, loss=loss, aux=aux)
 
-    def backward(self, c: _Carry, row: _Row, inputs: bool, weights: bool) -> _Carry:
+    def backward(self, c: _Carry, row: _Row, inputs: bool, weights: bool) -> _Done:
         """The chunk's vjp from its kept input and gradient: with respect to its input
         (`inputs`: dL/dx sent or handed on) and/or its parameters (`weights`: added)."""
         if self.split is not None and inputs != weights:
@@ -182,15 +193,13 @@ class _Chunks:
         kept, dy = c.acts[row.act], c.grads[row.grad]
         _, vjp = jax.vjp(lambda p, x: self.stage_of(p, x, row), self.params, kept)
         dp, dx = vjp(dy)
-        dx = self.as_act(dx) if inputs else typed_zeros(self.act)
-        grads = jnp.where((row.local >= 0) & inputs, c.grads.at[row.local].set(dx), c.grads)
-        total = jax.tree.map(jnp.add, c.grads_sum, dp) if weights else c.grads_sum
-        return c._replace(grads=grads, out=dx, grads_sum=total)
+        done = self.done(c, self.as_act(dx) if inputs else None)
+        return done._replace(dp=dp) if weights else done
 
-    def split_input(self, c: _Carry, row: _Row) -> _Carry:
+    def split_input(self, c: _Carry, row: _Row) -> _Done:
         """B with a split: the chunk with probes, its vjp with respect to its input and the
-        probes; saved operands, cotangents and dL/dx returned to be kept in slot `row.held`
-        (`put_slot`), dL/dx sent or handed on."""
+        probes; saved operands, cotangents and dL/dx returned to be kept in slot `row.held`,
+        dL/dx sent or handed on."""
         p, split = self.params, self.split
         embedded = lambda: self.as_act(self.embed(p, self.at(self.inputs, row.m)))  # noqa: E731
         x = jax.lax.cond(row.g == 0, embedded, lambda: c.acts[row.act])
@@ -198,11 +207,10 @@ class _Chunks:
         _, vjp, saved = jax.vjp(fn, x, split.probes(), has_aux=True)
         dx, cts = vjp(c.grads[row.grad])
         dx = self.as_act(dx)
-        grads = jnp.where(row.local >= 0, c.grads.at[row.local].set(dx), c.grads)
         held = jax.tree.map(lambda b, v: vary_like(v, b), c.held, ((saved, cts), dx))
-        return c._replace(grads=grads, out=dx, held=held)
+        return self.done(c, dx, held=held)
 
-    def split_weight(self, c: _Carry, row: _Row) -> _Carry:
+    def split_weight(self, c: _Carry, row: _Row) -> _Done:
         """W with a split: the chunk's parameter gradients from slot `row.held`, and at
         the first global stage the embedding's."""
         (saved, cts), dx = slot_of(c.held, row.held)
@@ -210,54 +218,48 @@ class _Chunks:
         embedding = lambda p: self.as_act(self.embed(p, self.at(self.inputs, row.m)))  # noqa: E731
         first = lambda: jax.vjp(embedding, self.params)[1](dx)[0]  # noqa: E731
         zeros = lambda: jax.tree.map(typed_zeros, self.params)  # noqa: E731
-        dp = jax.tree.map(jnp.add, dp, jax.lax.cond(row.g == 0, first, zeros))
-        total = jax.tree.map(jnp.add, c.grads_sum, dp)
-        return c._replace(out=typed_zeros(self.act), grads_sum=total)
+        return self.done(c, dp=jax.tree.map(jnp.add, dp, jax.lax.cond(row.g == 0, first, zeros)))
 
-    def idle(self, c: _Carry, row: _Row) -> _Carry:
-        return c._replace(out=typed_zeros(self.act))
-
-    def branch(self, o: int):
-        """Op code `o` as a branch of the tick's switch: B's buffers (`held`) read, one
-        slot's values returned in their place, B's to be kept (`put_slot`), the other ops'
-        zeros (`no_slot`)."""
+    def tick(self, state, table_row):
+        """Store what arrived, run this device's op (`lax.switch` over the table's ops, each
+        returning a `_Done`), keep its values, send its output down or up."""
+        c, (from_prev, from_next) = state
+        row = _Row(*(mine(a, self.axis) for a in table_row))
+        acts = put_slot(c.acts, row.down_slot, from_prev, row.down_kind == 1)
+        grads = put_slot(c.grads, row.down_slot, from_prev, row.down_kind == 2)
+        acts = put_slot(acts, row.up_slot, from_next, row.up_kind == 1)
+        c = c._replace(acts=acts, grads=put_slot(grads, row.up_slot, from_next, row.up_kind == 2))
         ops = [
-            self.idle,
+            lambda c, row: self.done(c),
             self.forward,
             lambda c, row: self.backward(c, row, True, True),
             lambda c, row: self.backward(c, row, True, False),
             lambda c, row: self.backward(c, row, False, True),
         ]
-        if o == BACKWARD_INPUT:
-            return ops[o]
-        return lambda c, row: ops[o](c, row)._replace(held=no_slot(c.held))
-
-    def tick(self, state, table_row):
-        """Store what arrived, run this device's op, send its output down or up."""
-        c, (from_prev, from_next) = state
-        row = _Row(*(mine(a, self.axis) for a in table_row))
-        c = c._replace(acts=_store(c.acts, from_prev, row.down_kind == 1, row.down_slot))
-        c = c._replace(grads=_store(c.grads, from_prev, row.down_kind == 2, row.down_slot))
-        c = c._replace(acts=_store(c.acts, from_next, row.up_kind == 1, row.up_slot))
-        c = c._replace(grads=_store(c.grads, from_next, row.up_kind == 2, row.up_slot))
         used = sorted({0, *np.unique(self.rows[0]).tolist()})  # only the table's ops
         branch_of = np.zeros(5, np.int32)
         branch_of[used] = np.arange(len(used))
-        out = jax.lax.switch(jnp.asarray(branch_of)[row.op], [self.branch(o) for o in used], c, row)
-        c = out._replace(held=put_slot(c.held, row.held, out.held, row.op == BACKWARD_INPUT))
-        zero = typed_zeros(self.act)
-        n = self.stages
-        down = jax.lax.ppermute(
-            jnp.where(row.send_down > 0, c.out, zero),
-            self.axis,
-            [(i, (i + 1) % n) for i in range(n)],
+        done = jax.lax.switch(jnp.asarray(branch_of)[row.op], [ops[o] for o in used], c, row)
+        c = self.keep(c, row, done)
+        zero, n = typed_zeros(self.act), self.stages
+        ring = lambda send, by: jax.lax.ppermute(  # noqa: E731
+            jnp.where(send > 0, done.out, zero), self.axis, [(i, (i + by) % n) for i in range(n)]
         )
-        up = jax.lax.ppermute(
-            jnp.where(row.send_up > 0, c.out, zero), self.axis, [(i, (i - 1) % n) for i in range(n)]
+        return (c, (ring(row.send_down, 1), ring(row.send_up, -1))), None
+
+    def keep(self, c: _Carry, row: _Row, done: _Done) -> _Carry:
+        """The carry with a tick's `done` written in place (`put_slot`) and added."""
+        forward, kept = row.op == FORWARD, row.local >= 0
+        backward = (row.op == BACKWARD) | (row.op == BACKWARD_INPUT)
+        acts = put_slot(c.acts, row.act, done.x, forward)
+        acts = put_slot(acts, row.local, done.out, forward & kept)
+        grads = put_slot(c.grads, row.grad, done.dy, forward & (row.g == self.last))
+        grads = put_slot(grads, row.local, done.out, backward & kept)
+        return _Carry(
+            acts,
+            grads,
+            jax.tree.map(jnp.add, c.grads_sum, done.dp),
+            c.loss + done.loss,
+            jax.tree.map(jnp.add, c.aux, done.aux),
+            put_slot(c.held, row.held, done.held, row.op == BACKWARD_INPUT),
         )
-        return (c, (down, up)), None
-
-
-def _store(buffer: jax.Array, value: jax.Array, when: jax.Array, slot: jax.Array) -> jax.Array:
-    """`buffer` with `value` in `slot` where `when` (a received value of this kind)."""
-    return jnp.where(when, buffer.at[jnp.maximum(slot, 0)].set(value), buffer)

@@ -54,8 +54,10 @@ def lockstep_time(schedule: Schedule, recompute: bool = False) -> int:
     return ticks if schedule.explicit_backward else ticks * (1 + cost[BACKWARD])
 
 
-def mpmd_time(schedule: Schedule) -> int:
-    """Units each device running its ops in order, each as soon as its input exists."""
+def mpmd_time(schedule: Schedule, cost: dict | None = None) -> float:
+    """Units each device running its ops in order, each as soon as its input exists; `cost`
+    each op's units (default `COST`)."""
+    cost = COST if cost is None else cost
     if not schedule.explicit_backward:
         return lockstep_time(schedule)
     s_, kind = schedule.stages, schedule.kind
@@ -70,7 +72,7 @@ def mpmd_time(schedule: Schedule) -> int:
                 if need is not None and need not in finish:
                     break  # wait for another device
                 start = max(free[s], finish.get(need, 0))
-                free[s] = start + COST[o]
+                free[s] = start + cost[o]
                 finish[(o, m, global_stage(kind, s, r, s_))] = free[s]
                 nxt[s] += 1
     return max(free)

@@ -1,4 +1,5 @@
-"""What B keeps for W is held once in the compiled step (XLA:CPU's buffer assignment).
+"""What B keeps for W, and the chunked executor's route buffers, are held once in the
+compiled step (XLA:CPU's buffer assignment).
 
 B's buffers (`StageSplit.held`: per slot and layer, the uses' operands and output
 cotangents) are the tick scan's carry; a tick's `lax.switch` reads them and returns one
@@ -6,7 +7,9 @@ slot's values, written in place after it (`put_slot`). A switch that returned th
 updated made XLA hold a second copy beside the carry. Here the values with a B buffer's
 shape, `[slots, L, b, ...]` (`weight_slots`' slot count, the layers of a chunk), cover at
 no moment of the program more than one copy of the buffers, and that copy is the planner's
-count: `layer_sets(...)["split"]` bytes a layer (`_split_kept`), L layers a slot.
+count: `layer_sets(...)["split"]` bytes a layer (`_split_kept`), L layers a slot. Over
+chunks, the route buffers of kept inputs and waiting gradients (`[K, b, T, D]`, K the slots
+the routes assign) are carried and written after the switch too: two of them at most.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pytest
 from helpers import make_tiny_cfg
 from helpers.dumps import dims_of, dumped_step
 
+from jaxpod.parallel.chunk_routes import routes
 from jaxpod.parallel.schedules import make_schedule
 from jaxpod.parallel.schedules_split import weight_slots
 from jaxpod.planner.activations import compute_bytes, stored_bytes
@@ -56,3 +60,17 @@ def test_b_buffers_are_held_once(name, mesh_for):
     assert held, lead  # B's buffers are in the program
     most = max(covered(values, held, t) for t in range(max(b for _, b in held.values()) + 1))
     assert most == once, (most, once)
+
+
+@pytest.mark.parametrize("kind", ["interleaved-1f1b", "zb-v"])
+def test_route_buffers_are_held_once(kind, mesh_for):
+    overrides = (f"train.pipeline_schedule={kind}", "train.virtual_stages=2")
+    cfg = make_tiny_cfg(*GPT, *overrides, mesh=(1, 2, 1))
+    md, tr = cfg.model, cfg.train
+    table = make_schedule(kind, 2, tr.grad_accum, tr.virtual_stages)
+    shape = (routes(table).slots, tr.micro_batch, md.seq_len, md.d_model)
+    _, _, (values, ranges, _) = dumped_step(cfg, mesh_for(cfg))
+    held = {v: r for v, r in ranges.items() if dims_of(values[v][2]) == shape}
+    assert held, shape  # the route buffers are in the program
+    most = max(covered(values, held, t) for t in range(max(b for _, b in held.values()) + 1))
+    assert most == 2 * shape[0] * shape[1] * shape[2] * shape[3] * 4, (most, shape)  # float32
