@@ -8,11 +8,11 @@ whole backward two (the backward computes both gradients). Jax-free.
   soon as their inputs exist (transfers free): the critical path.
 - `work`: one stage's busy units (the same on every stage); `bubble` = 1 - work / time.
 Forward-only tables (GPipe, circular) add their transposed backward: the same ticks again,
-two units each. `recompute=True` (jaxpod's executors under remat `full`): every backward op
-first recomputes its stage's forward, one unit more — a whole backward 3, B 2 — and W also
-runs the input-gradient chain again to reach each layer's output cotangent: W 3 (the split
-then computes 6 units a micro-batch against 1F1B's 4; XLA's cost analysis of W: 2.5 for a
-two-layer stage, about 3 on a transformer stage of several layers).
+two units each. `recompute=True` (jaxpod's executors under remat `full`): a whole backward
+and B first recompute their stage's forward, one unit more (3 and 2); W computes the weight
+gradients alone from what B kept (`jaxpod.parallel.weight_split`), one unit, so the split
+computes 1F1B's 4 units a micro-batch (XLA's cost analysis of a transformer stage: W 0.92
+of a forward, B 2.08; docs/benchmarks.md, `benchmarks/branch_costs.py`).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ COST = {IDLE: 0, FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1}
 
 
 def costs(recompute: bool = False) -> dict:
-    """Each op's units; with `recompute`, a backward op's recomputed forward added, and W's
-    input-gradient chain."""
+    """Each op's units; with `recompute`, the forward a whole backward and B recompute
+    added (W recomputes nothing)."""
     if not recompute:
         return dict(COST)
-    return {**COST, BACKWARD: 3, BACKWARD_INPUT: 2, BACKWARD_WEIGHT: 3}
+    return {**COST, BACKWARD: 3, BACKWARD_INPUT: 2}
 
 
 def work(schedule: Schedule, recompute: bool = False) -> int:

@@ -183,8 +183,8 @@ def bubble_factor(w: Workload) -> float:
 def _bubble(kind: str, p: int, m: int, virtual: int, lockstep: bool, full: bool) -> float:
     """`bubble_factor` of one schedule table (cached: a search prices many mappings). In
     lockstep (jaxpod's program) the time is the table's with each op as the executor runs it
-    — a stage-by-stage schedule's backward ops recompute their stage from its kept input,
-    whatever the remat policy, and W its input-gradient chain too — over the work the matmul
+    — a stage-by-stage schedule's backward ops (a whole backward, B) recompute their stage
+    from its kept input, whatever the remat policy; W does not — over the work the matmul
     time counts: 3 forwards' worth a micro-batch, 4 with full recompute."""
     if virtual > 1 and kind == "1f1b":
         kind = "interleaved-1f1b"

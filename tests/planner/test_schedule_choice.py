@@ -24,15 +24,17 @@ def test_without_recompute_zb_h1_is_the_fastest_table():
 
 
 def test_with_full_recompute_each_backward_op_recomputes():
-    """Remat full: B recomputes its stage (2 units), W also its input-gradient chain (3), a
-    whole backward 3, so the split schedules lose their edge (zb-h1 69, zb-v 67 stage units
-    a pass against gpipe's 44); circular (V = 2) is 19 forward ticks of half a stage, then its
-    transposed backward of 1.5 stages a tick: 19 * 4 / 2 = 38."""
+    """Remat full: B recomputes its stage (2 units), W computes weight gradients alone (1), a
+    whole backward 3; a lockstep tick costs its dearest op, so B beside a forward costs 2
+    and the split schedules (zb-h1 49, zb-v 46.5 stage units a pass) lose to circular
+    (V = 2): 19 forward ticks of half a stage, then its transposed backward of 1.5 stages a
+    tick: 19 * 4 / 2 = 38 (gpipe 44)."""
     cfg = make_tiny_cfg(*PIPE, "model.layers=8", "model.remat=full")
     advice = plan(cfg)["schedule_advice"]
     assert advice["kind"] == "circular" and advice["virtual_stages"] == 2
     assert advice["time"] == lockstep_time(make_schedule("circular", 4, 8, 2), True) / 2 == 38
-    assert lockstep_time(make_schedule("zb-h1", 4, 8), True) == 69
+    assert lockstep_time(make_schedule("zb-h1", 4, 8), True) == 49
+    assert lockstep_time(make_schedule("zb-v", 4, 8, 2), True) / 2 == 46.5
     assert "against gpipe's 44" in advice["reason"]
 
 
