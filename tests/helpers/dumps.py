@@ -5,6 +5,7 @@ target (no TPU attached)."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import tempfile
 from pathlib import Path
@@ -19,6 +20,23 @@ class Dumped(NamedTuple):
     compiled: object
     live: tuple  # (values, ranges, schedule): `jaxpod.target.live_ranges.temporaries`
     spaces: dict  # bytes per memory space (`jaxpod.target.buffers.memory_spaces`; {} on CPU)
+
+
+@contextlib.contextmanager
+def _uncached():
+    """jax's persistent compilation cache off (its key leaves out the dump options), and
+    jax made to look again at whether it is used, before and after."""
+    import jax
+    from jax._src import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def dumped_program(
@@ -37,7 +55,8 @@ def dumped_program(
     lowered = engine.train_step.lower(*arguments)
     with tempfile.TemporaryDirectory(prefix="jaxpod-dump-") as dump:
         dumped = {**(options or {}), **DUMP_OPTIONS, "xla_dump_to": dump}
-        compiled = lowered.compile(compiler_options=dumped)
+        with _uncached():  # a program read from the cache is not compiled: nothing is dumped
+            compiled = lowered.compile(compiler_options=dumped)
         reports = glob.glob(f"{dump}/*jit_train_step*memory-usage-report.txt")
         spaces = memory_spaces(Path(reports[0]).read_text()) if reports else {}
         live = temporaries(dump, device_only=device_only)
