@@ -19,10 +19,9 @@ During a save (`jaxpod.run.shardsync`) each other process `share`s the shard fil
 its copy after it, so orbax commits there a checkpoint holding every process's shards; its
 push then uploads its own files, `commit_success.txt` last. `memory://` is refused for them.
 
-The lock's limits: only GCS (gcsfs, `ifGenerationMatch=0`) creates it atomically; on other
-stores `xb` may be checked before the write, leaving a short window in which two runs both
-take it. A killed run leaves it behind: the same host takes over a lock whose process is gone;
-a lock of another host is refused until it is deleted (docs/runs.md).
+The lock's limits: only GCS (gcsfs, `ifGenerationMatch=0`) creates it atomically (elsewhere
+two runs may both take it in a short window); a killed run's lock is taken over by the same
+host, a lock of another host refused until it is deleted (docs/runs.md).
 """
 
 from __future__ import annotations
