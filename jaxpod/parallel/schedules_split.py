@@ -20,6 +20,8 @@ Jax-free.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from jaxpod.parallel.schedules import (
@@ -176,3 +178,12 @@ def weight_slots(schedule: Schedule) -> tuple[np.ndarray, int]:
                 slot[t, s] = taken.pop((m, r))
                 free = sorted([*free, int(slot[t, s])])
     return slot, count
+
+
+@functools.lru_cache(maxsize=512)
+def slot_count(kind: str, stages: int, micro: int, virtual: int) -> int:
+    """`weight_slots`' count for a table by its name (worked out once per table: a search
+    plans the same tables many times)."""
+    from jaxpod.parallel.schedules import make_schedule
+
+    return weight_slots(make_schedule(kind, stages, micro, virtual))[1]

@@ -16,7 +16,7 @@ from functools import lru_cache
 from jaxpod.config import Config
 from jaxpod.parallel.chunk_routes import routes
 from jaxpod.parallel.schedules import STEPWISE, make_schedule
-from jaxpod.parallel.schedules_split import weight_slots
+from jaxpod.parallel.schedules_split import slot_count
 from jaxpod.planner import efficientnet
 from jaxpod.planner.counts import efficientnet_stage_params, layer_params
 from jaxpod.planner.layer import layer_sets
@@ -213,11 +213,11 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int, profile: DeviceProfile) ->
         saved = (2 * k + 2) * sets["btd"]
         if kind in SPLIT_KINDS and cfg.memory.stream == "layer":
             # B's slots for W: each layer's kept operands and cotangents, the stage input's
-            # gradient (`weight_slots`: the most chunks between their B and their W), held
+            # gradient (`slot_count`: the most chunks between their B and their W), held
             # once in the tick scan's carry (tests/parallel/test_weight_split_held.py), and
             # one slot more: the values B's branch of a tick's `lax.switch` returns, written
             # into the carry after it (`put_slot`)
-            slots = weight_slots(make_schedule(kind, stages, micro, virtual))[1]
+            slots = slot_count(kind, stages, micro, virtual)
             saved += (slots + 1) * (per_tick * sets["split"] + sets["btd"])
         buffers = per_tick * sets["saved"]
         head_tokens = tr.micro_batch * md.seq_len
