@@ -78,6 +78,17 @@ def tpu_mesh(shape: tuple[int, int, int], target: str):
     return torus_mesh(shape, target_devices(parse_target(target)))
 
 
+def tpu_probe(overrides: tuple, mesh: tuple[int, int, int], target: str) -> tuple:
+    """`(cfg, state, module, (values, ranges, schedule))`: the tiny preset with `overrides` on
+    `mesh`, its step compiled for `target` with the dump; `module` its parsed HLO."""
+    from helpers import make_tiny_cfg
+    from jaxpod.target.hlo_text import parse
+
+    cfg = make_tiny_cfg(*overrides, mesh=mesh)
+    state, compiled, live = dumped_step(cfg, tpu_mesh(mesh, target))
+    return cfg, state, parse(compiled.as_text()), live
+
+
 def dims_of(shape: str) -> tuple[int, ...]:
     """The dimensions of an HLO array shape such as `f32[4,192,384]{2,1,0}`."""
     return tuple(int(d) for d in shape.split("[", 1)[1].split("]")[0].split(",") if d)

@@ -23,14 +23,13 @@ from dataclasses import replace
 
 import jax
 import pytest
-from helpers import make_tiny_cfg
-from helpers.dumps import dims_of, dumped_step, layer_ranges, tpu_mesh
+from helpers.dumps import dims_of, layer_ranges, tpu_probe
 
 from jaxpod.planner.activations import activation_bytes, compute_bytes
 from jaxpod.planner.bytes import device_bytes
 from jaxpod.planner.counts import param_layout
 from jaxpod.planner.profiles import get_profile
-from jaxpod.target.hlo_text import parse, shape_bytes
+from jaxpod.target.hlo_text import shape_bytes
 from jaxpod.target.live_ranges import covered
 
 pytestmark = pytest.mark.slow
@@ -50,10 +49,7 @@ PROBES = {  # name: (overrides, (replica, pipeline, tensor))
 @pytest.fixture(scope="module", params=sorted(PROBES))
 def probe(request):
     """`(cfg, state, module, (values, ranges, schedule))` of one probe's compiled step."""
-    overrides, mesh = PROBES[request.param]
-    cfg = make_tiny_cfg(*overrides, mesh=mesh)
-    state, compiled, live = dumped_step(cfg, tpu_mesh(mesh, TARGET))
-    return cfg, state, parse(compiled.as_text()), live
+    return tpu_probe(*PROBES[request.param], TARGET)
 
 
 def _planned(cfg, profile) -> dict:
