@@ -21,6 +21,7 @@ from jaxpod.engine import Engine, TrainState, abstract_engine
 from jaxpod.errors import UserError
 from jaxpod.planner.backend import backend_plan
 from jaxpod.planner.report import format_bytes
+from jaxpod.run.hostmem import is_oom
 from jaxpod.run.mapping import most_on_one_device
 from jaxpod.run.progress import Phase
 from jaxpod.target.buffers import compile_with_spaces, device_memory_bytes
@@ -145,7 +146,7 @@ def refused(exc: Exception, target: str) -> UserError:
     message says so, else its own first line (an internal check of one of its passes: the
     mapping is valid for jaxpod, and another one may compile)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if "RESOURCE_EXHAUSTED" in first or "out of memory" in first.lower():
+    if is_oom(exc):
         return UserError(f"the step does not fit {target}'s memory, as XLA compiles it: {first}")
     return UserError(
         f"XLA could not compile the step for {target} ({first}); the config is valid for "
