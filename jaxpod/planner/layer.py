@@ -78,11 +78,10 @@ def _converted_saved(cfg: Config, r: _Rows) -> int | None:
     elementwise backward needs: in float32 six [b, T, D] rows (the norms'), five hidden-unit
     rows [b, T, F/t] and the probabilities [b, H/t, T, T]; in bfloat16 both norms' outputs
     [b, T, D], q, k, v and the attention output (`qkvo`), the hidden units and the
-    probabilities (tests/target/test_fusion_tpu.py)."""
+    probabilities (tests/target/test_saved_tpu.py)."""
     md = cfg.model
-    if cfg.precision.compute != "float32" or md.sequence_parallel or md.mlp == "swiglu":
-        return None
-    if md.sequence_chunks > 1:
+    read = cfg.precision.compute == "float32" and md.mlp != "swiglu"
+    if not read or md.sequence_parallel or md.sequence_chunks > 1:
         return None
     f32 = 6 * r.btd + 5 * r.kept_hidden + r.kept_scores
     bf16 = 2 * r.btd + r.qkvo + r.kept_hidden + r.kept_scores

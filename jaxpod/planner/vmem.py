@@ -7,7 +7,7 @@ matrices and a layer's working set among them; on v5p and v4 its programs keep t
 temporaries in HBM (VMEM holds the kernels' scratch only). So at the HBM peak part of the
 temporaries is not in HBM. Which ones is the assignment's choice, not a rule of the step:
 on the probes of docs/memory.md ("VMEM") the HBM temporaries fell, against the same step on
-v5p, by 0.50 to 0.91 of the heap where they exceeded it. The planner credits the least of
+v5p, by 0.50 to 0.90 of the heap where they exceeded it. The planner credits the least of
 those, half the heap, and never more than the temporaries (`held_in_vmem`);
 tests/target/test_vmem_tpu.py finds at least that much moved in compiled programs.
 """
