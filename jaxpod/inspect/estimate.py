@@ -6,7 +6,8 @@ step-time model (`jaxpod.planner.step_time`). Jax-free: nothing is compiled.
 
 jaxpod runs a pipeline as one SPMD program, so the estimate prices its schedule in lockstep
 (a tick lasts its slowest op); RTS is FSDP (weights gathered per layer, gradients
-reduce-scattered), the remat policy the recompute.
+reduce-scattered), the remat policy the recompute. EfficientNet's packed stages are priced
+by `jaxpod.planner.step_time_conv` (the slowest stage sets each tick; images/s).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import re
 
 from jaxpod.config import Config
 from jaxpod.errors import UserError
-from jaxpod.planner.counts import param_layout
+from jaxpod.planner.counts import flops_per_example, param_layout
 from jaxpod.planner.speed import SPEEDS, get_speed
 from jaxpod.planner.step_time import Workload, estimate, layer_flops
+from jaxpod.planner.step_time_conv import estimate_packed
 
 MAX_DEVICES = 65536
 RECOMPUTE = {"none": "none", "full": "full", "minimal": "selective", "attention": "selective"}
@@ -48,7 +50,7 @@ def workload_of(cfg: Config) -> Workload:
     """The step-time model's view of a transformer config (its mesh resolved)."""
     md, m, t = cfg.model, cfg.mesh, cfg.train
     if cfg.kind.stages != "stacked":
-        raise UserError(f"model.name={md.name}: estimate models transformers (gpt, bert)")
+        raise UserError(f"model.name={md.name}: a transformer workload is gpt or bert")
     replica = m.replica
     rts = max(cfg.memory.rts, cfg.memory.rts_optimizer or 1)
     return Workload(
@@ -79,7 +81,9 @@ def workload_of(cfg: Config) -> Workload:
 def estimate_config(cfg: Config, profile: str) -> dict:
     """The estimate of `cfg` on its mesh of `profile` devices: step time, tokens/s, model
     FLOP/s per device (6·params + attention per token, no recompute) and MFU, and the
-    breakdown."""
+    breakdown. A packed-stage model (EfficientNet) gives images/s instead of tokens/s."""
+    if cfg.kind.stages == "packed":
+        return _estimate_packed(cfg, profile)
     w = workload_of(cfg)
     devices = w.devices
     speed = get_speed(profile)
@@ -101,9 +105,37 @@ def estimate_config(cfg: Config, profile: str) -> dict:
     }
 
 
+def _estimate_packed(cfg: Config, profile: str) -> dict:
+    """`estimate_config` of a packed-stage model (`jaxpod.planner.step_time_conv`): model
+    FLOPs are 3 x the forward's per image (no recompute)."""
+    speed = get_speed(profile)
+    est = estimate_packed(cfg, speed)
+    m, images = cfg.mesh, cfg.global_batch
+    per_device = 3 * flops_per_example(cfg) * images / est["step_s"] / cfg.devices
+    return {
+        "target": f"{profile}:{cfg.devices}",
+        "mapping": f"replica {m.replica} x pipeline {m.pipeline} x tensor {m.tensor}",
+        "params": param_layout(cfg)["total"],
+        "global_batch": images,
+        "step_time_s": est["step_s"],
+        "images_per_s": images / est["step_s"],
+        "model_flops_per_device_s": per_device,
+        "mfu": per_device / speed.flops[cfg.precision.compute],
+        "breakdown": {k: v for k, v in est.items() if k != "step_s"},
+    }
+
+
+def throughput(r: dict) -> str:
+    """`12,345 tokens/s` or, for an image model, `1,234 images/s`."""
+    if "images_per_s" in r:
+        return f"{r['images_per_s']:,.0f} images/s"
+    return f"{r['tokens_per_s']:,.0f} tokens/s"
+
+
 def format_estimate(r: dict) -> str:
     """The text report: the step time, its parts, throughput."""
     b = r["breakdown"]
+    stages = enumerate(b.get("stage_s", ()))
     rows = [
         ("matmuls (incl. recompute)", b["matmul_s"]),
         ("memory-bound ops", b["memory_s"]),
@@ -118,7 +150,8 @@ def format_estimate(r: dict) -> str:
         f"({r['params'] / 1e9:.2f} B parameters; the step-time model, docs/estimate.md)",
         f"  step time          {r['step_time_s']:.3f} s",
         *(f"    {name:40s} {sec:8.3f} s" for name, sec in rows),
-        f"  tokens/s           {r['tokens_per_s']:,.0f}",
+        *(f"    {f'stage {k} busy (lockstep: the slowest)':40s} {sec:8.3f} s" for k, sec in stages),
+        f"  throughput         {throughput(r)}",
         f"  model FLOP/s/device {r['model_flops_per_device_s'] / 1e12:.1f} T (MFU {r['mfu']:.1%})",
     ]
     return "\n".join(lines)

@@ -7,7 +7,9 @@ stages; ZB-V), the remat policy and RTS over the replicas. Each choice is pruned
 divisibility rules it completes (`jaxpod.config.divisibility`, the rules validation
 enforces). Each mapping left is validated as a config (`jaxpod.config.load_config`), kept if
 the planner says it fits the profile's memory, and ranked by the step-time model
-(`jaxpod.inspect.estimate`).
+(`jaxpod.inspect.estimate`). A packed-stage model (EfficientNet: no tensor axis, no RTS) is
+cut into stages where its stages' work is most even and where its config cuts it
+(`jaxpod.planner.step_time_conv.split_choices`), with remat `none` or `full`.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ from jaxpod.config.divisibility import accepts, sizes
 from jaxpod.config.load import config_maker
 from jaxpod.config.schema import CHUNKED
 from jaxpod.errors import ConfigError
-from jaxpod.inspect.estimate import estimate_config
+from jaxpod.inspect.estimate import estimate_config, throughput
 from jaxpod.planner.plan import plan
 from jaxpod.planner.speed import get_speed
+from jaxpod.planner.step_time_conv import split_choices
 
 REMATS = ("none", "full", "comms")
+# a packed-stage model (EfficientNet) names no value a policy keeps: every policy but `none`
+# recomputes its whole stage, as `full` does
+PACKED_REMATS = ("none", "full")
 # (kind, virtual stages) of every schedule tried: the round-robin chunked kinds with 2 to 4
 # virtual stages a device (Megatron's runs use up to 3), ZB-V with its V's two
 SCHEDULES = tuple(
@@ -54,6 +60,7 @@ UNMAPPED = (
     "train.virtual_stages=1",
     "memory.rts=1",
     "memory.rts_optimizer=1",
+    "model.pipeline_splits=[]",
 )
 TERMS = {  # breakdown key -> what it is, for the reasons
     "matmul_s": "matmul time",
@@ -70,24 +77,37 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def mappings(cfg: Config, devices: int, global_batch: int, fast_group: int) -> Iterator[list]:
+def mappings(
+    cfg: Config, devices: int, global_batch: int, fast_group: int, own: tuple = ()
+) -> Iterator[list]:
     """Override lists of every mapping worth planning (see the module docstring): each choice
     made is checked at once against the divisibility rules whose fields are all chosen
-    (`jaxpod.config.divisibility.accepts`), so a branch they refuse is never walked."""
+    (`jaxpod.config.divisibility.accepts`), so a branch they refuse is never walked. A
+    packed-stage model (no tensor axis) is cut into stages where `split_choices` says
+    (`own`: the config's own `model.pipeline_splits`, tried too)."""
     base = {k: v for k, v in sizes(cfg).items() if k not in SEARCHED}
-    for t in divisors(min(devices, fast_group, 64)):
+    packed = cfg.kind.stages == "packed"
+    for t in (1,) if packed else divisors(min(devices, fast_group, 64)):
         at_t = {**base, "mesh.tensor": t}
         if devices % t or not accepts(at_t):
             continue
         for p in divisors(devices // t):
             r = devices // (t * p)
             at_p = {**at_t, "mesh.pipeline": p, "mesh.replica": r}
-            if global_batch % r == 0 and accepts(at_p):
-                yield from _batching(at_p, global_batch // r)
+            if global_batch % r or not accepts(at_p):
+                continue
+            if not packed:
+                yield from _batching(at_p, global_batch // r, REMATS)
+                continue
+            for cut in split_choices(cfg, get_speed(cfg.memory.device), p, own):
+                split = [f"model.pipeline_splits=[{','.join(cut)}]"]
+                for more in _batching(at_p, global_batch // r, PACKED_REMATS):
+                    yield [*more, *split]
 
 
-def _batching(values: dict, per_replica: int) -> Iterator[list]:
-    """The micro-batch, schedule, remat and RTS choices of one (t, p, r) in `values`."""
+def _batching(values: dict, per_replica: int, remats: tuple) -> Iterator[list]:
+    """The micro-batch, schedule, remat (of `remats`) and RTS choices of one (t, p, r) in
+    `values`."""
     r, p, t = (values[f"mesh.{a}"] for a in ("replica", "pipeline", "tensor"))
     mesh = [f"mesh.replica={r}", f"mesh.pipeline={p}", f"mesh.tensor={t}"]
     for mb in divisors(per_replica):
@@ -101,7 +121,7 @@ def _batching(values: dict, per_replica: int) -> Iterator[list]:
             if not accepts(at_kind):
                 continue
             schedule = [f"train.pipeline_schedule={kind}", f"train.virtual_stages={virtual}"]
-            for remat in REMATS:
+            for remat in remats:
                 for rts in sorted({1, r}):
                     if not accepts({**at_kind, "memory.rts": rts, "memory.rts_optimizer": rts}):
                         continue
@@ -127,9 +147,10 @@ def search(
     cfg = make(())
     batch = global_batch or _config_batch(config, overrides, devices)
     speed = get_speed(profile)
+    own = _own_splits(config, overrides, devices) if cfg.kind.stages == "packed" else ()
     considered = valid = 0
     ranked = []
-    for more in mappings(cfg, devices, batch, speed.fast_group):
+    for more in mappings(cfg, devices, batch, speed.fast_group, own):
         considered += 1
         try:
             c = make(more)
@@ -149,10 +170,7 @@ def search(
 
 def alternatives(config: str, overrides: list[str], cfg: Config, top: int = 3) -> list[dict]:
     """The `top` fastest mappings of `cfg`'s model, batch and devices that fit its profile
-    (`search`'s entries), for a plan that does not fit; [] for a model the step-time model
-    does not price (EfficientNet)."""
-    if cfg.kind.stages != "stacked":
-        return []
+    (`search`'s entries), for a plan that does not fit."""
     found = search(config, overrides, cfg.memory.device, cfg.devices, cfg.train.global_batch)
     return found["top"][:top]
 
@@ -181,6 +199,15 @@ def _config_batch(config: str, overrides: list[str], devices: int) -> int:
         return load_config(config, on, max_devices=MAX_PLANNED_DEVICES).train.global_batch
     except ConfigError as exc:
         raise ConfigError(f"{exc} (or give search --global-batch)") from None
+
+
+def _own_splits(config: str, overrides: list[str], devices: int) -> tuple[str, ...]:
+    """The config's own `model.pipeline_splits` (none where its mesh does not fit)."""
+    on = [*overrides, f"devices={devices}", "mesh.replica=-1"]
+    try:
+        return load_config(config, on, max_devices=MAX_PLANNED_DEVICES).model.pipeline_splits
+    except ConfigError:
+        return ()
 
 
 def reason(a: dict, b: dict) -> str:
@@ -217,7 +244,7 @@ def format_search(result: dict, top: int, target: str) -> str:
         total = m["plan_bytes"]["device_total"] / 1e9
         shown = _shown(m["overrides"])
         lines.append(
-            f"{i}. {_time(e['step_time_s'])}/step, {e['tokens_per_s']:,.0f} tokens/s, MFU "
+            f"{i}. {_time(e['step_time_s'])}/step, {throughput(e)}, MFU "
             f"{e['mfu']:.1%}, {total:.2f} GB/device: {' '.join(shown)}"
         )
         if i < len(ranked):

@@ -176,11 +176,11 @@ def bubble_factor(w: Workload) -> float:
     if w.p == 1:
         return 1.0
     full = w.recompute == "full"
-    return _bubble(w.schedule, w.p, w.micro_batches, w.virtual, w.lockstep, full)
+    return schedule_bubble(w.schedule, w.p, w.micro_batches, w.virtual, w.lockstep, full)
 
 
 @functools.lru_cache(maxsize=4096)
-def _bubble(kind: str, p: int, m: int, virtual: int, lockstep: bool, full: bool) -> float:
+def schedule_bubble(kind: str, p: int, m: int, virtual: int, lockstep: bool, full: bool) -> float:
     """`bubble_factor` of one schedule table (cached: a search prices many mappings). In
     lockstep (jaxpod's program) the time is the table's with each op as the executor runs it
     — a stage-by-stage schedule's backward ops (a whole backward, B) recompute their stage
