@@ -160,3 +160,14 @@ def test_search_on_pod16_returns_a_fitting_mapping():
         assert plan(cfg, advice=False)["fits"]
         alone = estimate_config(cfg, "ipu-gc200")["step_time_s"]
         assert alone == pytest.approx(m["estimate"]["step_time_s"])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [POD16, "configs/bert_large_pod16.yaml", "configs/gpt3_175b_pod256.yaml"],
+)
+def test_the_seeds_three_models_are_estimated(config):
+    """No model kind is refused: each seed's preset on its own pod gets a step time."""
+    cfg = load_config(config, [])
+    r = estimate_config(cfg, cfg.memory.device)
+    assert r["step_time_s"] > 0 and 0 < r["mfu"] < 1

@@ -62,7 +62,7 @@ def test_a_deeper_pipeline_its_schedule_cannot_run_is_not_offered():
     assert not p["fits"] and "mesh.pipeline=4" not in p["suggestion"]
 
 
-@pytest.mark.parametrize(("config", "overrides"), CASES[:3], ids=lambda x: str(x)[-40:])
+@pytest.mark.parametrize(("config", "overrides"), CASES[:4], ids=lambda x: str(x)[-40:])
 def test_a_plan_that_does_not_fit_offers_the_searched_mappings(
     config, overrides, capsys, in_process_cli
 ):
