@@ -69,14 +69,7 @@ def pieces_work(cfg: Config, act: int) -> list[dict]:
     """Every piece's forward per image, in model order: `{"name", "matmuls": [(FLOPs,
     depth)], "depthwise": FLOPs done as memory-bound work, "memory": bytes}`; `act`: bytes
     of an activation in the compute dtype."""
-    md = cfg.model
-    specs = block_specs(
-        md.variant,
-        g16=md.g16,
-        width_mult=md.width_mult,
-        depth_mult=md.depth_mult,
-        block_groups=md.block_groups,
-    )
+    md, specs = cfg.model, _specs(cfg)
     stem_ch, head_ch = stem_head_channels(md.variant, width_mult=md.width_mult)
     hw = _size(md.image_size, 2)
     stem_mem = (NORM_PASSES + SWISH_PASSES) * act * hw * hw * stem_ch
@@ -95,9 +88,8 @@ def stages_work(cfg: Config, act: int, splits: tuple[str, ...] | None = None) ->
     """`pieces_work` grouped into the pipeline stages of `splits` (default: the config's
     `model.pipeline_splits`): the stem in the first, the head in the last."""
     work = pieces_work(cfg, act)
-    blocks = [b for b in work if b["name"] not in ("stem", "head")]
-    names = [b["name"] for b in blocks]
-    cut = split_specs(_named(names), cfg.model.pipeline_splits if splits is None else splits)
+    blocks = work[1:-1]
+    cut = split_specs(_specs(cfg), cfg.model.pipeline_splits if splits is None else splits)
     out, i = [], 0
     for k, run in enumerate(cut):
         stage = ([work[0]] if k == 0 else []) + blocks[i : i + len(run)]
@@ -106,9 +98,15 @@ def stages_work(cfg: Config, act: int, splits: tuple[str, ...] | None = None) ->
     return out
 
 
-def _named(names: list[str]) -> list:
-    """Stand-ins carrying only `.name`, for `split_specs`."""
-    return [type("Named", (), {"name": n})() for n in names]
+def _specs(cfg: Config) -> list[BlockSpec]:
+    md = cfg.model
+    return block_specs(
+        md.variant,
+        g16=md.g16,
+        width_mult=md.width_mult,
+        depth_mult=md.depth_mult,
+        block_groups=md.block_groups,
+    )
 
 
 def balanced_splits(costs: list[float], names: list[str], stages: int) -> tuple[str, ...] | None:
