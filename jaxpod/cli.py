@@ -189,21 +189,21 @@ MESH_AXES = ("replica", "pipeline", "tensor")
 def _load_for_target(config: str, overrides: list[str], text: str | None):
     """`(target, cfg)`: the config as given, or for `--target` with `devices` set to the
     target's chips (so `mesh.replica=-1` fills from them) after checking the mesh fits."""
-    from jaxpod.config import load_config
+    from jaxpod.config import MAX_PLANNED_DEVICES, load_config
 
     if text is None:
         return None, load_config(config, overrides)
     from jaxpod.config import peek
-    from jaxpod.target.spec import check_mesh_fits, parse_target
+    from jaxpod.target.spec import check_compiles, check_mesh_fits, parse_target
 
     target = parse_target(text)
     replica, pipeline, tensor = (peek(config, overrides, f"mesh.{a}") for a in MESH_AXES)
     if replica != -1:
         check_mesh_fits(target, replica * pipeline * tensor)
-    from jaxpod.config import MAX_PLANNED_DEVICES
-
     chips = f"devices={target.chips}"
-    return target, load_config(config, [*overrides, chips], max_devices=MAX_PLANNED_DEVICES)
+    cfg = load_config(config, [*overrides, chips], max_devices=MAX_PLANNED_DEVICES)
+    check_compiles(target, cfg)  # before the config's warnings: the refusal is the one line
+    return target, cfg
 
 
 def _runs(args: argparse.Namespace) -> None:

@@ -309,7 +309,8 @@ class Config:
             out.append(
                 "memory.offload includes activations: the TPU/GPU program places the saved "
                 "activations on the host, the CPU one does not; the planner counts them on the "
-                "host for the TPU profiles without a pipeline, else on the device "
+                "host for the TPU profiles without a pipeline or under gpipe and circular, "
+                "else on the device "
                 "(`jaxpod plan` says why)"
             )
         return out

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpod.config import Config
+from jaxpod.config.schema import STEPWISE
 from jaxpod.engine.loss import Examples
 from jaxpod.engine.placement import make_placement
 from jaxpod.engine.state import (
@@ -91,6 +92,8 @@ class StackedStages:
         host_layers = jax.tree.map(lambda h, s: h and s, placement.host, self.masks.stacked)
         self.layers_on_host = any(jax.tree.leaves(host_layers))
         mem = cfg.memory
+        # a forward-only table's tick scan stacks what each tick saves (`StackOptions`)
+        tick_stacked = cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule not in STEPWISE
         self.stack_options = StackOptions(
             remat_policy=cfg.model.remat,
             phases=placement.phases,
@@ -98,6 +101,7 @@ class StackedStages:
             mlp_panels=mem.mlp_panels,
             offload_activations=placement.offload_activations,
             unroll=unroll,
+            layer_loop=placement.offload_activations and tick_stacked,
         )
 
     # ------------------------------------------------------------------ state and shardings

@@ -27,7 +27,7 @@ from jaxpod.run.progress import Phase
 from jaxpod.target.buffers import compile_with_spaces, device_memory_bytes
 from jaxpod.target.devices import describe_layout, target_devices, torus_layout, torus_mesh
 from jaxpod.target.hlo import collectives, transfers
-from jaxpod.target.spec import Target
+from jaxpod.target.spec import Target, check_compiles
 
 
 def abstract_inputs(cfg: Config, mesh: Mesh) -> tuple[Engine, TrainState, tuple]:
@@ -123,6 +123,7 @@ def compile_step(
 def compile_for_target(cfg: Config, target: Target, progress: TextIO | None = None) -> dict:
     """`compile_step` on `target`'s compile-only devices (no accelerator attached), the mesh
     laid on its torus (`jaxpod.target.devices`), planned for the target's profile."""
+    check_compiles(target, cfg)
     text = f"{target.text}: {target.chips} chips, topology {target.topology_name}"
     with Phase(text, progress, prefix="jaxpod: "):
         shape = (cfg.mesh.replica, cfg.mesh.pipeline, cfg.mesh.tensor)

@@ -30,6 +30,7 @@ def scan_phases(
     stacked: dict,
     *,
     unroll: bool = False,
+    loop: bool = False,
     phases: int = 1,
     fetch: Callable | None = None,
     remat_policy: str = "none",
@@ -44,10 +45,11 @@ def scan_phases(
     (`PHASE_WEIGHTS`): the backward pass fetches each phase's weights again instead of
     keeping every phase's copy alive. (An outer policy overrides the inner one: "save
     anything" here would save every layer's intermediates whatever the layer's policy.) The
-    result does not depend on K.
+    result does not depend on K. `unroll`, `loop`: how each phase runs its layers
+    (`scan_layers`).
     """
     if phases == 1 and fetch is None:
-        return scan_layers(layer_fn, x, stacked, unroll)
+        return scan_layers(layer_fn, x, stacked, unroll, loop)
     size = jax.tree.leaves(stacked)[0].shape[0]
     if size % phases:
         raise ValueError(f"{size} layers do not split into phases={phases}")
@@ -55,7 +57,7 @@ def scan_phases(
     if fetch is None:
         for i in range(phases):
             part = jax.tree.map(lambda a, i=i: a[i * n : (i + 1) * n], stacked)
-            x = scan_layers(layer_fn, x, part, unroll)
+            x = scan_layers(layer_fn, x, part, unroll, loop)
         return x
     step = layer_fn
     if remat_policy != "none":
@@ -64,7 +66,7 @@ def scan_phases(
     def phase(x, stacked, i):
         fetched = fetch_phase(stacked, i * n, n, x, fetch)
         fetched = jax.tree.map(lambda a: checkpoint_name(a, PHASE_WEIGHTS), fetched)
-        return scan_layers(step, x, fetched, unroll)
+        return scan_layers(step, x, fetched, unroll, loop)
 
     # prevent_cse: the backward pass's fetch must not be merged with the forward pass's
     # (the same slice of the same stack), which would keep every phase's copy alive

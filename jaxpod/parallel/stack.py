@@ -39,7 +39,10 @@ class StackOptions(NamedTuple):
     `phases` (K scans); `stream` (`"layer"`: a layer's weights made ready before it runs;
     `"matrix"`: each of its steps' weights, `mlp_panels` panels for the MLP);
     `offload_activations` (the policy's saved values in host memory); `unroll` (the layer
-    scan unrolled: FLOP accounting only)."""
+    scan unrolled: FLOP accounting only); `layer_loop` (each layer traced in turn, no layer
+    scan: a forward-only pipeline table's tick scan, transposed by autodiff, stacks what
+    each tick saves, and XLA:TPU's host offloading takes a saved value stacked once, over
+    the ticks, but not twice, over the ticks and the layers: docs/memory.md)."""
 
     remat_policy: str = "none"
     phases: int = 1
@@ -47,6 +50,7 @@ class StackOptions(NamedTuple):
     mlp_panels: int = 1
     offload_activations: bool = False
     unroll: bool = False
+    layer_loop: bool = False
 
 
 def run_stack(
@@ -104,6 +108,7 @@ def run_stack(
         x,
         stacked,
         unroll=options.unroll,
+        loop=options.layer_loop,
         phases=options.phases,
         fetch=phase_fetch,
         remat_policy=policy,
@@ -164,5 +169,9 @@ def _scan_indexed(layer, x, stacked: dict, virtual_stage, options: StackOptions,
         return layer(x, jax.tree.map(pick, stacked))
 
     at = remat(run, options.remat_policy, offload=options.offload_activations)
+    if options.layer_loop:
+        for i in range(size):
+            x = at(x, i)
+        return x
     body = lambda x, i: (at(x, i), None)  # noqa: E731
     return jax.lax.scan(body, x, jnp.arange(size), unroll=options.unroll)[0]

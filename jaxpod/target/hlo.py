@@ -171,10 +171,10 @@ def transfers(hlo_text: str) -> dict[str, dict[str, int]]:
     u32[]{:S(2)}) copy-start(%param.39)` fetching each host-resident leaf and the reverse
     writing its new value back; no gradient crosses. Without a pipeline, the phases' slices
     are fetched in the micro-batch loop (`dynamic-slice-start` of an `S(5)` operand).
-    `activations` under remat `comms`:
-    in the tick loop, `dynamic-update-slice-start` of the saved value into an `S(5)` buffer,
-    then a `HostExecute` custom-call-start that reads that buffer and the device-resident
-    stack of saved values and writes the stack; under remat `full` nothing (nothing saved)."""
+    `activations` under gpipe (the stage's layers looped): in the tick loop a
+    `dynamic-update-slice-start` of each saved value into its `S(5)` buffer stacked over the
+    ticks, read back by `dynamic-slice-start` in the backward ticks, no host computation;
+    under remat `full` nothing (nothing saved)."""
     module = parse(hlo_text)
     totals = {"to_device": _tally(), "to_host": _tally()}
     for name, times in runs(module).items():

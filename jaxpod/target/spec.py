@@ -104,3 +104,19 @@ def check_mesh_fits(target: Target, mesh_devices: int) -> None:
             "devices; name a topology of that many chips or change mesh.* (mesh.replica=-1 "
             "fills from the target)"
         )
+
+
+def check_compiles(target: Target, cfg) -> None:
+    """One line for a valid config that `target`'s compiler is known to reject: XLA:TPU
+    (libtpu 0.0.42) with the saved activations offloaded under gpipe or circular skipping
+    their bubbles (a skipped bubble's `lax.cond` returns the saved values in host memory and
+    the tick scan's stack of them fails XLA's host offloading: docs/memory.md)."""
+    t = cfg.train
+    offloads = "activations" in cfg.memory.offload and cfg.model.remat != "full"
+    if target.platform == "tpu" and offloads and cfg.mesh.pipeline > 1 and t.skip_bubbles:
+        raise UserError(
+            f"train.skip_bubbles=true with memory.offload=[activations] under "
+            f"{t.pipeline_schedule}: XLA:TPU cannot compile it for {target.text} (the skipped "
+            "bubble's saved values come out of its lax.cond in host memory); set "
+            "train.skip_bubbles=false, which offloads them, or model.remat=full"
+        )

@@ -76,6 +76,11 @@ def test_the_replica_axis_fills_from_the_target():
         (["--target", "tpu-v5p:2x2x4"], "--target tpu-v5p:2x2x4 has 16 chips but the mesh has 8"),
         (["--target", "v5p-16"], "--target v5p-16 names no target"),
         (["--target", "tpu-v5e:2x2x2"], "TPU v5e is a 2-D torus"),
+        (
+            ["memory.offload=[activations]", "train.skip_bubbles=true", "--target", "tpu-v4:2x2x2"],
+            "train.skip_bubbles=true with memory.offload=[activations] under gpipe: XLA:TPU "
+            "cannot compile it for tpu-v4:2x2x2",
+        ),
     ],
 )
 def test_a_target_that_does_not_fit_is_one_line(args, needle):

@@ -576,7 +576,7 @@ def test_offloaded_activations_warn_where_the_planner_keeps_them_on_the_device()
     the planner credits it on the TPU profiles (tests/planner/test_activation_offload.py)."""
     (warning,) = load_config(None, ["memory.offload=[activations]"]).warnings()
     assert warning.startswith("memory.offload includes activations")
-    assert "host for the TPU profiles without a pipeline, else on the device" in warning
+    assert "TPU profiles without a pipeline or under gpipe and circular, else on" in warning
     assert load_config(None, ["memory.offload=[optimizer]"]).warnings() == []
 
 

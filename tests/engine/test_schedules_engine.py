@@ -53,6 +53,12 @@ SCHEDULES |= {
 }
 # a bubble tick computes nothing (`lax.cond`); the carry's NaN bubble fill must not leak
 SKIPPING = {f"{k}-skip": (*SCHEDULES[k], "train.skip_bubbles=true") for k in ("gpipe", "circular")}
+# activations offloaded: a forward-only table's stage traces its layers one by one
+# (`StackOptions.layer_loop`); the CPU program keeps them on the device, same math
+OFFLOADED = {
+    f"{k}+offload": (*{**SCHEDULES, **SKIPPING}[k], "memory.offload=[activations]")
+    for k in ("circular", "gpipe-skip")
+}
 ROWS = 8  # every case's global batch: replica x M micro-batches of 1 sequence
 
 
@@ -108,7 +114,7 @@ def rel_err(got, want) -> float:
 def schedule_cfg(tiny_cfg, model, mesh, micro, schedule):
     """The config of `model` on `mesh` with `micro` micro-batches of 1 sequence per replica."""
     base = BERT if model == "bert" else GPT
-    extra = {**SCHEDULES, **SKIPPING}[schedule]
+    extra = {**SCHEDULES, **SKIPPING, **OFFLOADED}[schedule]
     cfg = tiny_cfg(*base, f"train.global_batch={mesh[0] * micro}", *extra, mesh=mesh)
     assert cfg.train.grad_accum == micro and cfg.global_batch == ROWS
     return cfg
@@ -147,6 +153,7 @@ CASES += [("gpt", (1, 2, 4), 8, k) for k in ("circular", *STEPWISE)]
 CASES += [("gpt", (1, 4, 1), 8, k) for k in ("gpipe-skip", "zb-h1", "interleaved-1f1b", "zb-v")]
 CASES += [("gpt", (1, 2, 2), 8, k) for k in ("zb-h1+sp", "interleaved-1f1b+slices")]
 CASES += [("gpt", (2, 2, 1), 4, "zb-v+rts"), ("bert", (1, 2, 2), 8, "zb-v+sp")]
+CASES += [("gpt", (1, 2, 2), 8, f"{k}+offload") for k in ("circular", "gpipe-skip")]
 
 
 @pytest.mark.parametrize(
@@ -159,6 +166,7 @@ def test_schedule_matches_the_single_device_reference(
 ):
     cfg = schedule_cfg(tiny_cfg, model, mesh, micro, schedule)
     engine, state = abstract_engine(cfg, mesh_for(cfg), bubble_fill=float("nan"))
+    assert engine.stages.stack_options.layer_loop == schedule.endswith("+offload")
     params = stored(engine, plain_model(model)[1])
     params = jax.device_put(params, jax.tree.map(lambda a: a.sharding, state.params))
     batch = jax.device_put((tokens_of(ROWS),), engine.batch_sharding)

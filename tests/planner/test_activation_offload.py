@@ -1,8 +1,9 @@
 """The planner's credit for `memory.offload=[activations]`: on a profile whose backend places
 the remat policy's saved values in host memory (`DeviceProfile.offloads_activations`, the
 TPU profiles), each layer's saved values less its input move from the device total to the
-host total; nowhere else. The bytes are checked against the shapes the policies save here,
-against XLA:TPU's compiled program in tests/target/test_offload_tpu.py (instant)."""
+host total, without a pipeline and under gpipe and circular; nowhere else. The bytes are
+checked against the shapes the policies save here, against XLA:TPU's compiled program in
+tests/target/test_offload_tpu.py (instant)."""
 
 from __future__ import annotations
 
@@ -57,21 +58,49 @@ def test_saved_values_move_to_the_host(remat):
     assert "in host memory" in format_plan(offloaded)
 
 
+PIPELINED = (2, 2, 2)
+CIRCULAR = ("train.pipeline_schedule=circular", "train.virtual_stages=2")
+
+
+@pytest.mark.parametrize("remat", ["minimal", "attention", "comms"])
+@pytest.mark.parametrize("schedule", [(), CIRCULAR], ids=["gpipe", "circular"])
+def test_every_tick_saves_to_the_host(remat, schedule):
+    """gpipe and circular: every tick of the forward tick scan saves its layers' values (V M
+    + S - 1 ticks of L / (S V) layers), all of them in host memory; the device total falls
+    by all but one layer's."""
+    overrides = (*schedule, f"model.remat={remat}")
+    kept = _plan(*overrides, mesh=PIPELINED)
+    offloaded = _plan(OFFLOAD, *overrides, mesh=PIPELINED)
+    cfg = make_tiny_cfg(*ACTIVE, *schedule, mesh=PIPELINED)
+    stages, virtual = cfg.mesh.pipeline, cfg.train.virtual_stages
+    ticks = virtual * cfg.pipeline_group + stages - 1
+    per_layer = saved_per_layer(cfg, remat)
+    host = ticks * cfg.model.layers // (stages * virtual) * per_layer
+    acts = offloaded["activations_breakdown"]
+    assert (acts["host"], acts["host_why"], acts["ticks"]) == (host, "", ticks)
+    b, k = offloaded["bytes_per_device"], kept["bytes_per_device"]
+    assert k["device_total"] - b["device_total"] == host - per_layer
+    assert b["host_total"] - k["host_total"] == host
+
+
 @pytest.mark.parametrize(
     ("overrides", "device", "mesh", "why"),
     [
         (["model.remat=minimal"], "cpu", FLAT, "cpu"),
         (["model.remat=minimal"], "a100-80gb", FLAT, "a100-80gb"),
-        (["model.remat=minimal"], "tpu-v5p", (2, 2, 2), "pipelined"),
+        (["train.pipeline_schedule=1f1b"], "tpu-v5p", PIPELINED, "1f1b: a backward tick"),
+        (["train.skip_bubbles=true"], "tpu-v5p", PIPELINED, "XLA:TPU rejects"),
         (["model.remat=full"], "tpu-v5p", FLAT, "remat full"),
     ],
-    ids=["cpu", "gpu", "pipelined", "full"],
+    ids=["cpu", "gpu", "1f1b", "skip-bubbles", "full"],
 )
 def test_no_credit_where_the_program_keeps_them(overrides, device, mesh, why):
     """No credit where the backend keeps the saved values on the device (XLA:CPU drops the
-    placement; no XLA:GPU program is read), where XLA:TPU rejects the program (pipelined)
-    or where nothing offloadable is saved (remat full): the plan is the plan without the
-    offload, and says why."""
+    placement; no XLA:GPU program is read), where a stepwise table offloads and reads them
+    back inside its backward tick (not modelled), where XLA:TPU rejects the program (gpipe
+    skipping its bubbles: `jaxpod compile --target` refuses it) or where nothing
+    offloadable is saved (remat full): the plan is the plan without the offload, and says
+    why."""
     kept = _plan(*overrides, device=device, mesh=mesh)
     offloaded = _plan(OFFLOAD, *overrides, device=device, mesh=mesh)
     assert offloaded["bytes_per_device"] == kept["bytes_per_device"]

@@ -1,12 +1,14 @@
-"""`--target` names: parsed to the generation, its profile and chips, or refused in one line."""
+"""`--target` names: parsed to the generation, its profile and chips, or refused in one line;
+the configs a target's compiler is known to reject, refused before it runs."""
 
 from __future__ import annotations
 
 import pytest
+from helpers import make_tiny_cfg
 
 from jaxpod.errors import UserError
 from jaxpod.planner.profiles import PROFILES
-from jaxpod.target.spec import GENERATIONS, check_mesh_fits, parse_target
+from jaxpod.target.spec import GENERATIONS, check_compiles, check_mesh_fits, parse_target
 
 
 @pytest.mark.parametrize(
@@ -49,3 +51,35 @@ def test_the_mesh_must_have_the_targets_chips():
     check_mesh_fits(parse_target("tpu-v5p:2x2x4"), 16)
     with pytest.raises(UserError, match="has 16 chips but the mesh has 8 devices"):
         check_mesh_fits(parse_target("tpu-v5p:2x2x4"), 8)
+
+
+SKIPPING = ("memory.offload=[activations]", "train.skip_bubbles=true")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "target", "refused"),
+    [
+        (SKIPPING, "tpu-v5p:2x2x2", True),
+        (
+            (*SKIPPING, "train.pipeline_schedule=circular", "train.virtual_stages=2"),
+            "tpu-v5e:2x4",
+            True,
+        ),
+        (SKIPPING[:1], "tpu-v5p:2x2x2", False),  # gpipe offloads, its layers looped
+        ((*SKIPPING, "model.remat=full"), "tpu-v5p:2x2x2", False),  # nothing offloaded
+        (SKIPPING, "h100:8", False),  # XLA:GPU's program is not read here
+    ],
+    ids=["gpipe", "circular", "no-skipping", "remat-full", "gpu"],
+)
+def test_a_program_xla_tpu_rejects_is_refused_before_compiling(overrides, target, refused):
+    """Offloaded activations under gpipe or circular skipping their bubbles: XLA:TPU
+    (libtpu 0.0.42) rejects the program (tests/target/test_offload_tpu.py's xfail), so
+    `--target` refuses the config in one line naming the fields and the fix."""
+    cfg = make_tiny_cfg(*overrides, mesh=(2, 2, 2))
+    if not refused:
+        check_compiles(parse_target(target), cfg)
+        return
+    with pytest.raises(UserError, match="set train.skip_bubbles=false") as info:
+        check_compiles(parse_target(target), cfg)
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith("train.skip_bubbles=true with memory.offload=[activations]")
