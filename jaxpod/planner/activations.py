@@ -134,6 +134,7 @@ def _packed_activation_bytes(cfg: Config, profile: DeviceProfile, cb: int) -> di
         0 if opt16 else new_state,
         dense_depthwise=profile.dense_depthwise_grads,
         tile=profile.tile,
+        grouped_copies=profile.grouped_conv_copies,
     )
 
 

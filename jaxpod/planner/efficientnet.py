@@ -27,6 +27,7 @@ from __future__ import annotations
 from jaxpod.config import Config
 from jaxpod.parallel.schedules import STEPWISE
 from jaxpod.planner.efficientnet_pieces import F32, HEAD_BACKWARD_TEMPS, pieces
+from jaxpod.planner.grouped_convs import grouped_conv_bytes
 from jaxpod.planner.tiles import Tile
 
 # Pipelined without remat the gradient row is built beside the backward, a leaf at a time
@@ -112,18 +113,26 @@ def _schedule_carries(cfg: Config, carry: int) -> tuple[int, int]:
 
 
 def _stage_works(
-    cfg: Config, stages: list[list[dict]], cb: int, act: int, widened: bool, dense: bool
+    cfg: Config,
+    stages: list[list[dict]],
+    cb: int,
+    act: int,
+    widened: bool,
+    dense: bool,
+    grouped: Tile | None = None,
 ) -> list[int]:
     """Bytes of each stage's backward for one micro-batch: the stem's stage at its
-    weight-gradient peak (`weight_grad_inputs`), any other as its backward starts (its
-    `forward_values`, its kernels in float32 where `widened`, the classifier's gradient);
-    with `dense` (the device builds a depthwise conv's weight gradient from a dense kernel)
-    the largest such kernel of the stage."""
+    weight-gradient peak (`weight_grad_inputs`; with `grouped`, the tile of a device that
+    holds grouped convs' copies, those: `grouped_conv_bytes`), any other as its backward
+    starts (its `forward_values`, its kernels in float32 where `widened`, the classifier's
+    gradient); with `dense` (the device builds a depthwise conv's weight gradient from a
+    dense kernel) the largest such kernel of the stage."""
     mb, pipelined = cfg.train.micro_batch, cfg.mesh.pipeline > 1
     works = []
     for st in stages:
         if st[0]["name"] == "stem":
             work = weight_grad_inputs(st, cb, act, pipelined) * mb
+            work += grouped_conv_bytes(st, mb, act, grouped) if grouped else 0
         else:
             work = forward_values(st) * mb
             work += sum(p["kernels"] for p in st) * F32 if widened else 0
@@ -187,6 +196,7 @@ def activation_bytes(
     moments: int = 0,
     dense_depthwise: bool = False,
     tile: Tile | None = None,
+    grouped_copies: bool = False,
 ) -> dict:
     """Activation bytes per device (the breakdown `bytes.activation_bytes` reports), plus the
     packed update's working set (`update_work`). `cb`: bytes of a conv's operand or output
@@ -201,7 +211,9 @@ def activation_bytes(
     `dense_depthwise`: the device builds a depthwise conv's weight gradient from a dense
     [k, k, C, C] float32 kernel, live in its stage's backward (read on 1- and 2-stage probes
     of the digits config with `model.g16=false`, benchmarks/xla_peak.py); `tile`: the
-    device's array tile, the pieces' values padded to it (`DeviceProfile.tile`)."""
+    device's array tile, the pieces' values padded to it (`DeviceProfile.tile`);
+    `grouped_copies`: the device holds grouped convs' copies in their tiled layout
+    (`DeviceProfile.grouped_conv_copies`)."""
     stages = pieces(cfg, cb, act, tile)
     S = cfg.mesh.pipeline
     ticks, carries = _schedule_carries(cfg, cfg.train.micro_batch * carry_size(stages) * F32)
@@ -212,7 +224,9 @@ def activation_bytes(
         grad_rows = RUNNING_SUM_ROWS * (row_elements * grad_bytes)
     else:
         widened = cb > param_bytes  # 16-bit kernels convolved in float32 on this device
-        stage_work = max(_stage_works(cfg, stages, cb, act, widened, dense_depthwise))
+        grouped = tile if grouped_copies else None
+        works = _stage_works(cfg, stages, cb, act, widened, dense_depthwise, grouped)
+        stage_work = max(works)
         stage_work = max(stage_work, ROW_CONCAT_ROWS * row_elements * grad_bytes)
         grad_rows = 0
     return {

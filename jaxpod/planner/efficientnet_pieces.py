@@ -172,6 +172,8 @@ def _block_piece(s: BlockSpec, h_in: int, wide: int, act: int, sz: _Sizes) -> di
     # a depthwise spatial conv's weight gradient, on a device that computes it from a
     # dense [k, k, C, C] float32 kernel (XLA:CPU: `DeviceProfile.dense_depthwise_grads`)
     dense = s.kernel**2 * s.mid_ch**2 * F32 if s.group_size == 1 and not plain else 0
+    # a grouped spatial conv's sizes, its copies' (`jaxpod.planner.grouped_convs`)
+    grouped_conv = (h_in, h_out, s.mid_ch, s.group_size) if s.group_size > 1 else None
     return {
         "kept": kept,
         "cot": cot,
@@ -179,6 +181,7 @@ def _block_piece(s: BlockSpec, h_in: int, wide: int, act: int, sz: _Sizes) -> di
         "saved": saved,
         "kernels": kernels,
         "dense_grad": dense,
+        "grouped_conv": None if plain else grouped_conv,
         "out_cot": n_out,
         "residual": s.residual,
         "convs": 3 if s.expand != 1 else 2,

@@ -18,8 +18,10 @@ test_sequence_parallel_tpu.py find them in compiled programs), places the values
 remat policy saves in host memory when `memory.offload` names activations
 (`offloads_activations`; XLA:CPU ignores the placement), without a pipeline holds the
 host-resident layer stack and the update's state a phase at a time (`updates_in_phases`:
-tests/target/test_offload_tpu.py and test_phases_tpu.py), and on v5e and v6e keeps some
-temporaries in VMEM (`vmem_heap`, `jaxpod.planner.vmem`).
+tests/target/test_offload_tpu.py and test_phases_tpu.py), holds a grouped conv's operand
+and output cotangent in its tiled grouped layout (`grouped_conv_copies`,
+`jaxpod.planner.grouped_convs`) and on v5e and v6e keeps some temporaries in VMEM
+(`vmem_heap`, `jaxpod.planner.vmem`).
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ class DeviceProfile:
     # in one phase's stacked matrices and their moments, updates them and writes them back
     # before the next (XLA:TPU; `jaxpod.planner.phased`)
     updates_in_phases: bool = False
+    # a grouped convolution's operand and its output's cotangent are copied into its layout
+    # `[B, H, W, groups, group size]`, the micro-batch second-minor, padded to the tile, and
+    # held until its weight gradient (XLA:TPU; `jaxpod.planner.grouped_convs`)
+    grouped_conv_copies: bool = False
 
 
 # what XLA:TPU's programs do, the same on every TPU generation read (tests/target/)
@@ -107,6 +113,7 @@ XLA_TPU = dict(
     head_grads_at_once=True,
     accumulates_in_place=True,
     updates_in_phases=True,
+    grouped_conv_copies=True,
 )
 
 PROFILES: dict[str, DeviceProfile] = {
