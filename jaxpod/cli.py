@@ -121,12 +121,11 @@ def _profile(args: argparse.Namespace) -> None:
 def _plan(args: argparse.Namespace) -> None:
     import json
 
-    from jaxpod.config import MAX_PLANNED_DEVICES, load_config
     from jaxpod.inspect.chart import check_chart_path, write_chart
     from jaxpod.planner.plan import format_plan, plan
 
     config, overrides = _split_config_and_overrides(args.items, "plan")
-    cfg = load_config(config, overrides, max_devices=MAX_PLANNED_DEVICES)
+    _, cfg = _load_for_target(config, overrides, args.target, profile=True)
     _warn(cfg)
     _warn_host_ram(cfg)
     if args.chart:
@@ -183,27 +182,16 @@ def _compile(args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2) if args.json else format_compile(result))
 
 
-MESH_AXES = ("replica", "pipeline", "tensor")
-
-
-def _load_for_target(config: str, overrides: list[str], text: str | None):
-    """`(target, cfg)`: the config as given, or for `--target` with `devices` set to the
-    target's chips (so `mesh.replica=-1` fills from them) after checking the mesh fits."""
-    from jaxpod.config import MAX_PLANNED_DEVICES, load_config
-
+def _load_for_target(config: str, overrides: list[str], text: str | None, **kw):
+    """`(None, cfg)` without `--target`, else `jaxpod.target.load.load_for_target`."""
     if text is None:
-        return None, load_config(config, overrides)
-    from jaxpod.config import peek
-    from jaxpod.target.spec import check_compiles, check_mesh_fits, parse_target
+        from jaxpod.config import MAX_PLANNED_DEVICES, load_config
 
-    target = parse_target(text)
-    replica, pipeline, tensor = (peek(config, overrides, f"mesh.{a}") for a in MESH_AXES)
-    if replica != -1:
-        check_mesh_fits(target, replica * pipeline * tensor)
-    chips = f"devices={target.chips}"
-    cfg = load_config(config, [*overrides, chips], max_devices=MAX_PLANNED_DEVICES)
-    check_compiles(target, cfg)  # before the config's warnings: the refusal is the one line
-    return target, cfg
+        limit = {"max_devices": MAX_PLANNED_DEVICES} if kw.get("profile") else {}
+        return None, load_config(config, overrides, **limit)
+    from jaxpod.target.load import load_for_target
+
+    return load_for_target(config, overrides, text, **kw)
 
 
 def _runs(args: argparse.Namespace) -> None:
@@ -298,6 +286,11 @@ def _add_inspect_commands(sub) -> None:
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.add_argument(
         "--chart", metavar="FILE.png", help="also draw the bytes per device against the limit"
+    )
+    plan.add_argument(
+        "--target",
+        metavar="TARGET",
+        help="plan for these accelerators' profile and chip count: tpu-v5p:2x2x4, h100:8, ...",
     )
     plan.set_defaults(run=_plan)
 

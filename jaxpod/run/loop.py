@@ -63,6 +63,7 @@ from jaxpod.run.resume import (
 )
 from jaxpod.run.steplog import StepLog
 from jaxpod.run.tasks import Task, build_task
+from jaxpod.target.spec import check_platform_compiles
 
 
 @dataclass
@@ -124,6 +125,7 @@ def _run(
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     shown = None if quiet else sys.stdout  # where a long phase shows its elapsed time
     mesh = mesh_for(cfg)
+    check_platform_compiles(mesh.devices.flat[0].platform, "these devices", cfg)
     logdir = cleared.logdir
     pushed = cleared.remote.push if cleared.remote is not None and main else None
     ckpt = Checkpointer(logdir, cfg.train.keep_checkpoints, pushed, cleared.barrier())

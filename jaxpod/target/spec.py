@@ -107,16 +107,23 @@ def check_mesh_fits(target: Target, mesh_devices: int) -> None:
 
 
 def check_compiles(target: Target, cfg) -> None:
-    """One line for a valid config that `target`'s compiler is known to reject: XLA:TPU
-    (libtpu 0.0.42) with the saved activations offloaded under gpipe or circular skipping
-    their bubbles (a skipped bubble's `lax.cond` returns the saved values in host memory and
-    the tick scan's stack of them fails XLA's host offloading: docs/memory.md)."""
+    """One line for a valid config that `target`'s compiler is known to reject
+    (`check_platform_compiles`)."""
+    check_platform_compiles(target.platform, target.text, cfg)
+
+
+def check_platform_compiles(platform: str, where: str, cfg) -> None:
+    """One line for a valid config that the `platform` ("tpu", "cpu", ...) compiler is known
+    to reject: XLA:TPU (libtpu 0.0.42) with the saved activations offloaded under gpipe or
+    circular skipping their bubbles (a skipped bubble's `lax.cond` returns the saved values in
+    host memory and the tick scan's stack of them fails XLA's host offloading:
+    docs/memory.md). `where` names the devices in the message."""
     t = cfg.train
     offloads = "activations" in cfg.memory.offload and cfg.model.remat != "full"
-    if target.platform == "tpu" and offloads and cfg.mesh.pipeline > 1 and t.skip_bubbles:
+    if platform == "tpu" and offloads and cfg.mesh.pipeline > 1 and t.skip_bubbles:
         raise UserError(
             f"train.skip_bubbles=true with memory.offload=[activations] under "
-            f"{t.pipeline_schedule}: XLA:TPU cannot compile it for {target.text} (the skipped "
+            f"{t.pipeline_schedule}: XLA:TPU cannot compile it for {where} (the skipped "
             "bubble's saved values come out of its lax.cond in host memory); set "
             "train.skip_bubbles=false, which offloads them, or model.remat=full"
         )

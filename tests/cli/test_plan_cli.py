@@ -110,3 +110,21 @@ def test_train_over_the_device_budget_is_refused_before_running(tmp_path):
     )
     assert_user_error(proc, "memory.device_budget=1MB: the plan needs", "per device", "weights")
     assert not logdir.exists()  # nothing was started, nothing written
+
+
+def test_plan_for_a_target_is_the_plan_on_its_profile_and_chips():
+    """`plan --target tpu-v5e:4x4` plans the config on 16 chips of the `tpu-v5e` profile:
+    the same plan as naming both in the config; a mesh of another size is one line."""
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    proc = jaxpod("plan", tiny, "mesh.replica=-1", "--target", "tpu-v5e:4x4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    named = jaxpod("plan", tiny, "mesh.replica=-1", "devices=16", "memory.device=tpu-v5e", "--json")
+    assert named.returncode == 0, named.stderr
+    targeted = json.loads(proc.stdout)
+    assert (targeted["devices"], targeted["replica"]) == (16, 4)
+    assert targeted == json.loads(named.stdout)
+    assert_user_error(jaxpod("plan", tiny, "--target", "tpu-v5e:4x4"), "has 16 chips but the mesh")
+    assert_user_error(
+        jaxpod("plan", tiny, "memory.device=tpu-v4", "--target", "tpu-v5e:2x4"),
+        "drop memory.device=",
+    )

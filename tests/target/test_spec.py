@@ -8,7 +8,13 @@ from helpers import make_tiny_cfg
 
 from jaxpod.errors import UserError
 from jaxpod.planner.profiles import PROFILES
-from jaxpod.target.spec import GENERATIONS, check_compiles, check_mesh_fits, parse_target
+from jaxpod.target.spec import (
+    GENERATIONS,
+    check_compiles,
+    check_mesh_fits,
+    check_platform_compiles,
+    parse_target,
+)
 
 
 @pytest.mark.parametrize(
@@ -83,3 +89,12 @@ def test_a_program_xla_tpu_rejects_is_refused_before_compiling(overrides, target
         check_compiles(parse_target(target), cfg)
     assert "\n" not in str(info.value)
     assert str(info.value).startswith("train.skip_bubbles=true with memory.offload=[activations]")
+
+
+def test_a_run_on_tpu_devices_is_refused_like_a_tpu_target():
+    """`jaxpod train` on a TPU host checks its devices' platform with the same rule, so the
+    run stops in one line before XLA:TPU's internal error; on CPU it trains."""
+    cfg = make_tiny_cfg(*SKIPPING, mesh=(2, 2, 2))
+    with pytest.raises(UserError, match="XLA:TPU cannot compile it for these devices"):
+        check_platform_compiles("tpu", "these devices", cfg)
+    check_platform_compiles("cpu", "these devices", cfg)
