@@ -373,7 +373,7 @@ def _run(args: argparse.Namespace) -> tuple[int, str | None]:
     except KeyboardInterrupt as stop:
         code = 128 + getattr(stop, "signum", signal.SIGINT)
         return code, f"jaxpod: {getattr(stop, 'message', 'interrupted')}"
-    except RuntimeError as exc:  # jax cannot start the platform JAX_PLATFORMS names
+    except (RuntimeError, AssertionError) as exc:  # jax cannot start JAX_PLATFORMS's
         from jaxpod.platform import backend_error
 
         err = backend_error(exc)

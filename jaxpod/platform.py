@@ -88,11 +88,24 @@ def backend_error(exc: BaseException):
     from jaxpod.errors import UserError, one_line
 
     text = str(exc)
-    if "Unable to initialize backend" not in text:
-        return None
     named = os.environ.get("JAX_PLATFORMS", "")
+    if isinstance(exc, AssertionError) and _raised_in_jax_backends(exc):
+        # jax skips a platform it sees no device of (cuda without an NVIDIA GPU), then
+        # fails an assertion, with no message, that some backend started
+        text = f"no backend started (no {named or 'accelerator'} device is visible)"
+    elif "Unable to initialize backend" not in text:
+        return None
     where = f"JAX_PLATFORMS={named}" if named else "jax"
     why = one_line(text.split(" (set JAX_PLATFORMS")[0], 240)
     return UserError(
         f"{where}: {why}; unset JAX_PLATFORMS or name a platform this machine has (cpu)"
     )
+
+
+def _raised_in_jax_backends(exc: BaseException) -> bool:
+    """Whether `exc` was raised in jax's `xla_bridge.backends()`, which starts the backends."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code if tb is not None else None
+    return code is not None and code.co_name == "backends" and "xla_bridge" in code.co_filename

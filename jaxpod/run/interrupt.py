@@ -12,7 +12,7 @@ only installed in the main thread of a single-process run: with several processe
 reaches one of them, which cannot save alone.
 
 An exception raised while Python runs a callback that ignores exceptions (jax's garbage
-collection hook, during the first compile) is printed and lost. So every signal that
+collection hook, during the first compile) is lost (and not printed). So every signal that
 interrupts at once is also recorded, and arming the loop (`StopRequests.arm`) raises a lost
 one: a run interrupted during start-up never trains on. `interrupt_at_once` installs that
 handling from the CLI's start (SIGTERM included), before a run's `StopRequests`.
@@ -45,10 +45,25 @@ def _interrupt_now(signum: int, frame) -> None:
 
 def interrupt_at_once() -> None:
     """SIGINT, SIGTERM and SIGHUP raise `Interrupted` where the program is, recorded (module
-    doc); the main thread only. The CLI calls it before a run starts."""
+    doc); the main thread only. The CLI calls it before a run starts. An `Interrupted` that
+    Python drops is not printed (`_quiet_when_lost`): it is recorded, and a second Ctrl-C
+    while the run stops printed a traceback."""
     if threading.current_thread() is threading.main_thread():
         for signum in SIGNALS:
             signal.signal(signum, _interrupt_now)
+        if sys.unraisablehook is not _quiet_when_lost:
+            _lost_hook.append(sys.unraisablehook)
+            sys.unraisablehook = _quiet_when_lost
+
+
+_lost_hook: list = []  # the hook `_quiet_when_lost` hands every other exception to
+
+
+def _quiet_when_lost(unraisable) -> None:
+    """`sys.unraisablehook`: an `Interrupted` raised in a callback that ignores exceptions is
+    dropped quietly (`_raised` holds it); anything else goes to the hook it replaced."""
+    if not isinstance(unraisable.exc_value, Interrupted):
+        (_lost_hook or [sys.__unraisablehook__])[-1](unraisable)
 
 
 def forget_interrupts() -> None:

@@ -6,7 +6,8 @@ checkpoints directory that cannot be written is refused before anything starts.
 
 A file-size limit (`ulimit -f`) makes the record's writes fail in the
 child alone; a real full disk is a small tmpfs in a user namespace (`unshare`), where the host
-allows one."""
+allows one; the run's last file, eval.json, fails in a child that sets that limit to 0 just
+before writing it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,45 @@ def test_a_file_that_cannot_grow_stops_the_run_with_a_checkpoint_and_it_resumes(
     assert train_steps(run) == list(range(1, 401))  # the steps the file lacked came back
     assert event_steps(run) == list(range(1, 401))
     assert json.loads((run / "eval.json").read_text())["steps_trained"] == 400
+
+
+# `jaxpod train` in a child whose files may not grow once the steps are done and eval.json, the
+# record's last file, is written (the limit of `ulimit -f`, set to 0 there: no write that
+# grows a file succeeds; Python ignores SIGXFSZ, so the write just fails).
+LAST_FILE_LIMITED = """
+import resource, sys
+import jaxpod.run.loop as loop
+write_eval_record = loop.write_eval_record
+def limited(*args, **kwargs):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    return write_eval_record(*args, **kwargs)
+loop.write_eval_record = limited
+from jaxpod.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_last_file_that_cannot_be_written_is_one_line_and_the_run_writes_it_again(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", TINY, *SMALL, "train.steps=2", f"train.logdir={run}"]
+    proc = subprocess.run(
+        [sys.executable, "-c", LAST_FILE_LIMITED, *args],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert_user_error(proc, f"cannot write {run}/eval.json (File too large) at the end of the run")
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith("events")) == [
+        "checkpoints",
+        "config.yaml",
+        "mapping.json",
+        "metrics.jsonl",
+    ]  # no eval.json.tmp left
+    proc = train(run, "train.steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "eval.json").read_text())["steps_trained"] == 2
 
 
 def small_tmpfs_available() -> bool:

@@ -5,20 +5,46 @@ cannot be written, a file that is no config."""
 
 from __future__ import annotations
 
+import importlib.util
 import socket
+from pathlib import Path
 
 import pytest
 from helpers.cli import SMALL, TINY, assert_user_error, cli_env, jaxpod, without_jax
 
+from jaxpod.platform import tpu_chips_attached
+
 pytestmark = pytest.mark.cli
 
 
-def test_a_platform_jax_cannot_start_is_one_line_and_leaves_no_lock(tmp_path):
+def cuda_visible() -> bool:
+    """Whether jax would start a cuda backend: an NVIDIA device and jax's cuda plugin."""
+    devices = Path("/dev/nvidiactl").exists() or Path("/dev/nvidia0").exists()
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+    return devices and any(importlib.util.find_spec(name) for name in plugins)
+
+
+@pytest.mark.parametrize(
+    ("platform", "why"),
+    [
+        ("bogus", "Unable to initialize backend 'bogus'"),
+        pytest.param(
+            "tpu",
+            "Unable to initialize backend 'tpu'",
+            marks=pytest.mark.skipif(tpu_chips_attached() > 0, reason="a TPU is attached"),
+        ),
+        pytest.param(  # jax skips cuda without a device, then fails a bare assertion
+            "cuda",
+            "",
+            marks=pytest.mark.skipif(cuda_visible(), reason="jax can start cuda here"),
+        ),
+    ],
+)
+def test_a_platform_jax_cannot_start_is_one_line_and_leaves_no_lock(tmp_path, platform, why):
     run = tmp_path / "run"
-    proc = jaxpod("train", TINY, *SMALL, f"train.logdir={run}", env=cli_env(JAX_PLATFORMS="bogus"))
-    assert_user_error(
-        proc, "JAX_PLATFORMS=bogus: Unable to initialize backend 'bogus'", "unset JAX_PLATFORMS"
-    )
+    env = cli_env(JAX_PLATFORMS=platform)
+    proc = jaxpod("train", TINY, *SMALL, f"train.logdir={run}", env=env)
+    assert_user_error(proc, f"JAX_PLATFORMS={platform}: {why}", "unset JAX_PLATFORMS")
     assert not run.exists()  # the directory it claimed, released and removed
 
 

@@ -1,5 +1,5 @@
 """Signals during a run (`jaxpod.run.interrupt`), in process: an interrupt lost in a callback
-that ignores exceptions is raised again when the loop is armed (real runs:
+that ignores exceptions is not printed, and is raised again when the loop is armed (real runs:
 tests/cli/test_interrupt_cli.py)."""
 
 from __future__ import annotations
@@ -68,3 +68,29 @@ def test_the_interrupted_line_says_whether_anything_is_left_to_resume(tmp_path, 
     assert caught.value.message.endswith(
         "run the same command to resume" if resume else "the run is complete"
     )
+
+
+def test_an_interrupt_python_drops_is_recorded_and_not_printed(capfd, monkeypatch):
+    """A second Ctrl-C while a run stops landed in a weak reference's callback, where Python
+    prints the exception and drops it: a traceback above the run's last line."""
+    import sys
+    import weakref
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)  # restored after
+    old = {signum: signal.getsignal(signum) for signum in interrupt.SIGNALS}
+    try:
+        interrupt.interrupt_at_once()
+
+        class Held:
+            pass
+
+        held = Held()
+        ref = weakref.ref(held, lambda _: signal.raise_signal(signal.SIGINT))
+        del held  # the callback runs, the handler raises inside it, Python drops that
+        assert ref() is None
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+    assert interrupt._raised == [signal.SIGINT]  # recorded: `arm` raises it again
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and "Traceback" not in err, err
