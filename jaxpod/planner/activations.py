@@ -212,10 +212,10 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int, profile: DeviceProfile) ->
         if virtual > 1:
             k = route_slots(kind, stages, micro, virtual)
         saved = (2 * k + 2) * sets["btd"]
+        buffers = per_tick * sets["saved"]  # the backward tick's residuals
         if kind in SPLIT_KINDS and cfg.memory.stream == "layer":  # B's slots for W
             carry, op = split_terms(cfg, sets, per_tick, grad_bytes(cfg, profile))
-            saved, work = saved + carry, op
-        buffers = per_tick * sets["saved"]
+            saved, buffers, work = saved + carry, 0, op  # op: B's residuals in one moment
         head_tokens = tr.micro_batch * md.seq_len
     return {
         "saved": saved,
