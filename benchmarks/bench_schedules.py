@@ -2,6 +2,7 @@
 
     python benchmarks/bench_schedules.py [--only time,flops,memory] [--repeats N] [--out FILE]
         [--flops-meshes 1x4x1,2x2x2] [--kinds 1f1b,zb-h1,zb-v] [--micro 4,8,16]
+        [--remat full]
 
 (time)   step time (wall, and the process's CPU time) of every schedule (V = 2 where
          chunked) on 1x4x1 and 2x2x2, M = 4, 8, 16 micro-batches (`--micro`), gpipe and
@@ -10,7 +11,8 @@
          of the unrolled program over the single-device program on the same global batch)
          against each schedule's theory, on the `--flops-meshes` (default 1x4x1)
 (memory) XLA's compiled device total (device-resident arguments + temporaries) against M on
-         1x4x1, beside the planner's prediction for the same step, for the `--kinds`
+         1x4x1, beside the planner's prediction for the same step, for the `--kinds`, under
+         the `--remat` policy (default `full`, the other parts' policy)
 
 Each measurement runs in a fresh subprocess (the virtual device count is fixed when jax
 starts); ratios are taken between numbers of the same run. Prints tables, writes JSON.
@@ -186,20 +188,22 @@ def bench_flops(meshes: list[tuple[int, ...]], kinds: list[str]) -> tuple[dict, 
     return results, table("(flops) executed / useful FLOPs", header, rows)
 
 
-def bench_memory(kinds: list[str]) -> tuple[dict, str]:
+def bench_memory(kinds: list[str], remat: str = "full") -> tuple[dict, str]:
+    """XLA's device total of each of `kinds` on 1x4x1 against M under the `remat` policy,
+    beside the planner's; the keys name the policy where it is not `full`."""
     results, rows = {}, []
-    mesh = (1, 4, 1)
+    mesh, tag = (1, 4, 1), "" if remat == "full" else f" remat={remat}"
     for kind in kinds:
-        extra, row = SCHEDULES[kind], [kind]
+        extra, row = [*SCHEDULES[kind], f"model.remat={remat}"], [kind]
         for micro in (4, 8, 16, 32):
             r = run(
                 {"kind": "memory", "mesh": mesh, "overrides": [*extra, f"train.grad_accum={micro}"]}
             )
-            results[f"{kind} M={micro}"] = r
+            results[f"{kind}{tag} M={micro}"] = r
             row.append(f"{r['compiled'] / 1e6:.1f} ({r['planned'] / 1e6:.1f})")
         rows.append(row)
     header = ["schedule", *[f"MB @ M={m}" for m in (4, 8, 16, 32)]]
-    title = "(memory) XLA's device total per device on 1x4x1 (planner's in parentheses)"
+    title = f"(memory) XLA's device total per device on 1x4x1, remat {remat} (planner's in ())"
     return results, table(title, header, rows)
 
 
@@ -216,12 +220,14 @@ def main() -> None:
     args.add_argument("--micro", default=micros, help="(time) micro-batch counts")
     kinds = ",".join(SCHEDULES)
     args.add_argument("--kinds", default=kinds, help="(flops, memory) schedules to run")
+    args.add_argument("--remat", default="full", help="(memory) model.remat policy")
     args = args.parse_args()
     if serve_worker(args, _worker):
         return
     meshes = [tuple(int(n) for n in m.split("x")) for m in args.flops_meshes.split(",")]
     kinds = args.kinds.split(",")
-    flops, memory = lambda: bench_flops(meshes, kinds), lambda: bench_memory(kinds)  # noqa: E731
+    flops = lambda: bench_flops(meshes, kinds)  # noqa: E731
+    memory = lambda: bench_memory(kinds, args.remat)  # noqa: E731
     parts = {
         "time": lambda: bench_time(args.repeats, [int(m) for m in args.micro.split(",")]),
         "flops": flops,

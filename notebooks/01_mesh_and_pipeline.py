@@ -280,8 +280,11 @@ for t in range(table.ticks):
 #   forward with a backward.
 # * **interleaved-1f1b**, **zb-h1** and **zb-v**: Megatron's interleaved order, and the
 #   zero-bubble schedules that split each backward into B (input gradients) and W (weight
-#   gradients, deferred into the bubble); all their ops cost one unit, so in lockstep they
-#   lose nothing (`jaxpod.parallel.schedule_time`).
+#   gradients, deferred into the bubble). The zero-bubble ones' ops all cost one unit here,
+#   so in lockstep they lose nothing; interleaved 1F1B, whose ticks mix a forward with a
+#   whole backward, pays for them like 1F1B (`jaxpod.parallel.schedule_time`). On a real
+#   program the units differ: under remat `full` B costs 1.92 forwards and W 0.92
+#   (docs/mesh-and-pipeline.md).
 #
 # (In SPMD every device computes on every tick, so gpipe and circular compute the bubbles and
 # throw them away: `(V·M + S − 1) / (V·M)` executed over useful layer FLOPs.)

@@ -16,11 +16,11 @@ from functools import lru_cache
 from jaxpod.config import Config
 from jaxpod.parallel.chunk_routes import routes
 from jaxpod.parallel.schedules import STEPWISE, make_schedule
-from jaxpod.parallel.schedules_split import slot_count
 from jaxpod.planner import efficientnet
 from jaxpod.planner.counts import efficientnet_stage_params, layer_params
 from jaxpod.planner.layer import layer_sets
 from jaxpod.planner.profiles import DeviceProfile, get_profile
+from jaxpod.planner.stepwise_bytes import split_terms, tick_policy
 
 SPLIT_KINDS = ("zb-h1", "zb-v")  # B keeps what W needs (`jaxpod.parallel.weight_split`)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -193,6 +193,7 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int, profile: DeviceProfile) ->
     saved = ticks * per_tick * sets["saved"]  # the forward tick scan's stacked residuals
     head_tokens = tr.micro_batch * md.seq_len * (1 if stages == 1 else micro) // stages
     buffers = tick_grads = head_kept = 0
+    work = sets["work"]  # a layer's backward working set; a split tick's op (`split_terms`)
     if stages == 1 and md.remat != "none":
         # the head's operands through the layers' backward, as pipelined below (read on 1x1x1
         # and 1x1x4, remat full; without remat XLA:CPU computes the head's gradients at once)
@@ -210,21 +211,17 @@ def _pipeline_terms(cfg: Config, sets: dict, sb: int, profile: DeviceProfile) ->
         if virtual > 1:
             k = route_slots(kind, stages, micro, virtual)
         saved = (2 * k + 2) * sets["btd"]
-        if kind in SPLIT_KINDS and cfg.memory.stream == "layer":
-            # B's slots for W: each layer's kept operands and cotangents, the stage input's
-            # gradient (`slot_count`: the most chunks between their B and their W), held
-            # once in the tick scan's carry (tests/parallel/test_weight_split_held.py), and
-            # one slot more: the values B's branch of a tick's `lax.switch` returns, written
-            # into the carry after it (`put_slot`)
-            slots = slot_count(kind, stages, micro, virtual)
-            saved += (slots + 1) * (per_tick * sets["split"] + sets["btd"])
-        buffers = per_tick * sets["saved"]
+        buffers = per_tick * sets["saved"]  # the backward tick's residuals
+        if kind in SPLIT_KINDS and cfg.memory.stream == "layer":  # B's slots for W
+            carry, op = split_terms(cfg, sets, per_tick, grad_bytes(cfg, profile))
+            saved, buffers, work = saved + carry, 0, op  # op: B's residuals in one moment
         head_tokens = tr.micro_batch * md.seq_len
     return {
         "saved": saved,
         "pipeline_buffers": buffers,
         "tick_grads": tick_grads,
         "head_kept": head_kept,
+        "work": work,
         "ticks": ticks,
         "layers_per_stage": per_stage,
         "head_tokens": head_tokens,
@@ -359,7 +356,8 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     if cfg.model.name == "efficientnet":  # packed heterogeneous stages
         return _packed_activation_bytes(cfg, profile, cb)
     sb = stored_bytes(cfg, profile)
-    sets = layer_sets(cfg, cb, sb, profile.fuses_recomputation, profile.converts_matrices)
+    fuses, converts = profile.fuses_recomputation, profile.converts_matrices
+    sets = layer_sets(tick_policy(cfg), cb, sb, fuses, converts)
     pipe = _pipeline_terms(cfg, sets, sb, profile)
     tokens = pipe["head_tokens"]
     head, head_chunks = _head_logits(cfg, tokens, cb, profile)
@@ -369,7 +367,7 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     on_device_saved = saved - host
     # a layer's backward reads its offloaded values back: one layer's are on the device then
     backward = on_device_saved + per_layer + pipe["pipeline_buffers"] + pipe["tick_grads"]
-    backward += pipe["head_kept"] + sets["work"]
+    backward += pipe["head_kept"] + pipe["work"]
     head_peak = _head_peak(cfg, tokens, head, head_chunks)
     head_moment = _head_moment(cfg, pipe, on_device_saved, sets["btd"], head_peak)
     return {

@@ -185,7 +185,8 @@ def layer_sets(cfg: Config, cb: int, sb: int, fused: bool = False, converted: bo
     bfloat16 copies, `_converted_saved`), `saved` (what the remat policy keeps, layer
     input included), `work` (one layer's backward working set; `fused`: the backend fuses a
     recomputed layer into its backward, `_fused_work`), `btd` (one [b, T, D] row of the
-    residual stream, as stored) and `split` (what ZB's B keeps for W: `_split_kept`)."""
+    residual stream, as stored), `split` (what ZB's B keeps for W: `_split_kept`) and
+    `split_operands` (of it, the uses' operands: `_split_operands`)."""
     r = _layer_rows(cfg)
     every = (_converted_saved(cfg, r) if converted else None) or _autodiff_saved(cfg, r, cb)
     remat = cfg.model.remat
@@ -200,8 +201,9 @@ def layer_sets(cfg: Config, cb: int, sb: int, fused: bool = False, converted: bo
         saved, kept = scalars * sb, (scalars - r.res) * cb
     fused_work = _fused_work(cfg, r, cb, kept) if fused else None
     work = _backward_work(cfg, r, cb, kept, fused) if fused_work is None else fused_work
-    split = _split_kept(cfg, r) * sb
-    return {"all": every, "saved": saved, "work": work, "btd": r.res * sb, "split": split}
+    split, operands = _split_kept(cfg, r) * sb, _split_operands(cfg, r) * sb
+    out = {"all": every, "saved": saved, "work": work, "btd": r.res * sb, "split": split}
+    return out | {"split_operands": operands}
 
 
 def _split_kept(cfg: Config, r: _Rows) -> int:
@@ -216,3 +218,10 @@ def _split_kept(cfg: Config, r: _Rows) -> int:
     qkv = r.qkvo - r.btd // t
     rows = 6 * r.res + 4 * r.btd + r.btd // t
     return rows + qkv + (3 if r.gated else 2) * r.btf
+
+
+def _split_operands(cfg: Config, r: _Rows) -> int:
+    """Scalars of `_split_kept` that are its uses' operands: both LNs' normalised rows, the
+    inputs of W_qkv and W_in, W_o's [b, T, D/t] and W_out's [b, T, F/t]. Without remat the
+    layer's residuals hold them too (`jaxpod.planner.stepwise_bytes`)."""
+    return 2 * r.res + 2 * r.btd + r.btd // cfg.mesh.tensor + r.btf
