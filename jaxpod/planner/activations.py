@@ -19,6 +19,7 @@ from jaxpod.parallel.schedules import STEPWISE, make_schedule
 from jaxpod.parallel.schedules_split import slot_count
 from jaxpod.planner import efficientnet
 from jaxpod.planner.counts import efficientnet_stage_params, layer_params
+from jaxpod.planner.host_saved import host_saved
 from jaxpod.planner.layer import layer_sets
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 
@@ -241,9 +242,6 @@ def offloaded_per_layer(cfg: Config, profile: DeviceProfile, sets: dict) -> tupl
         return 0, ""
     if not profile.offloads_activations:
         return 0, f"{profile.name}: the backend's program keeps saved values on the device"
-    kind = cfg.train.pipeline_schedule
-    if cfg.mesh.pipeline > 1 and kind in STEPWISE:
-        return 0, f"{kind}: a backward tick offloads and reads back its own: not modelled"
     if cfg.mesh.pipeline > 1 and cfg.train.skip_bubbles:  # the compile refuses it
         return 0, "train.skip_bubbles: XLA:TPU rejects the program that offloads them"
     if md.remat not in ("minimal", "attention", "comms"):
@@ -344,8 +342,8 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
       backward (`_head_kept`).
     - `layer_work`: one layer's backward working set (recomputation under remat).
     - `host`: the saved values in host memory (`offloaded_per_layer`, for each layer of the
-      micro-batch in flight; gpipe and circular: of every tick; `host_why` says why none
-      where activations are offloaded);
+      micro-batch in flight; gpipe and circular: of every tick; stepwise: of the backward
+      tick, on the device too, `host_saved`; `host_why` says why none where offloaded);
       `saved_on_device` the rest of `saved`.
     Two moments: `head_moment` (saved on the device, the forward's embedded rows, the head; a
     head in chunks also its table gradient) and `backward_moment` (saved on the device, one
@@ -365,11 +363,11 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     head, head_chunks = _head_logits(cfg, tokens, cb, profile)
     per_layer, why = offloaded_per_layer(cfg, profile, sets)
     saved = pipe["saved"]
-    host = pipe["ticks"] * pipe["layers_per_stage"] // cfg.train.virtual_stages * per_layer
-    on_device_saved = saved - host
+    host, lifted = host_saved(cfg, pipe, per_layer)
+    on_device_saved = saved - lifted
     # a layer's backward reads its offloaded values back: one layer's are on the device then
-    backward = on_device_saved + per_layer + pipe["pipeline_buffers"] + pipe["tick_grads"]
-    backward += pipe["head_kept"] + sets["work"]
+    backward = on_device_saved + min(per_layer, lifted) + pipe["pipeline_buffers"]
+    backward += pipe["tick_grads"] + pipe["head_kept"] + sets["work"]
     head_peak = _head_peak(cfg, tokens, head, head_chunks)
     head_moment = _head_moment(cfg, pipe, on_device_saved, sets["btd"], head_peak)
     return {
