@@ -2,7 +2,7 @@
 
 `host_saved` turns one layer's offloaded bytes (`activations.offloaded_per_layer`) into the
 host memory they take and the bytes they take off the device's saved values, as XLA:TPU's
-compiled program holds them (tests/target/test_offload_tpu.py):
+compiled program holds them (tests/target/test_offload_tpu.py, test_offload_stepwise_tpu.py):
 
 - without a pipeline, and under gpipe and circular (one forward scan, differentiated as a
   whole), the saved values of every tick's layers are stacked in host memory until their
@@ -11,7 +11,8 @@ compiled program holds them (tests/target/test_offload_tpu.py):
   inside its backward tick and run its vjp there: the tick writes each of its layers' saved
   values to host memory and reads them back before the tick ends. The host holds one tick's
   (the L / (S V) layers of a virtual stage, one buffer per value stacked over them); the
-  device total does not fall (XLA:TPU's moves by less than a layer's values, either way).
+  device total is left as it is (XLA:TPU's HBM moves either way with no rule found, -7.2
+  to +3.0 MB on the probes of docs/memory.md).
 """
 
 from __future__ import annotations
