@@ -309,9 +309,9 @@ class Config:
             out.append(
                 "memory.offload includes activations: the TPU/GPU program places the saved "
                 "activations on the host, the CPU one does not; the planner counts them on the "
-                "host for the TPU profiles without a pipeline or under gpipe and circular, "
-                "else on the device "
-                "(`jaxpod plan` says why)"
+                "host for the TPU profiles without a pipeline or under gpipe and circular "
+                "(under the stepwise schedules one backward tick's, on the device as well), "
+                "else on the device (`jaxpod plan` says why)"
             )
         return out
 

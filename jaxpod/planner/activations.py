@@ -18,6 +18,7 @@ from jaxpod.parallel.chunk_routes import routes
 from jaxpod.parallel.schedules import STEPWISE, make_schedule
 from jaxpod.planner import efficientnet
 from jaxpod.planner.counts import efficientnet_stage_params, layer_params
+from jaxpod.planner.host_saved import host_saved
 from jaxpod.planner.layer import layer_sets
 from jaxpod.planner.profiles import DeviceProfile, get_profile
 from jaxpod.planner.stepwise_bytes import split_terms, tick_policy
@@ -238,9 +239,6 @@ def offloaded_per_layer(cfg: Config, profile: DeviceProfile, sets: dict) -> tupl
         return 0, ""
     if not profile.offloads_activations:
         return 0, f"{profile.name}: the backend's program keeps saved values on the device"
-    kind = cfg.train.pipeline_schedule
-    if cfg.mesh.pipeline > 1 and kind in STEPWISE:
-        return 0, f"{kind}: a backward tick offloads and reads back its own: not modelled"
     if cfg.mesh.pipeline > 1 and cfg.train.skip_bubbles:  # the compile refuses it
         return 0, "train.skip_bubbles: XLA:TPU rejects the program that offloads them"
     if md.remat not in ("minimal", "attention", "comms"):
@@ -341,15 +339,14 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
       backward (`_head_kept`).
     - `layer_work`: one layer's backward working set (recomputation under remat).
     - `host`: the saved values in host memory (`offloaded_per_layer`, for each layer of the
-      micro-batch in flight; gpipe and circular: of every tick; `host_why` says why none
-      where activations are offloaded);
+      micro-batch in flight; gpipe and circular: of every tick; stepwise: of the backward
+      tick, on the device too, `host_saved`; `host_why` says why none where offloaded);
       `saved_on_device` the rest of `saved`.
     Two moments: `head_moment` (saved on the device, the forward's embedded rows, the head; a
     head in chunks also its table gradient) and `backward_moment` (saved on the device, one
-    layer's offloaded values read back, pipeline_buffers + tick_grads + head_kept +
-    layer_work); `total` is the larger; `device_bytes` adds to each moment what
-    else is alive then (1f1b runs its head inside the backward ticks). `head_table` is the
-    head's table copy.
+    layer's offloaded values read back, pipeline_buffers + tick_grads + head_kept + layer_work);
+    `total` is the larger; `device_bytes` adds to each moment what else is alive then (1f1b
+    runs its head inside the backward ticks). `head_table` is the head's table copy.
     """
     profile = profile or get_profile(cfg.memory.device)
     cb = compute_bytes(cfg, profile)
@@ -363,11 +360,11 @@ def activation_bytes(cfg: Config, profile: DeviceProfile | None = None) -> dict:
     head, head_chunks = _head_logits(cfg, tokens, cb, profile)
     per_layer, why = offloaded_per_layer(cfg, profile, sets)
     saved = pipe["saved"]
-    host = pipe["ticks"] * pipe["layers_per_stage"] // cfg.train.virtual_stages * per_layer
-    on_device_saved = saved - host
+    host, lifted = host_saved(cfg, pipe, per_layer)
+    on_device_saved = saved - lifted
     # a layer's backward reads its offloaded values back: one layer's are on the device then
-    backward = on_device_saved + per_layer + pipe["pipeline_buffers"] + pipe["tick_grads"]
-    backward += pipe["head_kept"] + pipe["work"]
+    backward = on_device_saved + min(per_layer, lifted) + pipe["pipeline_buffers"]
+    backward += pipe["tick_grads"] + pipe["head_kept"] + pipe["work"]
     head_peak = _head_peak(cfg, tokens, head, head_chunks)
     head_moment = _head_moment(cfg, pipe, on_device_saved, sets["btd"], head_peak)
     return {

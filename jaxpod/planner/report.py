@@ -96,6 +96,8 @@ def _byte_rows(p: dict) -> list[tuple[str, int, str]]:
     acts, remat = p["activations_breakdown"], f"remat {p['remat']}"
     if acts.get("host"):
         remat += f"; the saved values, {format_bytes(acts['host'])}, in host memory"
+        if acts["saved_on_device"] == acts["saved"]:  # `jaxpod.planner.host_saved`
+            remat += " (one backward tick's, read back within it: on the device as well)"
     elif acts.get("host_why"):
         remat += f"; saved values not offloaded ({acts['host_why']})"
     return [

@@ -573,10 +573,12 @@ def test_float16_without_loss_scale_warns():
 
 def test_offloaded_activations_warn_where_the_planner_keeps_them_on_the_device():
     """The offload is real in the TPU/GPU program only (tests/planner/test_transfers.py), and
-    the planner credits it on the TPU profiles (tests/planner/test_activation_offload.py)."""
+    the planner credits it on the TPU profiles (tests/planner/test_activation_offload.py;
+    the stepwise schedules' backward tick in host memory and on the device)."""
     (warning,) = load_config(None, ["memory.offload=[activations]"]).warnings()
     assert warning.startswith("memory.offload includes activations")
-    assert "TPU profiles without a pipeline or under gpipe and circular, else on" in warning
+    assert "TPU profiles without a pipeline or under gpipe and circular (under" in warning
+    assert "stepwise schedules one backward tick's, on the device as well), else on" in warning
     assert load_config(None, ["memory.offload=[optimizer]"]).warnings() == []
 
 

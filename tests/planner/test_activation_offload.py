@@ -1,7 +1,8 @@
 """The planner's credit for `memory.offload=[activations]`: on a profile whose backend places
 the remat policy's saved values in host memory (`DeviceProfile.offloads_activations`, the
 TPU profiles), each layer's saved values less its input move from the device total to the
-host total, without a pipeline and under gpipe and circular; nowhere else. The bytes are
+host total, without a pipeline and under gpipe and circular; the stepwise tables' backward
+tick offloads its own and reads them back: host memory, no device credit. The bytes are
 checked against the shapes the policies save here, against XLA:TPU's compiled program in
 tests/target/test_offload_tpu.py (instant)."""
 
@@ -83,21 +84,48 @@ def test_every_tick_saves_to_the_host(remat, schedule):
     assert b["host_total"] - k["host_total"] == host
 
 
+STEPWISE = {
+    "1f1b": ("train.pipeline_schedule=1f1b",),
+    "zb-h1": ("train.pipeline_schedule=zb-h1",),
+    "interleaved-1f1b": ("train.pipeline_schedule=interleaved-1f1b", "train.virtual_stages=2"),
+    "zb-v": ("train.pipeline_schedule=zb-v", "train.virtual_stages=2"),
+}
+
+
+@pytest.mark.parametrize("remat", ["minimal", "comms"])
+@pytest.mark.parametrize("schedule", list(STEPWISE))
+def test_a_backward_tick_offloads_its_own(schedule, remat):
+    """The stepwise tables recompute a stage inside its backward tick: the host holds one
+    tick's saved values (L / (S V) layers'), written and read back within the tick; the
+    device total stays what it is without the offload, the host total grows by them."""
+    overrides = (*STEPWISE[schedule], f"model.remat={remat}")
+    kept = _plan(*overrides, mesh=PIPELINED)
+    offloaded = _plan(OFFLOAD, *overrides, mesh=PIPELINED)
+    cfg = make_tiny_cfg(*ACTIVE, *overrides, mesh=PIPELINED)
+    per_tick = cfg.model.layers // (cfg.mesh.pipeline * cfg.train.virtual_stages)
+    host = per_tick * saved_per_layer(cfg, remat)
+    acts = offloaded["activations_breakdown"]
+    assert (acts["host"], acts["host_why"]) == (host, "")
+    assert acts["saved_on_device"] == acts["saved"] == kept["activations_breakdown"]["saved"]
+    b, k = offloaded["bytes_per_device"], kept["bytes_per_device"]
+    assert b["device_total"] == k["device_total"]
+    assert b["host_total"] - k["host_total"] == host
+    assert "in host memory (one backward tick's" in format_plan(offloaded)
+
+
 @pytest.mark.parametrize(
     ("overrides", "device", "mesh", "why"),
     [
         (["model.remat=minimal"], "cpu", FLAT, "cpu"),
         (["model.remat=minimal"], "a100-80gb", FLAT, "a100-80gb"),
-        (["train.pipeline_schedule=1f1b"], "tpu-v5p", PIPELINED, "1f1b: a backward tick"),
         (["train.skip_bubbles=true"], "tpu-v5p", PIPELINED, "XLA:TPU rejects"),
         (["model.remat=full"], "tpu-v5p", FLAT, "remat full"),
     ],
-    ids=["cpu", "gpu", "1f1b", "skip-bubbles", "full"],
+    ids=["cpu", "gpu", "skip-bubbles", "full"],
 )
 def test_no_credit_where_the_program_keeps_them(overrides, device, mesh, why):
     """No credit where the backend keeps the saved values on the device (XLA:CPU drops the
-    placement; no XLA:GPU program is read), where a stepwise table offloads and reads them
-    back inside its backward tick (not modelled), where XLA:TPU rejects the program (gpipe
+    placement; no XLA:GPU program is read), where XLA:TPU rejects the program (gpipe
     skipping its bubbles: `jaxpod compile --target` refuses it) or where nothing
     offloadable is saved (remat full): the plan is the plan without the offload, and says
     why."""
