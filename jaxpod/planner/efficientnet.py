@@ -19,7 +19,8 @@ blocks, head) holds per image is `jaxpod.planner.efficientnet_pieces`; here, per
 - `carries`: the schedule's float32 `[mb, A]` buffers (GPipe: every tick's input and its
   output's cotangent, with replicas also the collected outputs; 1F1B: two ring buffers).
 - `update_work`: the update on whole rows: float32 copies of the row and, with 16-bit rows,
-  the stochastic rounding's random bits; with float32 rows the new optimizer state's leaves.
+  the stochastic rounding's random bits; with float32 optimizer rows the new state's row, and
+  with float32 rows (nothing rounded) the new moments' leaves beside it at their concatenate.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ SR_BIT_ROWS = 4
 # holds, per element, the two uint32 lanes, the row in float32 and the new moments' float32
 # leaves (the update direction reads them after), as float32 words, and the rounded row.
 MOMENT_ROUNDING_WORDS = 4
+# Nothing rounded (float32 master rows), XLA:CPU joins the update's leaves into its row (beside
+# the new moments' leaves: `UPDATE_F32_ROWS` and the state's row), adds it to the masters into
+# the new weights' row, then joins the new moments: their leaves and row live together beside
+# the new weights' row. Beside both, the float32 gradient row the update reads
+# (`grads_update`). Read on the digits preset with float32 masters, AdamW and LAMB.
+NEW_WEIGHTS_ROWS = 1
 
 
 def carry_size(stages: list[list[dict]]) -> int:
@@ -172,15 +179,17 @@ def _update_work(row_elements: int, sr_moments: int, f32_moments: int, sr_bytes:
     copies of the row and, with 16-bit rows, the weights' row's random bits, or where larger
     the rounding of the optimizer's 16-bit row of `sr_moments` moments (`sr_bytes` each);
     with float32 optimizer rows (`f32_moments` of them, whatever the weights' dtype) the new
-    optimizer state's leaves."""
+    optimizer state's row; nothing rounded, the larger of the update's and the moments'
+    concatenates (`NEW_WEIGHTS_ROWS`)."""
     update_work = UPDATE_F32_ROWS * row_elements * F32
-    if sr_bytes:  # the rows are rounded one after another: one row's bits are live
-        update_work += SR_BIT_ROWS * row_elements * F32
-        moment_row = sr_moments * row_elements  # beside the unscaled gradient row
-        rounding = moment_row * (MOMENT_ROUNDING_WORDS * F32 + sr_bytes) + row_elements * F32
-        update_work = max(update_work, rounding)
-    # float32 optimizer rows are not rounded: the new state's leaves wait for their concatenate
-    return update_work + f32_moments * row_elements * F32
+    state_row = f32_moments * row_elements * F32  # float32 optimizer rows are not rounded
+    if not sr_bytes:
+        joining = NEW_WEIGHTS_ROWS * row_elements * F32 + 2 * state_row
+        return max(update_work + state_row, joining)
+    update_work += SR_BIT_ROWS * row_elements * F32  # rounded one row after another
+    moment_row = sr_moments * row_elements  # beside the unscaled gradient row
+    rounding = moment_row * (MOMENT_ROUNDING_WORDS * F32 + sr_bytes) + row_elements * F32
+    return max(update_work, rounding) + state_row
 
 
 def activation_bytes(

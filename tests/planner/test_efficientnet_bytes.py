@@ -11,6 +11,7 @@ from jaxpod.planner.activations import activation_bytes
 from jaxpod.planner.backend import backend_plan
 from jaxpod.planner.efficientnet import (
     MOMENT_ROUNDING_WORDS,
+    NEW_WEIGHTS_ROWS,
     SR_BIT_ROWS,
     UPDATE_F32_ROWS,
     carry_size,
@@ -122,7 +123,9 @@ def test_update_rounds_with_four_uint32_rows():
     (two lanes and their loop copies); float32 rows draw no bits; float32 optimizer rows,
     beside rows of either dtype, hold the new optimizer state's leaves until they are
     concatenated (SGD: one row; calibration row f32-w1-32-1x2x1, whose peak is the update),
-    except LARS's momentum, whose trace is the update itself.
+    except LARS's momentum, whose trace is the update itself; with float32 masters and two
+    float32 moments the moments' concatenate holds their leaves and row beside the new
+    weights' row (tests/planner/test_efficientnet_update.py finds them).
     LAMB's two 16-bit moments are one row of 2 n, whose rounding holds more (10 float32
     rows of n: tests/planner/test_efficientnet_update.py finds them). No bits before the
     backward: the memory scheduler draws them at the update."""
@@ -136,6 +139,8 @@ def test_update_rounds_with_four_uint32_rows():
         (lamb32, UPDATE_F32_ROWS + SR_BIT_ROWS + 2),  # float32 moments beside 16-bit rows
         # nothing rounded: the rows are the float32 masters; LARS's new momentum is its update
         (master32, UPDATE_F32_ROWS),
+        # nothing rounded, two float32 moments: their leaves and row, the new weights' row
+        ([*master32, "optim.name=adamw"], NEW_WEIGHTS_ROWS + 2 * 2),
         (["optim.name=lamb"], 1 + 2 * (MOMENT_ROUNDING_WORDS + 2 / 4)),  # the moments' row
     ):
         cfg = _cfg(1, 2, *over)

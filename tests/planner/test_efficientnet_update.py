@@ -1,6 +1,7 @@
 """The packed EfficientNet update's values in XLA:CPU's compiled step, against the planner's
 `update_work` (`jaxpod.planner.efficientnet`): the digits preset (4x2x1) with LAMB, whose
-two 16-bit moments are one row of `2 n_max`, rounded in one go; its peak is that rounding."""
+two 16-bit moments are one row of `2 n_max`, rounded in one go; its peak is that rounding.
+With float32 masters and AdamW or LAMB nothing is rounded: the peak joins the new moments."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from helpers.dumps import dims_of, dumped_step, peak_position, planned_over_xla
 
 from jaxpod.planner.activations import activation_bytes
 from jaxpod.planner.counts import efficientnet_stage_params
-from jaxpod.planner.efficientnet import MOMENT_ROUNDING_WORDS
+from jaxpod.planner.efficientnet import MOMENT_ROUNDING_WORDS, NEW_WEIGHTS_ROWS
 from jaxpod.planner.profiles import get_profile
 
 pytestmark = pytest.mark.engine  # compiles a whole train step: `make test` only
@@ -89,6 +90,45 @@ def test_float32_master_rows_store_no_16_bit_row(mesh_for):
     assert acts["update_work"] == 2 * n * 4 and acts["layer_work"] == 2 * n * 4
     s = _state_bytes(cfg, param_layout(cfg), CPU)
     assert s["weights"] == s["master"] and s["grads_update"] == n * 4
+    ratio = planned_over_xla(cfg, compiled, CPU)
+    print(f"planned / XLA {ratio:.3f}")
+    assert ratio == pytest.approx(1.0, abs=0.10)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_float32_master_moments_join_beside_the_new_weights(mesh_for, optimizer):
+    """With float32 masters and two float32 moments XLA:CPU's peak is the concatenate that
+    joins the new moments into one `f32[2n]` row: their leaves (its operands, `2n` floats),
+    the joined row, the new weights' `f32[n]` row (made after the leaves: the update row
+    added to the masters, the update's leaves and row dead) and the float32 gradient row
+    (made before them) are live together. The planner counts the gradient row
+    (`grads_update`) and, in `update_work`, the new weights' row and the moments twice, and
+    its plan is within 10 %."""
+    from jaxpod.inspect.compile import inspect_options
+    from jaxpod.planner.bytes import _state_bytes
+    from jaxpod.planner.counts import param_layout
+
+    cfg = digits_cfg("precision.master=float32", f"optim.name={optimizer}")
+    n = max(efficientnet_stage_params(cfg))
+    _, compiled, (values, ranges, schedule) = dumped_step(cfg, mesh_for(cfg), inspect_options())
+    peak = peak_position(values, ranges)
+    assert schedule[peak].startswith("concatenate"), schedule[peak]
+    assert values[schedule[peak]][2].startswith(f"f32[{2 * n}]"), schedule[peak]
+    alive = _alive(values, ranges, peak)
+    leaves = [
+        (size, first, last)
+        for dt, dims, size, (first, last) in alive.values()
+        if dt == "f32" and len(dims) == 1 and dims[0] < n
+    ]
+    assert sum(size for size, _, last in leaves if last == peak) == 2 * n * 4  # the moments'
+    assert sum(size for size, _, last in leaves if last > peak) == 0  # no update leaves
+    made = sorted(r[0] for dt, dims, _, r in alive.values() if (dt, dims) == ("f32", (n,)))
+    assert len(made) == 2, alive  # the gradient row and the new weights' row
+    assert made[0] < min(first for _, first, _ in leaves) < max(f for _, f, _ in leaves) < made[1]
+    assert [d for _, d, _, _ in alive.values() if d and d[0] > n] == [(2 * n,)], alive
+    work = activation_bytes(cfg, CPU)["update_work"]
+    assert work == (NEW_WEIGHTS_ROWS + 2 * 2) * n * 4
+    assert _state_bytes(cfg, param_layout(cfg), CPU)["grads_update"] == n * 4
     ratio = planned_over_xla(cfg, compiled, CPU)
     print(f"planned / XLA {ratio:.3f}")
     assert ratio == pytest.approx(1.0, abs=0.10)
