@@ -116,8 +116,7 @@ def _packed_activation_bytes(cfg: Config, profile: DeviceProfile, cb: int) -> di
     row = max(stage_params)  # n_max: every stage's row is this long
     prec = cfg.precision
     act, pb = DTYPE_BYTES[prec.compute], DTYPE_BYTES[prec.params]
-    # the rows hold the master weights; the optimizer's rows (one per moment) its moments,
-    # float32 with optim.moments=float32: the 16-bit ones are rounded stochastically
+    # rows of master weights and of moments (float32 with optim.moments=float32, else rounded)
     master16 = prec.master != "float32" and pb < 4
     moments, opt16 = MOMENTS[cfg.optim.name], master16 and cfg.optim.moments != "float32"
     # LARS ends in its momentum's trace: the new momentum is the update, one set of leaves
@@ -136,6 +135,7 @@ def _packed_activation_bytes(cfg: Config, profile: DeviceProfile, cb: int) -> di
         dense_depthwise=profile.dense_depthwise_grads,
         tile=profile.tile,
         grouped_copies=profile.grouped_conv_copies,
+        wide_groups=profile.stem_groups_width_minor,
     )
 
 

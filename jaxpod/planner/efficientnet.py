@@ -11,7 +11,8 @@ blocks, head) holds per image is `jaxpod.planner.efficientnet_pieces`; here, per
   stage's packed gradient row (last leaf first): the stem's stage peaks at the stem's norm
   backward with every weight gradient's inputs live (`weight_grad_inputs`); any other stage
   as its backward starts, with the recomputed forward's values (`forward_values`). Pipelined
-  without remat every branch of the switch saves the union of all stages' residuals.
+  without remat every branch of the switch returns all stages' residuals, one per type and
+  slot (`jaxpod.planner.switch_union`).
 - `grad_rows`: pipelined without remat, the row the gradients accumulate in beside the
   backward; otherwise nothing beside the stage's work: the row is one `concatenate` of the
   leaves' gradients (`StagePacking.unpack`) after the activations are dead, a moment of its
@@ -29,6 +30,7 @@ from jaxpod.config import Config
 from jaxpod.parallel.schedules import STEPWISE
 from jaxpod.planner.efficientnet_pieces import F32, HEAD_BACKWARD_TEMPS, pieces
 from jaxpod.planner.grouped_convs import grouped_conv_bytes
+from jaxpod.planner.switch_union import union_saved
 from jaxpod.planner.tiles import Tile
 
 # Pipelined without remat the gradient row is built beside the backward, a leaf at a time
@@ -151,16 +153,25 @@ def _stage_works(
 
 
 def _switch_union(
-    cfg: Config, stages: list[list[dict]], cb: int, act: int, params: list[int], pb: int
+    cfg: Config,
+    stages: list[list[dict]],
+    cb: int,
+    act: int,
+    params: list[int],
+    pb: int,
+    tile: Tile | None = None,
+    wide_groups: bool = False,
 ) -> int:
     """Bytes of the largest stage's backward pipelined without remat (`params`: each stage's
     parameter count, `pb` bytes each). The stage's `lax.switch` is linearized as a whole:
     every branch returns the union of all branches' residuals (zeros for the stages not
-    taken), live through the backward ticks: every stage's saved values and weights (the
-    unpacked leaves, in the params dtype). Beside them the stage's own backward: the stem's
-    stage its data gradients, another its last piece's starting backward."""
+    taken), live through the backward ticks: per type the most values any stage saves
+    (`union_saved`; `wide_groups`: the stem's stage's group-shaped ones laid out
+    width-minor) and every stage's weights (the unpacked leaves, in the params dtype).
+    Beside them the stage's own backward: the stem's stage its data gradients, another its
+    last piece's starting backward."""
     mb = cfg.train.micro_batch
-    union = sum(sum(p["saved"] for p in st) for st in stages) * mb
+    union = union_saved(stages, mb, act, tile, cfg.model.norm_groups, wide_groups)
     union += sum(params) * pb
     stage_work = 0
     for st in stages:
@@ -206,6 +217,7 @@ def activation_bytes(
     dense_depthwise: bool = False,
     tile: Tile | None = None,
     grouped_copies: bool = False,
+    wide_groups: bool = False,
 ) -> dict:
     """Activation bytes per device (the breakdown `bytes.activation_bytes` reports), plus the
     packed update's working set (`update_work`). `cb`: bytes of a conv's operand or output
@@ -222,13 +234,14 @@ def activation_bytes(
     of the digits config with `model.g16=false`, benchmarks/xla_peak.py); `tile`: the
     device's array tile, the pieces' values padded to it (`DeviceProfile.tile`);
     `grouped_copies`: the device holds grouped convs' copies in their tiled layout
-    (`DeviceProfile.grouped_conv_copies`)."""
+    (`DeviceProfile.grouped_conv_copies`); `wide_groups`: the stem's stage's saved
+    group-shaped values are laid out width-minor (`DeviceProfile.stem_groups_width_minor`)."""
     stages = pieces(cfg, cb, act, tile)
     S = cfg.mesh.pipeline
     ticks, carries = _schedule_carries(cfg, cfg.train.micro_batch * carry_size(stages) * F32)
     if S > 1 and cfg.model.remat == "none":
         params = stage_params or [row_elements] * S
-        stage_work = _switch_union(cfg, stages, cb, act, params, param_bytes)
+        stage_work = _switch_union(cfg, stages, cb, act, params, param_bytes, tile, wide_groups)
         # the gradient row, accumulated beside the backward
         grad_rows = RUNNING_SUM_ROWS * (row_elements * grad_bytes)
     else:

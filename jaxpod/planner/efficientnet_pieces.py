@@ -68,6 +68,16 @@ def _saved_convnorm(act: int, swish: bool, n: int, grouped: int) -> int:
     return f32 * F32 + (SAVED_SWISH_ACT if swish else SAVED_PLAIN_ACT) * act * n
 
 
+def _saved_values(hw: int, channels: int, swish: bool) -> list[tuple[str, int, int, int]]:
+    """The values `_saved_convnorm` counts, as `(kind, pixels a side, channels, count)`:
+    kind "group" (float32, group-shaped), "f32" or "act" (the compute dtype)."""
+    acts = SAVED_SWISH_ACT if swish else SAVED_PLAIN_ACT
+    f32 = SAVED_NORM_F32 - SAVED_GROUP_F32
+    return [("group", hw, channels, SAVED_GROUP_F32), ("f32", hw, channels, f32)] + [
+        ("act", hw, channels, acts)
+    ]
+
+
 def _stem_piece(cfg: Config, wide: int, act: int, sz: _Sizes) -> dict:
     """The stem's piece (a stride-2 ConvNorm with swish on the image): its conv output,
     centred values and swish, and (its backward running) its output's cotangent and the norm
@@ -86,6 +96,7 @@ def _stem_piece(cfg: Config, wide: int, act: int, sz: _Sizes) -> dict:
         # without remat: the image (the stem's operand, compute dtype) and its ConvNorm's
         "saved": act * image + _saved_convnorm(act, True, stem_out, sz.grouped(out_hw, stem_ch)),
         "kernels": 0,  # (the stem's stage is never a forward-values stage)
+        "saved_values": [("act", hw, IMAGE_CH, 1)] + _saved_values(out_hw, stem_ch, True),
         "convs": 1,
         "norms": 1,
         "image": image,
@@ -147,6 +158,14 @@ def _block_forward(s: BlockSpec, sizes: tuple, grouped: tuple, wide: int, act: i
     return fwd
 
 
+def _block_saved_values(s: BlockSpec, h_in: int, h_out: int) -> list[tuple]:
+    """An MBConv block's saved values without remat (`_saved_values`): its ConvNorms' and
+    the SE-gated tensor."""
+    values = _saved_values(h_in, s.mid_ch, True) if s.expand != 1 else []
+    values += _saved_values(h_out, s.mid_ch, True) + _saved_values(h_out, s.out_ch, False)
+    return values + [("act", h_out, s.mid_ch, 1)]
+
+
 def _block_piece(s: BlockSpec, h_in: int, wide: int, act: int, sz: _Sizes) -> dict:
     """An MBConv block's piece (spec `s`, input `h_in` pixels a side): its weight-gradient
     inputs (`_block_grad_inputs`), forward values (`_block_forward`), what autodiff saves
@@ -182,6 +201,7 @@ def _block_piece(s: BlockSpec, h_in: int, wide: int, act: int, sz: _Sizes) -> di
         "kernels": kernels,
         "dense_grad": dense,
         "grouped_conv": None if plain else grouped_conv,
+        "saved_values": _block_saved_values(s, h_in, h_out),
         "out_cot": n_out,
         "residual": s.residual,
         "convs": 3 if s.expand != 1 else 2,
@@ -206,6 +226,7 @@ def _head_piece(cfg: Config, last: int, hw: int, wide: int, act: int, sz: _Sizes
         "kept": wide * head_in + (2 * wide + act) * head_out,
         "cot": wide * head_out,
         "saved": _saved_convnorm(act, True, head_out, head_grouped),
+        "saved_values": _saved_values(hw, head_ch, True),
         # its operand widened, conv output, centred values, swish; its backward starting:
         # the norm backward's temporaries and the classifier's kernel gradient (per step)
         "forward": wide * head_in + forward,

@@ -18,10 +18,10 @@ test_sequence_parallel_tpu.py find them in compiled programs), places the values
 remat policy saves in host memory when `memory.offload` names activations
 (`offloads_activations`; XLA:CPU ignores the placement), without a pipeline holds the
 host-resident layer stack and the update's state a phase at a time (`updates_in_phases`:
-tests/target/test_offload_tpu.py and test_phases_tpu.py), holds a grouped conv's operand
-and output cotangent in its tiled grouped layout (`grouped_conv_copies`,
-`jaxpod.planner.grouped_convs`) and on v5e and v6e keeps some temporaries in VMEM
-(`vmem_heap`, `jaxpod.planner.vmem`).
+test_offload_tpu.py, test_phases_tpu.py), holds a grouped conv's operand and output
+cotangent in its grouped layout (`grouped_conv_copies`), lays the stem's stage's saved
+GroupNorm values out width-minor (`stem_groups_width_minor`, `jaxpod.planner.switch_union`)
+and on v5e and v6e keeps some temporaries in VMEM (`vmem_heap`, `jaxpod.planner.vmem`).
 """
 
 from __future__ import annotations
@@ -101,6 +101,10 @@ class DeviceProfile:
     # `[B, H, W, groups, group size]`, the micro-batch second-minor, padded to the tile, and
     # held until its weight gradient (XLA:TPU; `jaxpod.planner.grouped_convs`)
     grouped_conv_copies: bool = False
+    # pipelined without remat, the GroupNorm values the stem's stage saves, float32
+    # `[mb, H, W, G, C/G]`, are laid out width-minor: W padded to the lanes, not the group's
+    # channels (XLA:TPU; `jaxpod.planner.saved_groups`)
+    stem_groups_width_minor: bool = False
 
 
 # what XLA:TPU's programs do, the same on every TPU generation read (tests/target/)
@@ -114,6 +118,7 @@ XLA_TPU = dict(
     accumulates_in_place=True,
     updates_in_phases=True,
     grouped_conv_copies=True,
+    stem_groups_width_minor=True,
 )
 
 PROFILES: dict[str, DeviceProfile] = {
