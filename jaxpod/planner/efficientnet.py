@@ -30,7 +30,7 @@ from jaxpod.config import Config
 from jaxpod.parallel.schedules import STEPWISE
 from jaxpod.planner.efficientnet_pieces import F32, HEAD_BACKWARD_TEMPS, pieces
 from jaxpod.planner.grouped_convs import grouped_conv_bytes
-from jaxpod.planner.switch_union import union_saved
+from jaxpod.planner.switch_union import union_saved, width_minor_read
 from jaxpod.planner.tiles import Tile
 
 # Pipelined without remat the gradient row is built beside the backward, a leaf at a time
@@ -235,13 +235,15 @@ def activation_bytes(
     device's array tile, the pieces' values padded to it (`DeviceProfile.tile`);
     `grouped_copies`: the device holds grouped convs' copies in their tiled layout
     (`DeviceProfile.grouped_conv_copies`); `wide_groups`: the stem's stage's saved
-    group-shaped values are laid out width-minor (`DeviceProfile.stem_groups_width_minor`)."""
+    group-shaped values are laid out width-minor (`DeviceProfile.stem_groups_width_minor`),
+    priced so where that was read (`width_minor_read`)."""
     stages = pieces(cfg, cb, act, tile)
     S = cfg.mesh.pipeline
     ticks, carries = _schedule_carries(cfg, cfg.train.micro_batch * carry_size(stages) * F32)
     if S > 1 and cfg.model.remat == "none":
         params = stage_params or [row_elements] * S
-        stage_work = _switch_union(cfg, stages, cb, act, params, param_bytes, tile, wide_groups)
+        wide = wide_groups and width_minor_read(cfg)
+        stage_work = _switch_union(cfg, stages, cb, act, params, param_bytes, tile, wide)
         # the gradient row, accumulated beside the backward
         grad_rows = RUNNING_SUM_ROWS * (row_elements * grad_bytes)
     else:

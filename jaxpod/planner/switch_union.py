@@ -10,12 +10,15 @@ so the switch returns, per type, the most values of it any one branch saves, not
 them: per ConvNorm two float32 group-shaped values `[mb, H, W, G, C/G]`, one float32 and
 one to four of the compute dtype `[mb, H, W, C]`.
 
-XLA:TPU lays out the stem's stage's group-shaped values width-minor: W takes the lanes and
-the second-minor dimension is H or C/G, whichever the rows pad less (`{2,1,4,3,0}` or
-`{2,4,3,1,0}`), at every image size read (B4 G16 probes at 190 and 96 pixels, the stem's
-stage at 95 to 24 pixels a side); the other stage's keep the group's channels minor, as the
-tile's arithmetic pads them (`group_elements`). `DeviceProfile.stem_groups_width_minor`;
-tests/target/test_switch_union_tpu.py finds both in a compiled step.
+XLA:TPU lays out the stem's stage's group-shaped values width-minor in EfficientNet-B4 G16
+under 1F1B: W takes the lanes and the second-minor dimension is H or C/G, whichever the rows
+pad less (`{2,1,4,3,0}` or `{2,4,3,1,0}`; probes at 190, 128 and 96 pixels); the other
+stage's keep the group's channels minor, as the tile's arithmetic pads them
+(`group_elements`). EfficientNet-b0 keeps both stages' channels-minor, under GPipe and 1F1B,
+G16 or depthwise, float32 or bfloat16, at 128 and 96 pixels (v5p 2x2x2). What separates
+them is not read (variant, cut or mesh), so the property applies where it was read only
+(`width_minor_read`). `DeviceProfile.stem_groups_width_minor`; tests/target/
+test_switch_union_tpu.py and test_switch_union_b0_tpu.py find both in compiled steps.
 """
 
 from __future__ import annotations
@@ -23,9 +26,17 @@ from __future__ import annotations
 from collections import Counter
 
 from jaxpod.config.efficientnet_specs import norm_groups
+from jaxpod.config.schema import STEPWISE
 from jaxpod.planner.tiles import Tile, group_elements, image_elements
 
 F32 = 4
+
+
+def width_minor_read(cfg) -> bool:
+    """Whether `cfg` is the case the width-minor layout was read on: EfficientNet-B4 G16
+    under a stepwise schedule (b0's programs keep the group's channels minor)."""
+    model = cfg.model
+    return model.variant == "b4" and model.g16 and cfg.train.pipeline_schedule in STEPWISE
 
 
 def width_minor_elements(tile: Tile, hw: int, channels: int, groups: int) -> int:

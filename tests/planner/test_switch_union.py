@@ -1,22 +1,31 @@
 """The switch's saved values pipelined without remat (`jaxpod.planner.switch_union`): the
 pieces' typed values are what `"saved"` counts, the branches' values of one type are held
 once (jax merges them), and the stem's stage's group-shaped values are priced width-minor on
-a TPU profile."""
+a TPU profile where that layout was read."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from jaxpod.config import load_config
+from jaxpod.planner.activations import activation_bytes
 from jaxpod.planner.efficientnet_pieces import F32, pieces
 from jaxpod.planner.profiles import get_profile
-from jaxpod.planner.switch_union import union_saved, width_minor_elements
+from jaxpod.planner.switch_union import union_saved, width_minor_elements, width_minor_read
 from jaxpod.planner.tiles import Tile, group_elements
 
 PRESET = Path(__file__).parents[2] / "configs" / "efficientnet_b4_g16_tpu_v5e16.yaml"
 PROBE = ("devices=4", "mesh.replica=2", "model.block_groups=3", "model.pipeline_splits=[3a]")
 PROBE += ("model.image_size=190", "train.micro_batch=2", "train.grad_accum=4")
 PROBE += ("train.batch_parts=1", "model.remat=none")
+POD = Path(__file__).parents[2] / "configs" / "efficientnet_b4_g16_pod16.yaml"
+B0_PROBE = ("devices=8", "mesh.replica=4", "mesh.pipeline=2", "model.variant=b0")
+B0_PROBE += ("model.num_classes=100", "train.batch_parts=1", "model.g16=false")
+B0_PROBE += ("model.image_size=128", "train.micro_batch=2", "train.grad_accum=2")
+B0_PROBE += ("model.remat=none", "train.pipeline_schedule=gpipe", "precision.params=float32")
+B0_PROBE += ("precision.compute=float32", "precision.master=float32")
+B0_PROBE += ("precision.loss_scale=none",)
 
 
 def _probe():
@@ -68,3 +77,17 @@ def test_tpu_prices_only_the_stem_stage_width_minor():
     )
     narrow = union_saved([stem], mb, 2, tile, groups, False)
     assert union_saved([stem], mb, 2, tile, groups, True) < narrow / 2
+
+
+def test_width_minor_applies_where_it_was_read_only():
+    """B4 G16 under 1F1B is priced width-minor; under GPipe, with depthwise convs, and
+    probe-f32's b0 mapping (channels-minor in its program) are not: its plan on `tpu-v5p`
+    is the plan without the property."""
+    assert width_minor_read(_probe())
+    assert not width_minor_read(load_config(PRESET, PROBE + ("train.pipeline_schedule=gpipe",)))
+    assert not width_minor_read(load_config(PRESET, PROBE + ("model.g16=false",)))
+    b0 = load_config(POD, B0_PROBE)
+    assert not width_minor_read(b0)
+    v5p = get_profile("tpu-v5p")
+    without = dataclasses.replace(v5p, stem_groups_width_minor=False)
+    assert activation_bytes(b0, v5p) == activation_bytes(b0, without)

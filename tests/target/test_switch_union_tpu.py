@@ -24,7 +24,7 @@ from jaxpod.planner.bytes import device_bytes
 from jaxpod.planner.counts import param_layout
 from jaxpod.planner.efficientnet_pieces import pieces
 from jaxpod.planner.profiles import get_profile
-from jaxpod.planner.switch_union import width_minor_elements
+from jaxpod.planner.switch_union import width_minor_elements, width_minor_read
 from jaxpod.planner.tiles import group_elements
 from jaxpod.target.buffers import device_memory_bytes
 from jaxpod.target.hlo_text import parse, shape_bytes, split_tuple
@@ -101,6 +101,7 @@ def test_the_plan_is_within_10_percent_with_the_property_only(program):
     """Planned over XLA:TPU's HBM bytes (the memory spaces but VMEM and SMEM): within 10 %
     with the stem's stage's values width-minor, above 1.5 without."""
     cfg, _, hbm = program
+    assert width_minor_read(cfg)
     without = dataclasses.replace(PROFILE, stem_groups_width_minor=False)
     assert 0.9 < _planned(cfg, PROFILE) / hbm < 1.1
     assert _planned(cfg, without) / hbm > 1.5
