@@ -167,11 +167,13 @@ def _switch_union(
     every branch returns the union of all branches' residuals (zeros for the stages not
     taken), live through the backward ticks: per type the most values any stage saves
     (`union_saved`; `wide_groups`: the stem's stage's group-shaped ones laid out
-    width-minor) and every stage's weights (the unpacked leaves, in the params dtype).
+    width-minor, priced so where that was read, `width_minor_read`) and every stage's
+    weights (the unpacked leaves, in the params dtype).
     Beside them the stage's own backward: the stem's stage its data gradients, another its
     last piece's starting backward."""
     mb = cfg.train.micro_batch
-    union = union_saved(stages, mb, act, tile, cfg.model.norm_groups, wide_groups)
+    wide = wide_groups and width_minor_read(cfg)
+    union = union_saved(stages, mb, act, tile, cfg.model.norm_groups, wide)
     union += sum(params) * pb
     stage_work = 0
     for st in stages:
@@ -235,15 +237,13 @@ def activation_bytes(
     device's array tile, the pieces' values padded to it (`DeviceProfile.tile`);
     `grouped_copies`: the device holds grouped convs' copies in their tiled layout
     (`DeviceProfile.grouped_conv_copies`); `wide_groups`: the stem's stage's saved
-    group-shaped values are laid out width-minor (`DeviceProfile.stem_groups_width_minor`),
-    priced so where that was read (`width_minor_read`)."""
+    group-shaped values are laid out width-minor (`DeviceProfile.stem_groups_width_minor`)."""
     stages = pieces(cfg, cb, act, tile)
     S = cfg.mesh.pipeline
     ticks, carries = _schedule_carries(cfg, cfg.train.micro_batch * carry_size(stages) * F32)
     if S > 1 and cfg.model.remat == "none":
         params = stage_params or [row_elements] * S
-        wide = wide_groups and width_minor_read(cfg)
-        stage_work = _switch_union(cfg, stages, cb, act, params, param_bytes, tile, wide)
+        stage_work = _switch_union(cfg, stages, cb, act, params, param_bytes, tile, wide_groups)
         # the gradient row, accumulated beside the backward
         grad_rows = RUNNING_SUM_ROWS * (row_elements * grad_bytes)
     else:
