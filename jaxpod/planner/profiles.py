@@ -103,7 +103,7 @@ class DeviceProfile:
     grouped_conv_copies: bool = False
     # pipelined without remat, the GroupNorm values the stem's stage saves, float32
     # `[mb, H, W, G, C/G]`, are laid out width-minor: W padded to the lanes, not the group's
-    # channels (XLA:TPU, read on EfficientNet-B4 G16 under 1F1B only;
+    # channels (XLA:TPU, read on EfficientNet-B4 G16 only;
     # `jaxpod.planner.switch_union.width_minor_read`)
     stem_groups_width_minor: bool = False
 

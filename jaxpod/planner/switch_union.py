@@ -11,14 +11,14 @@ them: per ConvNorm two float32 group-shaped values `[mb, H, W, G, C/G]`, one flo
 one to four of the compute dtype `[mb, H, W, C]`.
 
 XLA:TPU lays out the stem's stage's group-shaped values width-minor in EfficientNet-B4 G16
-under 1F1B: W takes the lanes and the second-minor dimension is H or C/G, whichever the rows
-pad less (`{2,1,4,3,0}` or `{2,4,3,1,0}`; probes at 190, 128 and 96 pixels); the other
-stage's keep the group's channels minor, as the tile's arithmetic pads them
-(`group_elements`). EfficientNet-b0 keeps both stages' channels-minor, under GPipe and 1F1B,
-G16 or depthwise, float32 or bfloat16, at 128 and 96 pixels (v5p 2x2x2). What separates
-them is not read (variant, cut or mesh), so the property applies where it was read only
-(`width_minor_read`). `DeviceProfile.stem_groups_width_minor`; tests/target/
-test_switch_union_tpu.py and test_switch_union_b0_tpu.py find both in compiled steps.
+(cut to three block groups, v5e 2x2; 1F1B at 190, 128 and 96 pixels, GPipe at 128): W takes
+the lanes and the second-minor dimension is H or C/G, whichever the rows pad less
+(`{2,1,4,3,0}` or `{2,4,3,1,0}`); the other stage's keep the group's channels minor, as the
+tile's arithmetic pads them (`group_elements`). EfficientNet-b0 on v5p 2x2x2 keeps both
+stages' channels-minor (GPipe and 1F1B, G16 or depthwise, float32 or bfloat16, 128 and 96
+pixels); b0 in B4's cut on v5e mixes the two. What decides it is not read, so the property
+applies to B4 G16 only (`width_minor_read`). `DeviceProfile.stem_groups_width_minor`;
+tests/target/test_switch_union_tpu.py and test_switch_union_b0_tpu.py find both.
 """
 
 from __future__ import annotations
@@ -26,17 +26,16 @@ from __future__ import annotations
 from collections import Counter
 
 from jaxpod.config.efficientnet_specs import norm_groups
-from jaxpod.config.schema import STEPWISE
 from jaxpod.planner.tiles import Tile, group_elements, image_elements
 
 F32 = 4
 
 
 def width_minor_read(cfg) -> bool:
-    """Whether `cfg` is the case the width-minor layout was read on: EfficientNet-B4 G16
-    under a stepwise schedule (b0's programs keep the group's channels minor)."""
+    """Whether `cfg` is the case the width-minor layout was read on: EfficientNet-B4 G16,
+    under 1F1B and GPipe (b0's programs keep the group's channels minor, or mix the two)."""
     model = cfg.model
-    return model.variant == "b4" and model.g16 and cfg.train.pipeline_schedule in STEPWISE
+    return model.variant == "b4" and model.g16
 
 
 def width_minor_elements(tile: Tile, hw: int, channels: int, groups: int) -> int:

@@ -80,11 +80,11 @@ def test_tpu_prices_only_the_stem_stage_width_minor():
 
 
 def test_width_minor_applies_where_it_was_read_only():
-    """B4 G16 under 1F1B is priced width-minor; under GPipe, with depthwise convs, and
-    probe-f32's b0 mapping (channels-minor in its program) are not: its plan on `tpu-v5p`
+    """B4 G16 is priced width-minor under 1F1B and GPipe; with depthwise convs and in
+    probe-f32's b0 mapping (channels-minor in its program) it is not: its plan on `tpu-v5p`
     is the plan without the property."""
     assert width_minor_read(_probe())
-    assert not width_minor_read(load_config(PRESET, PROBE + ("train.pipeline_schedule=gpipe",)))
+    assert width_minor_read(load_config(PRESET, PROBE + ("train.pipeline_schedule=gpipe",)))
     assert not width_minor_read(load_config(PRESET, PROBE + ("model.g16=false",)))
     b0 = load_config(POD, B0_PROBE)
     assert not width_minor_read(b0)
