@@ -13,6 +13,7 @@ option of this compile only).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import tempfile
 from pathlib import Path
@@ -40,12 +41,30 @@ def device_memory_bytes(spaces: dict[str, int]) -> int:
     return sum(n for name, n in spaces.items() if name not in (*ON_CHIP, *HOST))
 
 
+@contextlib.contextmanager
+def uncached():
+    """jax's persistent compilation cache off for the compiles inside: a program read from
+    it is not compiled, so nothing is dumped (its key leaves out the dump options), and an
+    executable for compile-only devices cannot be loaded from it."""
+    from jax._src import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
+
+
 def compile_with_spaces(
     lowered: jax.stages.Lowered, options: dict
 ) -> tuple[jax.stages.Compiled, dict[str, int]]:
-    """`lowered` compiled with `options`, and its bytes per memory space (`memory_spaces`;
-    empty where the backend writes no such report, as XLA:CPU)."""
-    with tempfile.TemporaryDirectory(prefix="jaxpod-xla-dump-") as folder:
+    """`lowered` compiled with `options` (never served by jax's persistent cache: `uncached`),
+    and its bytes per memory space (`memory_spaces`; empty where the backend writes no such
+    report, as XLA:CPU)."""
+    with tempfile.TemporaryDirectory(prefix="jaxpod-xla-dump-") as folder, uncached():
         compiled = lowered.compile(
             compiler_options={**options, **DUMP_OPTIONS, "xla_dump_to": folder}
         )

@@ -5,7 +5,6 @@ target (no TPU attached)."""
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import tempfile
 from pathlib import Path
@@ -22,23 +21,6 @@ class Dumped(NamedTuple):
     spaces: dict  # bytes per memory space (`jaxpod.target.buffers.memory_spaces`; {} on CPU)
 
 
-@contextlib.contextmanager
-def _uncached():
-    """jax's persistent compilation cache off (its key leaves out the dump options), and
-    jax made to look again at whether it is used, before and after."""
-    import jax
-    from jax._src import compilation_cache
-
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
-        compilation_cache.reset_cache()
-
-
 def dumped_program(
     cfg, mesh, options: dict | None = None, updating: bool = True, device_only: bool = False
 ) -> Dumped:
@@ -47,7 +29,7 @@ def dumped_program(
     assignment, live ranges (`device_only`: of the default memory space's temporaries) and
     memory spaces are read."""
     from jaxpod.inspect.compile import abstract_inputs
-    from jaxpod.target.buffers import DUMP_OPTIONS, memory_spaces
+    from jaxpod.target.buffers import DUMP_OPTIONS, memory_spaces, uncached
     from jaxpod.target.live_ranges import temporaries
 
     engine, state, batch = abstract_inputs(cfg, mesh)
@@ -55,7 +37,7 @@ def dumped_program(
     lowered = engine.train_step.lower(*arguments)
     with tempfile.TemporaryDirectory(prefix="jaxpod-dump-") as dump:
         dumped = {**(options or {}), **DUMP_OPTIONS, "xla_dump_to": dump}
-        with _uncached():  # a program read from the cache is not compiled: nothing is dumped
+        with uncached():  # a program read from the cache is not compiled: nothing is dumped
             compiled = lowered.compile(compiler_options=dumped)
         reports = glob.glob(f"{dump}/*jit_train_step*memory-usage-report.txt")
         spaces = memory_spaces(Path(reports[0]).read_text()) if reports else {}
