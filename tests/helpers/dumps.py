@@ -111,3 +111,17 @@ def planned_over_xla(cfg, compiled, profile) -> float:
     planned = device_bytes(cfg, param_layout(cfg), activation_bytes(cfg, profile), profile)
     memory = compiled.memory_analysis()
     return planned["device_total"] / (memory.argument_size_in_bytes + memory.temp_size_in_bytes)
+
+
+def switch_saved(cfg, mesh: tuple[int, int, int], target: str) -> tuple[list[str], int]:
+    """`(element types of the largest `conditional`'s result, XLA's HBM total)` of `cfg`'s
+    step compiled for `target` on `mesh`: the values a pipelined step's stage `lax.switch`
+    saves for its backward."""
+    from jaxpod.target.buffers import device_memory_bytes
+    from jaxpod.target.hlo_text import parse, split_tuple
+
+    dumped = dumped_program(cfg, tpu_mesh(mesh, target), device_only=True)
+    module = parse(dumped.compiled.as_text())
+    conds = [i for i in module.instructions.values() if i.opcode == "conditional"]
+    saved = max((split_tuple(i.type) for i in conds), key=len)
+    return saved, device_memory_bytes(dumped.spaces)

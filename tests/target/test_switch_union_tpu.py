@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers.dumps import dumped_program, tpu_mesh
+from helpers.dumps import switch_saved
 
 from jaxpod.config import load_config
 from jaxpod.planner.activations import activation_bytes
@@ -26,8 +26,7 @@ from jaxpod.planner.efficientnet_pieces import pieces
 from jaxpod.planner.profiles import get_profile
 from jaxpod.planner.switch_union import width_minor_elements, width_minor_read
 from jaxpod.planner.tiles import group_elements
-from jaxpod.target.buffers import device_memory_bytes
-from jaxpod.target.hlo_text import parse, shape_bytes, split_tuple
+from jaxpod.target.hlo_text import shape_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -43,11 +42,8 @@ GROUPED = re.compile(r"f32\[2,(\d+),\1,4,(\d+)\]\{([\d,]+)")
 def program():
     """`(cfg, the element shapes of the switch's saved values, XLA's HBM total)`."""
     cfg = load_config(PRESET, PROBE)
-    dumped = dumped_program(cfg, tpu_mesh((2, 2, 1), "tpu-v5e:2x2"), device_only=True)
-    module = parse(dumped.compiled.as_text())
-    conds = [i for i in module.instructions.values() if i.opcode == "conditional"]
-    saved = max((split_tuple(i.type) for i in conds), key=len)
-    return cfg, saved, device_memory_bytes(dumped.spaces)
+    saved, hbm = switch_saved(cfg, (2, 2, 1), "tpu-v5e:2x2")
+    return cfg, saved, hbm
 
 
 def _norm_counts(stage: list[dict]) -> dict:
