@@ -131,6 +131,23 @@ def default_image_size(variant: str) -> int:
     return _variant(variant)[2]
 
 
+def shape_options(md) -> dict:
+    """The model config `md`'s fields that shape its blocks (`g16`, `width_mult`,
+    `depth_mult`, `block_groups`), as keywords of `block_specs`, `flops_per_image` and
+    `stage_params`."""
+    return {
+        "g16": md.g16,
+        "width_mult": md.width_mult,
+        "depth_mult": md.depth_mult,
+        "block_groups": md.block_groups,
+    }
+
+
+def model_block_specs(md) -> list[BlockSpec]:
+    """`block_specs` of the model config `md` (its variant and `shape_options`)."""
+    return block_specs(md.variant, **shape_options(md))
+
+
 def block_specs(
     variant: str,
     *,

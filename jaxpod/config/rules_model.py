@@ -5,7 +5,12 @@ from `jaxpod.config.efficientnet_specs`)."""
 import math
 import string
 
-from jaxpod.config.efficientnet_specs import BASE_BLOCK_GROUPS, HEAD_CH, block_specs, coefficients
+from jaxpod.config.efficientnet_specs import (
+    BASE_BLOCK_GROUPS,
+    HEAD_CH,
+    coefficients,
+    model_block_specs,
+)
 from jaxpod.config.fields import fail
 from jaxpod.config.schema import Config
 
@@ -29,13 +34,7 @@ def check_blocks(cfg: Config) -> None:
         )
     if not math.isfinite(width * HEAD_CH):
         fail(f"model.width_mult={width:g} is too large to scale the channels by; use e.g. 2")
-    specs = block_specs(
-        md.variant,
-        g16=md.g16,
-        width_mult=md.width_mult,
-        depth_mult=md.depth_mult,
-        block_groups=md.block_groups,
-    )
+    specs = model_block_specs(md)
     names = [s.name for s in specs]
     splits = list(md.pipeline_splits)
     valid = f"valid block names: {_block_names(names)}"

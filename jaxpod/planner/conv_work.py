@@ -23,7 +23,7 @@ from jaxpod.config import Config
 from jaxpod.config.efficientnet_specs import (
     IMAGE_CH,
     BlockSpec,
-    block_specs,
+    model_block_specs,
     split_specs,
     stem_head_channels,
 )
@@ -69,7 +69,7 @@ def pieces_work(cfg: Config, act: int) -> list[dict]:
     """Every piece's forward per image, in model order: `{"name", "matmuls": [(FLOPs,
     depth)], "depthwise": FLOPs done as memory-bound work, "memory": bytes}`; `act`: bytes
     of an activation in the compute dtype."""
-    md, specs = cfg.model, _specs(cfg)
+    md, specs = cfg.model, model_block_specs(cfg.model)
     stem_ch, head_ch = stem_head_channels(md.variant, width_mult=md.width_mult)
     hw = _size(md.image_size, 2)
     stem_mem = (NORM_PASSES + SWISH_PASSES) * act * hw * hw * stem_ch
@@ -89,24 +89,14 @@ def stages_work(cfg: Config, act: int, splits: tuple[str, ...] | None = None) ->
     `model.pipeline_splits`): the stem in the first, the head in the last."""
     work = pieces_work(cfg, act)
     blocks = work[1:-1]
-    cut = split_specs(_specs(cfg), cfg.model.pipeline_splits if splits is None else splits)
+    splits = cfg.model.pipeline_splits if splits is None else splits
+    cut = split_specs(model_block_specs(cfg.model), splits)
     out, i = [], 0
     for k, run in enumerate(cut):
         stage = ([work[0]] if k == 0 else []) + blocks[i : i + len(run)]
         out.append(stage + ([work[-1]] if k == len(cut) - 1 else []))
         i += len(run)
     return out
-
-
-def _specs(cfg: Config) -> list[BlockSpec]:
-    md = cfg.model
-    return block_specs(
-        md.variant,
-        g16=md.g16,
-        width_mult=md.width_mult,
-        depth_mult=md.depth_mult,
-        block_groups=md.block_groups,
-    )
 
 
 def balanced_splits(costs: list[float], names: list[str], stages: int) -> tuple[str, ...] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from jaxpod.config import Config, ModelConfig
-from jaxpod.config.efficientnet_specs import flops_per_image, stage_params
+from jaxpod.config.efficientnet_specs import flops_per_image, shape_options, stage_params
 
 
 def efficientnet_stage_params(cfg: Config) -> list[int]:
@@ -21,10 +21,7 @@ def efficientnet_stage_params(cfg: Config) -> list[int]:
         md.variant,
         splits=md.pipeline_splits,
         num_classes=md.num_classes,
-        g16=md.g16,
-        width_mult=md.width_mult,
-        depth_mult=md.depth_mult,
-        block_groups=md.block_groups,
+        **shape_options(md),
     )
 
 
@@ -102,10 +99,7 @@ def flops_per_example(cfg: Config) -> int:
             md.variant,
             md.image_size,
             md.num_classes,
-            g16=md.g16,
-            width_mult=md.width_mult,
-            depth_mult=md.depth_mult,
-            block_groups=md.block_groups,
+            **shape_options(md),
         )
     matmul = md.layers * layer_matmul_params(md) + md.vocab * md.d_model
     return 2 * matmul + 4 * md.layers * md.seq_len * md.d_model

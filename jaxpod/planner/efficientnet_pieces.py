@@ -17,7 +17,7 @@ from jaxpod.config import Config
 from jaxpod.config.efficientnet_specs import (
     IMAGE_CH,
     BlockSpec,
-    block_specs,
+    model_block_specs,
     norm_groups,
     split_specs,
     stem_head_channels,
@@ -256,13 +256,7 @@ def pieces(
     `tile`: the device's array tile (`DeviceProfile.tile`), which the byte terms are padded
     to ("in" and "out" stay logical: the carry is a flat `[mb, A]` row)."""
     md = cfg.model
-    specs = block_specs(
-        md.variant,
-        g16=md.g16,
-        width_mult=md.width_mult,
-        depth_mult=md.depth_mult,
-        block_groups=md.block_groups,
-    )
+    specs = model_block_specs(md)
     sz = _Sizes(tile, md.norm_groups)
     hw, blocks = _size(md.image_size, 2), []
     for s in specs:
